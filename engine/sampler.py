@@ -1,0 +1,47 @@
+"""Turns logits into next tokens: greedy, temperature, top-k, top-p, and per-request seeds.
+
+Sampling uses the exponential race (argmax of p / q with q ~ Exp(1)), which draws exactly one
+random number per vocabulary entry per row: a seeded request gets its own generator and so the same
+output whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sequence import Sequence
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+    cut = ranks >= k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    cum = probs.cumsum(dim=-1) - probs  # mass strictly before each token: the first token always stays
+    cut |= cum >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator | None = None) -> list[int]:
+    """logits: [B, vocab] float32, one row per sequence in `seqs`."""
+    temps = [s.sampling.temperature for s in seqs]
+    greedy = logits.argmax(dim=-1)
+    if all(t == 0 for t in temps):
+        return greedy.tolist()
+    device = logits.device
+    t = torch.tensor([max(x, 1e-5) for x in temps], device=device)
+    scaled = logits / t[:, None]
+    top_k = torch.tensor([s.sampling.top_k for s in seqs], device=device)
+    top_p = torch.tensor([s.sampling.top_p for s in seqs], device=device, dtype=torch.float32)
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    for i, s in enumerate(seqs):
+        noise[i].exponential_(generator=s.generator if s.generator is not None else generator)
+    sampled = (probs / noise).argmax(dim=-1)
+    is_greedy = torch.tensor([x == 0 for x in temps], device=device)
+    return torch.where(is_greedy, greedy, sampled).tolist()

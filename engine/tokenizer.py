@@ -1,0 +1,166 @@
+"""Tokenizer and chat template, both taken from the model itself.
+
+Safety rule: text a user sends is always encoded as plain text. A message containing the string
+`<|im_end|>` must not become the control token, or a user could close their own turn and write the
+assistant's. Only the chat template inserts control tokens. We render the template with a unique
+placeholder for each message's content, then encode the template's own text with special-token
+matching and the user's text with it switched off.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+from .loader import LoadedModel
+
+# llama.cpp's pre-tokenizer names for byte-level BPE vocabularies, mapped to their split regexes.
+_GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_QWEN2_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+CONTROL_TOKEN_TYPES = {3, 4}  # llama.cpp token types: 3 control, 4 user-defined
+
+
+def _split(regex: str) -> Any:
+    from tokenizers import Regex
+
+    return pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False)
+
+
+def _tokenizer_from_gguf(fields: dict[str, Any]) -> HFTokenizer:
+    if fields.get("model") != "gpt2":
+        raise ValueError(
+            f"GGUF tokenizer model {fields.get('model')!r} is not supported; byte-level BPE ('gpt2') is. "
+            "Point `model` at the Hugging Face folder of this model instead (it carries tokenizer.json).")
+    tokens: list[str] = list(fields["tokens"])
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in fields["merges"]]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    pre = fields.get("pre") or "gpt2"
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre == "smollm":
+        splits = [pre_tokenizers.Digits(individual_digits=True), _split(_GPT2_REGEX)]
+    elif pre in ("llama-bpe", "llama3"):
+        splits = [_split(_LLAMA3_REGEX)]
+    elif pre == "qwen2":
+        splits = [_split(_QWEN2_REGEX)]
+    else:
+        splits = [_split(_GPT2_REGEX)]
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+    tok.decoder = decoders.ByteLevel()
+    types = list(fields.get("token_type") or [])
+    specials = [AddedToken(tokens[i], special=True, normalized=False)
+                for i, t in enumerate(types) if int(t) in CONTROL_TOKEN_TYPES]
+    tok.add_special_tokens(specials)
+    return tok
+
+
+class Tokenizer:
+    """Encode, decode and chat-template rendering. Pure and thread-safe after construction."""
+
+    def __init__(self, model: LoadedModel):
+        if model.tokenizer_json:
+            self._tok = HFTokenizer.from_file(model.tokenizer_json)
+        else:
+            self._tok = _tokenizer_from_gguf(model.gguf_tokenizer)
+        self._plain = self._clone_plain()
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = model.bos_token_id
+        self.eos_token_ids = list(model.eos_token_ids)
+        self.bos_token = self._tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        self.eos_token = self._tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _raise_template_error
+        self._template = env.from_string(model.chat_template) if model.chat_template else None
+
+    def _clone_plain(self) -> HFTokenizer:
+        plain = HFTokenizer.from_str(self._tok.to_str())
+        plain.encode_special_tokens = True  # special-token strings in user text stay plain text
+        return plain
+
+    # -- encoding --------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Plain text, never control tokens (for user-supplied text)."""
+        if not text:
+            return []
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def _encode_trusted(self, text: str) -> list[int]:
+        if not text:
+            return []
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id) or ""
+
+    # -- chat ------------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        if self._template is None:
+            # No template in the model: a plain "role: content" transcript.
+            text_parts: list[tuple[str, bool]] = []
+            for m in messages:
+                text_parts += [(f"{m['role']}: ", True), (str(m.get("content") or ""), False), ("\n", True)]
+            if add_generation_prompt:
+                text_parts.append(("assistant: ", True))
+            return [t for part, trusted in text_parts for t in (self._encode_trusted(part) if trusted else self.encode(part))]
+
+        marker = f"\x00{secrets.token_hex(8)}:"
+        placeholders: dict[str, str] = {}
+        safe_messages = []
+        for i, m in enumerate(messages):
+            key = f"{marker}{i}\x00"
+            placeholders[key] = str(m.get("content") or "")
+            safe_messages.append({**m, "content": key})
+        rendered = self._template.render(
+            messages=safe_messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token, eos_token=self.eos_token)
+        ids: list[int] = []
+        rest = rendered
+        while rest:
+            pos = rest.find(marker)
+            if pos < 0:
+                ids += self._encode_trusted(rest)
+                break
+            end = rest.index("\x00", pos + len(marker)) + 1
+            ids += self._encode_trusted(rest[:pos])
+            ids += self.encode(placeholders[rest[pos:end]])
+            rest = rest[end:]
+        return ids
+
+
+def _raise_template_error(message: str) -> None:
+    raise ValueError(f"chat template: {message}")
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without broken UTF-8 or lost spaces.
+
+    Decodes a short window of recent tokens twice (with and without the newest ones) and emits the
+    difference, holding back while the tail is an incomplete UTF-8 sequence (U+FFFD), as vLLM does.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, context_ids: list[int]):
+        self._tok = tokenizer
+        self.ids = list(context_ids)
+        self._read = len(self.ids)
+        self._prefix = max(0, self._read - 6)
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix_text = self._tok.decode(self.ids[self._prefix:self._read])
+        full_text = self._tok.decode(self.ids[self._prefix:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            delta = full_text[len(prefix_text):]
+            self._prefix, self._read = self._read, len(self.ids)
+            return delta
+        return ""

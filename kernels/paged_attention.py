@@ -1,0 +1,90 @@
+"""Attention over a paged KV cache: the torch reference path (used on CPU, and to check the Triton kernels).
+
+The cache of one layer is `[num_slots, kv_heads, head_dim]`, where slot = block * block_size + offset.
+Sequences are ordered decodes first (one query token each), then prefill/extend chunks; a chunk
+attends causally to itself and to everything already cached for its sequence (prefix-cache hits and
+earlier chunks), which is what chunked prefill and prefix caching need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: the cache slot each new token's K/V is written to
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [S] int32: context length after this step's tokens
+    query_start_loc: torch.Tensor  # [S + 1] int32: offsets of each sequence's tokens in the flat batch
+    num_decodes: int  # the first num_decodes sequences have exactly one query token
+    block_size: int
+    # Host-side copies so the torch path never synchronises on a device tensor.
+    query_lens_host: list[int] = field(default_factory=list)
+    seq_lens_host: list[int] = field(default_factory=list)
+    max_decode_len: int = 0
+    _decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None
+    _prefill_gather: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot indices [Nd, Lmax] and validity mask [Nd, 1, 1, Lmax] for the decode sequences (built once per step)."""
+        if self._decode_gather is None:
+            nd, lmax = self.num_decodes, self.max_decode_len
+            nblocks = (lmax + self.block_size - 1) // self.block_size
+            offs = torch.arange(self.block_size, device=self.block_tables.device)
+            slots = (self.block_tables[:nd, :nblocks].long()[:, :, None] * self.block_size + offs).reshape(nd, -1)[:, :lmax]
+            pos = torch.arange(lmax, device=slots.device)
+            mask = pos[None, :] < self.seq_lens[:nd, None]
+            slots = torch.where(mask, slots, torch.zeros_like(slots))
+            self._decode_gather = (slots, mask[:, None, None, :])
+        return self._decode_gather
+
+    def context_slots(self, s: int) -> torch.Tensor:
+        if s not in self._prefill_gather:
+            n = self.seq_lens_host[s]
+            nblocks = (n + self.block_size - 1) // self.block_size
+            offs = torch.arange(self.block_size, device=self.block_tables.device)
+            self._prefill_gather[s] = (self.block_tables[s, :nblocks].long()[:, None] * self.block_size + offs).reshape(-1)[:n]
+        return self._prefill_gather[s]
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's new tokens). Writes k/v into the cache, returns [T, H, D]."""
+    write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        slots, mask = meta.decode_gather()
+        kk = k_cache[slots].transpose(1, 2)  # [Nd, Hkv, L, D]
+        vv = v_cache[slots].transpose(1, 2)
+        qq = q[:nd].unsqueeze(2)  # [Nd, H, 1, D]
+        out[:nd] = F.scaled_dot_product_attention(qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=mask,
+                                                  enable_gqa=True).squeeze(2)
+    start = nd
+    for s in range(nd, len(meta.query_lens_host)):
+        qlen, ctx = meta.query_lens_host[s], meta.seq_lens_host[s]
+        qs = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if ctx == qlen:  # nothing cached before this chunk: attend to the new keys directly
+            ks, vs = k[start:start + qlen], v[start:start + qlen]
+            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                                               is_causal=True, enable_gqa=True)
+        else:
+            idx = meta.context_slots(s)
+            ks, vs = k_cache[idx].to(q.dtype), v_cache[idx].to(q.dtype)
+            qpos = torch.arange(ctx - qlen, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                                               attn_mask=mask, enable_gqa=True)
+        out[start:start + qlen] = o.squeeze(0).transpose(0, 1)
+        start += qlen
+    return out
