@@ -58,8 +58,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _aged(self, seq: Sequence, now: float) -> bool:
+        return now - seq.arrival_time > self.config.priority_aging_s
+
     def _rank(self, seq: Sequence, now: float) -> tuple:
-        aged = now - seq.arrival_time > self.config.priority_aging_s
+        aged = self._aged(seq, now)
         return (0, 0, seq.arrival_time, seq.order) if aged else (1, seq.priority, seq.arrival_time, seq.order)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, budget: list[int]) -> None:
@@ -115,7 +118,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq in out.preempted:
                 break  # was just preempted for memory: try again next step
-            weaker = sorted((s for s in self.running if s.priority > seq.priority),
+            # Running sequences this one may preempt: strictly lower priority and not protected by aging.
+            weaker = sorted((s for s in self.running if s.priority > seq.priority and not self._aged(s, now)),
                             key=lambda s: self._rank(s, now))
             if len(self.running) >= self.config.max_running_requests:
                 if not weaker:
@@ -129,7 +133,6 @@ class Scheduler:
             reclaimable = sum(1 for b in hits if self.bm.blocks[b].ref_count == 0)
             while need > self.bm.num_free_blocks - reclaimable and weaker:
                 self._preempt(weaker.pop(), out, budget)
-                n = min(n, budget[0]) if budget[0] > 0 else n
             if need > self.bm.num_free_blocks - reclaimable or n <= 0:
                 break
             self.waiting.pop(0)
@@ -141,4 +144,6 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled[seq] = n
             budget[0] -= n
+        if out.preempted:
+            self.waiting.sort(key=lambda s: self._rank(s, now))
         return out

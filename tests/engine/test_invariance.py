@@ -1,0 +1,97 @@
+"""Greedy outputs do not change with chunked prefill, preemption and recompute, or prefix-cache hits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine import EngineRequest, SamplingParams
+from engine.block_manager import BlockManager
+from engine.scheduler import Scheduler
+
+pytestmark = pytest.mark.model
+
+CONTEXT = ("Sluice is a gateway that serves chat requests from a local engine and sends overflow to remote "
+           "providers. It batches requests continuously, caches shared prompt prefixes, and never loses an "
+           "accepted request. ") * 3
+
+
+@pytest.fixture
+def configured(engine):
+    """Run the shared engine under other scheduling settings and a smaller KV pool, then restore it."""
+    saved = (engine.config, engine.block_manager, engine.scheduler)
+
+    def apply(num_blocks: int | None = None, **changes):
+        engine.config = dataclasses.replace(saved[0], **changes)
+        engine.block_manager = BlockManager(num_blocks or engine.runner.num_blocks, engine.config.block_size,
+                                            engine.config.enable_prefix_caching)
+        engine.scheduler = Scheduler(engine.config, engine.block_manager)
+        return engine
+
+    yield apply
+    engine.config, engine.block_manager, engine.scheduler = saved
+
+
+def requests(engine, tag, n=4, max_tokens=24):
+    qs = ["What is Sluice?", "Does it lose requests?", "What does it cache?", "Where does overflow go?"]
+    return [EngineRequest(f"{tag}{i}", engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": CONTEXT}, {"role": "user", "content": qs[i % len(qs)]}]),
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)) for i in range(n)]
+
+
+def outputs(engine, reqs):
+    res = engine.generate(reqs)
+    return [[t for o in res[r.request_id] for t in o.token_ids] for r in reqs]
+
+
+def assert_same_or_near_tie(engine, reqs, got, want):
+    for r, a, b in zip(reqs, got, want):
+        if a == b:
+            continue
+        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        logits = engine.prompt_logits(r.prompt_token_ids + b[:k])[-1]
+        assert (logits[a[k]] - logits[b[k]]).abs().item() < 1e-3, f"{r.request_id} diverged at {k}: not a near-tie"
+
+
+def test_chunked_prefill_does_not_change_outputs(configured):
+    engine = configured(chunked_prefill_size=0, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    base = outputs(engine, requests(engine, "a"))
+    engine = configured(chunked_prefill_size=32, max_num_batched_tokens=64, enable_prefix_caching=False)
+    reqs = requests(engine, "b")
+    chunked = outputs(engine, reqs)
+    assert engine.stats.steps > 0
+    assert_same_or_near_tie(engine, reqs, chunked, base)
+
+
+def test_preemption_and_recompute_do_not_change_outputs(configured):
+    engine = configured(enable_prefix_caching=False)
+    reqs = requests(engine, "c")
+    base = outputs(engine, reqs)
+    prompt_len = len(reqs[0].prompt_token_ids)
+    # Room for three prompts and a little more: three are admitted, and as they grow one is preempted
+    # and recomputed later.
+    engine = configured(num_blocks=3 * prompt_len // 16 + 3, enable_prefix_caching=False)
+    before = engine.scheduler.num_preemptions
+    reqs = requests(engine, "d")
+    got = outputs(engine, reqs)
+    assert engine.scheduler.num_preemptions > before
+    assert_same_or_near_tie(engine, reqs, got, base)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_prefix_cache_hits_do_not_change_outputs_and_skip_prefill(configured):
+    engine = configured(enable_prefix_caching=False)
+    base = outputs(engine, requests(engine, "e"))
+    engine = configured(enable_prefix_caching=True)
+    reqs = requests(engine, "f")
+    first = outputs(engine, reqs[:1])
+    prefill_before = engine.stats.prefill_tokens
+    res = engine.generate(reqs[1:])
+    rest = [[t for o in res[r.request_id] for t in o.token_ids] for r in reqs[1:]]
+    computed = engine.stats.prefill_tokens - prefill_before
+    cached = [res[r.request_id][-1].cached_tokens for r in reqs[1:]]
+    prompt_total = sum(len(r.prompt_token_ids) for r in reqs[1:])
+    assert all(c >= len(engine.tokenizer.encode(CONTEXT)) - 32 for c in cached), cached
+    assert computed == prompt_total - sum(cached)  # cached tokens were not prefilled again
+    assert_same_or_near_tie(engine, reqs, first + rest, base)
