@@ -196,6 +196,8 @@ def _load_hf_folder(path: Path) -> LoadedModel:
     if arch not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
         raise ValueError(f"{path}: architecture {arch} is not a Llama-family model this engine runs")
     n_heads = cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or {}  # transformers >= 5 nests RoPE settings here
+    rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     args = ModelArgs(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -204,12 +206,12 @@ def _load_hf_folder(path: Path) -> LoadedModel:
         num_kv_heads=cfg.get("num_key_value_heads", n_heads),
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
         intermediate_size=cfg["intermediate_size"],
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_scaling=rope_scaling,
     )
     weights: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
