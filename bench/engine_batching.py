@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--min-out", type=int, default=8)
     ap.add_argument("--max-out", type=int, default=256)
-    ap.add_argument("--weight-quant", default="none")
+    ap.add_argument("--weight-dtype", default="auto")
     a = ap.parse_args(argv)
-    engine = LLMEngine(EngineConfig(max_running_requests=a.batch, kv_cache_tokens=65536, weight_quant=a.weight_quant,
+    engine = LLMEngine(EngineConfig(max_running_requests=a.batch, kv_cache_tokens=65536, weight_dtype=a.weight_dtype,
                                     enable_prefix_caching=False))
     work = mixed_workload(a.requests, a.min_out, a.max_out)
     engine.generate(make_requests(engine, work[:2], "warm"))

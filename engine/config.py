@@ -22,8 +22,10 @@ class EngineConfig:
     model: str | None = None
     served_model_name: str | None = None  # the id clients ask for; default: derived from the model
     device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
-    weight_quant: str = "none"  # none | int8 (weight-only, per-channel; cpu decode reads 4x fewer bytes)
+    dtype: str = "auto"  # activations and KV cache; auto: float32 on cpu, bfloat16 on cuda
+    # Weights of the linear layers; auto: bfloat16 (on a CPU this halves the bytes each decode step
+    # reads and runs ~2.5x faster; float32 matches the reference implementation to ~1e-4).
+    weight_dtype: str = "auto"
     seed: int = 0
 
     # Scheduling limits (SGLang names).
@@ -55,7 +57,8 @@ class EngineConfig:
             raise EngineConfigError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}; it is the share of "
                 "the GPU memory that is free after loading the weights that the KV pool may take")
-        if self.weight_quant not in ("none", "int8"):
-            raise EngineConfigError(f"weight_quant must be 'none' or 'int8', got {self.weight_quant!r}")
+        for name in ("dtype", "weight_dtype"):
+            if getattr(self, name) not in ("auto", "float32", "bfloat16", "float16"):
+                raise EngineConfigError(f"{name} must be auto, float32, bfloat16 or float16, got {getattr(self, name)!r}")
         if self.priority_aging_s <= 0:
             raise EngineConfigError("priority_aging_s must be positive")

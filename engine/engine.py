@@ -47,7 +47,7 @@ class LLMEngine:
         self.stats = EngineStats()
         log.info("engine: model %s on %s (%s, weights %s), KV pool %d tokens in %d blocks of %d (%.1f MiB), "
                  "max_running_requests %d, loaded in %.1fs", self.model_name, self.runner.device,
-                 str(self.runner.dtype).removeprefix("torch."), config.weight_quant, self.capacity_tokens,
+                 str(self.runner.dtype).removeprefix("torch."), str(self.runner.weight_dtype).removeprefix("torch."), self.capacity_tokens,
                  self.runner.num_blocks, config.block_size,
                  self.capacity_tokens * self.runner.kv_bytes_per_token / 2**20,
                  config.max_running_requests, time.perf_counter() - t0)

@@ -52,27 +52,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-class Linear(nn.Module):
-    """A weight-only linear layer: plain, or int8 per-output-channel (4x fewer bytes read per decode)."""
+class Linear:
+    """y = x W^T (+ b), with W stored in its own dtype (bf16 halves the bytes a CPU decode step reads);
+    the activations stay in the model's dtype, so the residual stream and the norms keep full precision."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: str):
-        super().__init__()
-        self.quant = quant
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: torch.dtype):
+        self.weight = weight.to(weight_dtype).contiguous()
         self.bias = bias
-        if quant == "int8":
-            w = weight.float()
-            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-            self.weight = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8).contiguous()
-            self.scale = scale.to(weight.dtype)
-        else:
-            self.weight = weight.contiguous()
-            self.scale = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scale is not None:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
-        else:
-            y = F.linear(x, self.weight)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         return y + self.bias if self.bias is not None else y
 
 
@@ -88,9 +77,10 @@ class LayerWeights:
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, quant: str = "none"):
+                 device: torch.device, weight_dtype: torch.dtype | None = None):
         super().__init__()
         self.args = args
+        wdt = weight_dtype or dtype
         self.dtype = dtype
 
         def w(name: str) -> torch.Tensor:
@@ -99,7 +89,8 @@ class LlamaModel(nn.Module):
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         lm_head = self.embed if args.tie_word_embeddings else w("lm_head.weight")
-        self.lm_head = Linear(lm_head, None, quant)
+        # The output layer keeps the model's dtype: bf16 logits would turn near-ties into greedy flips.
+        self.lm_head = Linear(lm_head, None, dtype)
         self.layers: list[LayerWeights] = []
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
@@ -110,10 +101,10 @@ class LlamaModel(nn.Module):
             self.layers.append(LayerWeights(
                 attn_norm=w(p + "input_layernorm.weight"),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                qkv=Linear(qkv, qkv_bias, quant),
-                o=Linear(w(p + "self_attn.o_proj.weight"), None, quant),
-                gate_up=Linear(gate_up, None, quant),
-                down=Linear(w(p + "mlp.down_proj.weight"), None, quant),
+                qkv=Linear(qkv, qkv_bias, wdt),
+                o=Linear(w(p + "self_attn.o_proj.weight"), None, wdt),
+                gate_up=Linear(gate_up, None, wdt),
+                down=Linear(w(p + "mlp.down_proj.weight"), None, wdt),
             ))
         self.cos, self.sin = rope_tables(args, device)
 

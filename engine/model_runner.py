@@ -23,10 +23,19 @@ def pick_device(config: EngineConfig) -> torch.device:
     return torch.device(config.device)
 
 
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[config.dtype]
+    return _DTYPES[config.dtype]
+
+
+def pick_weight_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    if config.weight_dtype == "auto":
+        return torch.bfloat16
+    return _DTYPES[config.weight_dtype]
 
 
 class ModelRunner:
@@ -35,7 +44,8 @@ class ModelRunner:
         self.device = pick_device(config)
         self.dtype = pick_dtype(config, self.device)
         args = loaded.args
-        self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, quant=config.weight_quant)
+        self.weight_dtype = pick_weight_dtype(config, self.dtype)
+        self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, self.weight_dtype)
         self.block_size = config.block_size
         kv_bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * torch.finfo(self.dtype).bits // 8
         if num_blocks is None:

@@ -56,7 +56,7 @@ TOKENIZER_TEXTS = [
 
 def _engine(model: str | None) -> LLMEngine:
     # CPU float32 even on a GPU machine: the point is rounding-level agreement, not bf16 agreement.
-    return LLMEngine(EngineConfig(model=model, kv_cache_tokens=8192, device="cpu", dtype="float32"))
+    return LLMEngine(EngineConfig(model=model, kv_cache_tokens=8192, device="cpu", dtype="float32", weight_dtype="float32"))
 
 
 def _ids(encoded) -> list[int]:
@@ -185,6 +185,18 @@ def test_gguf_logits_match_transformers(gguf_engine, prompt_ids, ref_logits):
 def test_gguf_greedy_decode_matches_transformers(gguf_engine, prompt_ids, ref_greedy):
     # The decode path (one token per step against the paged cache) against transformers' own cache.
     assert _engine_greedy(gguf_engine, prompt_ids, GREEDY_TOKENS) == ref_greedy
+
+
+def test_default_bf16_weights_stay_close_to_the_reference(prompt_ids, ref_logits):
+    """The serving default keeps linear weights in bf16 (2x faster decode on a CPU); activations, norms
+    and the KV cache stay fp32. Its next-token distribution must stay close to the reference."""
+    fast = LLMEngine(EngineConfig(kv_cache_tokens=8192, device="cpu", dtype="float32", weight_dtype="bfloat16"))
+    ours = fast.prompt_logits(prompt_ids).cpu()
+    p, q = ref_logits.log_softmax(-1), ours.log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    agree = (ours.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+    assert kl.mean().item() < 0.01, f"mean KL {kl.mean().item():.4f}"
+    assert agree >= 0.95, f"top-1 agreement {agree:.2f}"
 
 
 def test_tokenizer_matches_transformers(gguf_engine, hf_tokenizer):
