@@ -1,0 +1,520 @@
+"""The aiohttp application: OpenAI routes on top of a Backend, plus health/readiness/metrics.
+
+`create_app(settings, engine=None)` builds everything; the engine (when not given) loads in the
+background so /health answers at once and /ready turns 200 when the engine and worker run.
+Handlers validate and tokenize, check the context budget, then hand a `GenerationRequest` to the
+backend; every exit path closes the backend stream so a vanished client frees its engine slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.request import SamplingParams
+from gateway.auth import TIER_KEY, make_auth_middleware
+from gateway.backends.base import Backend, ChoiceStream, GenerationRequest
+from gateway.backends.local import LocalBackend
+from gateway.config import Settings
+from gateway.errors import APIError, error_middleware
+from gateway.keys import KeyStore
+from gateway.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    Usage,
+)
+from gateway.queue.base import ErrorOutput, QueueFull, RequestQueue
+from gateway.queue.memory import MemoryQueue
+from gateway.worker import EngineWorker
+
+log = logging.getLogger("sluice.gateway")
+
+STATE: web.AppKey["GatewayState"] = web.AppKey("sluice_state", object)  # type: ignore[arg-type]
+LOADER: web.AppKey[asyncio.Task] = web.AppKey("sluice_loader", asyncio.Task)
+REQUEST_ID: web.RequestKey[str] = web.RequestKey("sluice_request_id", str)
+REQUEST_ID_HEADER = "x-request-id"
+_VALID_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+
+
+@dataclass
+class GatewayState:
+    settings: Settings
+    keys: KeyStore
+    engine: Any = None
+    queue: RequestQueue | None = None
+    worker: EngineWorker | None = None
+    backend: Backend | None = None
+    model_name: str | None = None
+    max_model_len: int = 0
+    load_error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.m_requests = Counter("sluice_requests_total", "HTTP requests", ["endpoint", "status"],
+                                  registry=self.registry)
+        self.m_tokens = Counter("sluice_completion_tokens_total", "Generated tokens", registry=self.registry)
+        self.m_latency = Histogram("sluice_request_seconds", "Request latency", ["endpoint"],
+                                   registry=self.registry)
+        self.m_in_flight = Gauge("sluice_in_flight", "Requests inside the engine", registry=self.registry)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.worker is not None and self.worker.running
+
+
+def request_id(request: web.Request) -> str:
+    rid = request.get(REQUEST_ID)
+    if rid is None:
+        client = request.headers.get(REQUEST_ID_HEADER, "")
+        rid = client if _VALID_REQUEST_ID.match(client) else uuid.uuid4().hex
+        request[REQUEST_ID] = rid
+    return rid
+
+
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[REQUEST_ID_HEADER] = request_id(request)
+
+
+# ---------------------------------------------------------------- engine & worker lifecycle
+
+
+def load_engine(settings: Settings) -> Any:
+    """Build the engine from settings (slow: loads weights). Imports torch, so callers set OMP first."""
+    from pydantic import TypeAdapter
+
+    from engine import EngineConfig, LLMEngine
+
+    config = TypeAdapter(EngineConfig).validate_python(settings.engine_kwargs())
+    return LLMEngine(config)
+
+
+async def _start_engine(app: web.Application) -> None:
+    state = app[STATE]
+    try:
+        if state.engine is None:
+            state.engine = await asyncio.to_thread(load_engine, state.settings)
+        engine = state.engine
+        state.model_name = state.settings.model.served_model_name or engine.model_name
+        state.max_model_len = int(engine.max_model_len)
+        worker = EngineWorker(engine, state.queue, max_batch=state.settings.queue.max_batch)
+        await worker.start()
+        state.worker = worker
+        log.info("engine ready: model=%s max_model_len=%d max_running_requests=%d",
+                 state.model_name, state.max_model_len, worker.capacity)
+    except Exception as e:  # /ready reports it; /health stays up so operators can see why
+        state.load_error = f"{type(e).__name__}: {e}"
+        log.exception("engine failed to start")
+
+
+async def _lifecycle(app: web.Application):
+    state = app[STATE]
+    q = state.settings.queue
+    if state.queue is None:
+        state.queue = MemoryQueue(max_depth=dict(q.max_depth), fill_target=q.fill_target,
+                                  max_wait_ms=q.max_wait_ms, aging_s=q.aging_s)
+    if state.backend is None:
+        state.backend = LocalBackend(state.queue)
+    loader = asyncio.create_task(_start_engine(app))
+    app[LOADER] = loader
+    yield
+    loader.cancel()
+    await asyncio.gather(loader, return_exceptions=True)
+    if state.worker is not None:
+        await state.worker.stop(grace_s=state.settings.server.shutdown_grace_s)
+    await state.queue.close()
+
+
+# ---------------------------------------------------------------- shared handler helpers
+
+
+async def _read_json(request: web.Request, model: type) -> Any:
+    body = await request.read()  # raises 413 beyond client_max_size
+    if not body:
+        raise APIError(400, "Request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"Malformed JSON body: {e}", code="invalid_json") from None
+    return model.model_validate_json(body)
+
+
+def _require_ready(state: GatewayState) -> None:
+    if not state.ready:
+        msg = "The model is still loading." if state.load_error is None else "The engine is not available."
+        raise APIError(503, msg, code="not_ready", retry_after=1)
+
+
+def _check_model(state: GatewayState, model: str) -> None:
+    if model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist. Available: {state.model_name}.",
+                       param="model", code="model_not_found")
+
+
+def _resolve_max_tokens(state: GatewayState, prompt_len: int, requested: int | None,
+                        default: int | None) -> int:
+    limit = state.max_model_len
+    if prompt_len >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
+                            f"{prompt_len} tokens. Please shorten the prompt.",
+                       param="messages", code="context_length_exceeded")
+    available = limit - prompt_len
+    if requested is None:
+        return available if default is None else min(default, available)
+    if requested > available:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. The prompt has "
+                            f"{prompt_len} tokens, so at most {available} tokens are available for the "
+                            f"completion, but {requested} were requested. Lower max_tokens.",
+                       param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def _tier_priority(state: GatewayState, tier: str) -> int:
+    tiers = state.settings.tiers
+    if tier in tiers:
+        return tiers[tier].priority
+    return max(t.priority for t in tiers.values())
+
+
+def _sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=req.top_k or 0,
+        max_tokens=max_tokens,
+        stop=req.stop_list(),
+        seed=req.seed,
+    )
+
+
+async def _submit(state: GatewayState, gen: GenerationRequest) -> ChoiceStream:
+    assert state.backend is not None
+    try:
+        return await state.backend.submit(gen)
+    except QueueFull as e:
+        raise APIError(503, f"The server is overloaded ({e.tier} queue full); retry shortly.",
+                       type="overloaded_error", code="queue_full", retry_after=e.retry_after) from None
+
+
+def _raise_for_output(out: Any) -> None:
+    """Turn an errored or aborted engine output into an APIError."""
+    if isinstance(out, ErrorOutput):
+        raise APIError(out.error_status, out.error or "engine error", param=out.error_param,
+                       code=out.error_code)
+    if out.finish_reason == "error" or out.error:
+        raise APIError(500, out.error or "engine error", type="server_error", code="engine_error")
+    if out.finish_reason == "abort":
+        raise APIError(503, "The request was aborted (server shutting down).", code="aborted", retry_after=1)
+
+
+@dataclass
+class _ChoiceAcc:
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    started: bool = False
+
+
+def _usage(prompt_len: int, accs: list[_ChoiceAcc]) -> Usage:
+    completion = sum(a.completion_tokens for a in accs)
+    return Usage(prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=max((a.cached_tokens for a in accs),
+                                                                             default=0)))
+
+
+def _accumulate(acc: _ChoiceAcc, out: Any) -> None:
+    acc.completion_tokens = max(acc.completion_tokens, out.completion_tokens)
+    acc.cached_tokens = max(acc.cached_tokens, out.cached_tokens)
+    if out.finished:
+        acc.finish_reason = out.finish_reason
+
+
+async def _collect(stream: ChoiceStream, n: int) -> list[_ChoiceAcc]:
+    accs = [_ChoiceAcc() for _ in range(n)]
+    async with stream:
+        async for ch in stream:
+            _raise_for_output(ch.output)
+            acc = accs[ch.index]
+            if ch.output.text:
+                acc.text.append(ch.output.text)
+            _accumulate(acc, ch.output)
+    return accs
+
+
+def _sse(obj: Any) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+async def _first(stream: ChoiceStream):
+    """The first output, so engine rejections become a real HTTP status before the SSE headers."""
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+    _raise_for_output(first.output)
+    return first
+
+
+async def _stream_sse(request: web.Request, state: GatewayState, stream: ChoiceStream, n: int,
+                      make_chunks, make_usage_chunk) -> web.StreamResponse:
+    """Shared SSE loop. `make_chunks(index, output, acc)` returns the chunk dicts for one output."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    accs = [_ChoiceAcc() for _ in range(n)]
+    async with stream:
+        first = await _first(stream)
+        await resp.prepare(request)
+        try:
+            pending = [first] if first is not None else []
+            while True:
+                if pending:
+                    ch = pending.pop()
+                else:
+                    try:
+                        ch = await stream.__anext__()
+                    except StopAsyncIteration:
+                        break
+                out = ch.output
+                if out.finish_reason in ("error", "abort") or out.error:
+                    try:
+                        _raise_for_output(out)
+                    except APIError as e:
+                        await resp.write(_sse(e.body()))
+                    break
+                acc = accs[ch.index]
+                _accumulate(acc, out)
+                for chunk in make_chunks(ch.index, out, acc):
+                    await resp.write(_sse(chunk))
+            usage_chunk = make_usage_chunk(accs)
+            if usage_chunk is not None:
+                await resp.write(_sse(usage_chunk))
+            await resp.write(_sse("[DONE]"))
+            await resp.write_eof()
+        except (ConnectionResetError, ConnectionError):
+            log.info("client disconnected mid-stream (request %s); cancelling", request_id(request))
+        state.m_tokens.inc(sum(a.completion_tokens for a in accs))
+    return resp
+
+
+# ---------------------------------------------------------------- routes
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = await _read_json(request, ChatCompletionRequest)
+    _require_ready(state)
+    _check_model(state, req.model)
+    try:
+        prompt_ids = state.engine.tokenizer.apply_chat_template(req.template_messages())
+    except ValueError as e:  # the model's chat template refuses this conversation
+        raise APIError(400, str(e), param="messages", code="invalid_messages") from None
+    max_tokens = _resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens(), None)
+    tier = request.get(TIER_KEY, state.settings.auth.anonymous_tier)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    n = req.n or 1
+    gen = GenerationRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=_sampling(req, max_tokens),
+                            n=n, tier=tier, priority=_tier_priority(state, tier))
+    stream = await _submit(state, gen)
+    created = int(time.time())
+    model = state.model_name or req.model
+
+    if not req.stream:
+        accs = await _collect(stream, n)
+        body = ChatCompletionResponse(
+            id=rid, created=created, model=model,
+            choices=[ChatChoice(index=i, message=ChatMessageOut(content="".join(a.text)),
+                                finish_reason=a.finish_reason) for i, a in enumerate(accs)],
+            usage=_usage(len(prompt_ids), accs))
+        state.m_tokens.inc(body.usage.completion_tokens)
+        return web.json_response(body.model_dump())
+
+    include_usage = req.include_usage()
+
+    def chunk(index: int, delta: ChatDelta, finish: str | None = None) -> dict[str, Any]:
+        c = ChatCompletionChunk(id=rid, created=created, model=model,
+                                choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish)])
+        d = c.model_dump()
+        d["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+        if not include_usage:
+            d.pop("usage")
+        return d
+
+    def make_chunks(index: int, out: Any, acc: _ChoiceAcc) -> list[dict[str, Any]]:
+        chunks = []
+        if not acc.started:
+            acc.started = True
+            chunks.append(chunk(index, ChatDelta(role="assistant", content="")))
+        if out.text:
+            chunks.append(chunk(index, ChatDelta(content=out.text)))
+        if out.finished:
+            chunks.append(chunk(index, ChatDelta(), out.finish_reason))
+        return chunks
+
+    def make_usage(accs: list[_ChoiceAcc]) -> dict[str, Any] | None:
+        if not include_usage:
+            return None
+        return ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                   usage=_usage(len(prompt_ids), accs)).model_dump()
+
+    return await _stream_sse(request, state, stream, n, make_chunks, make_usage)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = await _read_json(request, CompletionRequest)
+    _require_ready(state)
+    _check_model(state, req.model)
+    prompt = req.prompt_text_or_ids()
+    prompt_ids = state.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    if not prompt_ids:
+        raise APIError(400, "The prompt is empty.", param="prompt", code="invalid_value")
+    try:
+        max_tokens = _resolve_max_tokens(state, len(prompt_ids), req.max_tokens, 16)  # OpenAI's default: 16
+    except APIError as e:
+        if e.param == "messages":
+            e.param = "prompt"
+        raise
+    tier = request.get(TIER_KEY, state.settings.auth.anonymous_tier)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    n = req.n or 1
+    gen = GenerationRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=_sampling(req, max_tokens),
+                            n=n, tier=tier, priority=_tier_priority(state, tier))
+    stream = await _submit(state, gen)
+    created = int(time.time())
+    model = state.model_name or req.model
+
+    if not req.stream:
+        accs = await _collect(stream, n)
+        body = CompletionResponse(
+            id=rid, created=created, model=model,
+            choices=[CompletionChoice(index=i, text="".join(a.text), finish_reason=a.finish_reason)
+                     for i, a in enumerate(accs)],
+            usage=_usage(len(prompt_ids), accs))
+        state.m_tokens.inc(body.usage.completion_tokens)
+        return web.json_response(body.model_dump())
+
+    include_usage = req.include_usage()
+
+    def make_chunks(index: int, out: Any, acc: _ChoiceAcc) -> list[dict[str, Any]]:
+        if not out.text and not out.finished:
+            return []
+        d = CompletionResponse(id=rid, created=created, model=model, choices=[
+            CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason if out.finished else None)
+        ]).model_dump()
+        if not include_usage:
+            d.pop("usage")
+        return [d]
+
+    def make_usage(accs: list[_ChoiceAcc]) -> dict[str, Any] | None:
+        if not include_usage:
+            return None
+        return CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                  usage=_usage(len(prompt_ids), accs)).model_dump()
+
+    return await _stream_sse(request, state, stream, n, make_chunks, make_usage)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _require_ready(state)
+    body = ModelList(data=[ModelCard(id=state.model_name or "", created=state.created)])
+    return web.json_response(body.model_dump())
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _require_ready(state)
+    _check_model(state, request.match_info["model"])
+    return web.json_response(ModelCard(id=state.model_name or "", created=state.created).model_dump())
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body: dict[str, Any] = {"status": "ready" if state.ready else "not_ready", "model": state.model_name}
+    if state.load_error:
+        body["error"] = state.load_error
+    if state.worker is not None:
+        body["worker"] = state.worker.stats()
+    if state.queue is not None:
+        body["queue_depth"] = {t: await state.queue.depth(t) for t in state.settings.tiers}
+    return web.json_response(body, status=200 if state.ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.worker is not None:
+        state.m_in_flight.set(state.worker.stats()["in_flight"])
+    resp = web.Response(body=generate_latest(state.registry))
+    resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+    return resp
+
+
+@web.middleware
+async def _access_log(request: web.Request, handler):
+    """One line per API request (never the Authorization header) and the Prometheus counters."""
+    start = time.monotonic()
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    finally:
+        if request.path.startswith("/v1/"):
+            state = request.app[STATE]
+            elapsed = time.monotonic() - start
+            state.m_requests.labels(request.path, str(status)).inc()
+            state.m_latency.labels(request.path).observe(elapsed)
+            log.info("%s %s %d %.3fs request_id=%s tier=%s", request.method, request.path, status, elapsed,
+                     request_id(request), request.get(TIER_KEY, "-"))
+
+
+def create_app(settings: Settings, engine: Any = None, *, queue: RequestQueue | None = None,
+               keys: KeyStore | None = None) -> web.Application:
+    """The gateway app. `engine`: an already-built engine (tests); None loads one from settings."""
+    keys = keys or KeyStore(settings.auth.keys_file)
+    state = GatewayState(settings=settings, keys=keys, engine=engine, queue=queue)
+    app = web.Application(
+        client_max_size=settings.server.max_body_bytes,
+        middlewares=[_access_log, error_middleware, make_auth_middleware(keys, settings.auth.anonymous_tier)],
+    )
+    app[STATE] = state
+    app.on_response_prepare.append(_add_request_id)
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,66 @@
+"""The Backend interface: a validated, tokenized request in, a stream of per-choice outputs out.
+
+The HTTP layer only knows this interface, so a remote OpenAI-compatible provider can be added as
+another Backend without touching handlers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from engine.request import RequestOutput, SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    n: int = 1
+    tier: str = "standard"
+    priority: int = 1
+    deadline: float | None = None
+
+
+@dataclass
+class ChoiceOutput:
+    """One engine output tagged with the choice index it belongs to (0..n-1)."""
+
+    index: int
+    output: RequestOutput
+
+
+class ChoiceStream(ABC):
+    """Outputs of a submitted request until every choice finished.
+
+    `aclose()` must always be called (use `async with`): on an unfinished stream it cancels the request.
+    """
+
+    def __aiter__(self) -> "ChoiceStream":
+        return self
+
+    @abstractmethod
+    async def __anext__(self) -> ChoiceOutput: ...
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> "ChoiceStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class Backend(ABC):
+    name: str = "backend"
+
+    @abstractmethod
+    async def submit(self, request: GenerationRequest) -> ChoiceStream:
+        """Accept the request (raises QueueFull when it cannot be queued) and return its output stream.
+
+        Accepting before streaming lets the handler answer 503 with a status code, not mid-stream.
+        """
+
+    async def ready(self) -> bool:
+        return True

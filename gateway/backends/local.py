@@ -1,0 +1,107 @@
+"""LocalBackend: the engine behind the request queue.
+
+`n > 1` fans out into n engine requests (`{id}-{i}`, seed `seed + i` when a seed is given) whose
+outputs are merged as choices. Subscriptions are opened before the items are queued so no output is
+lost, and whatever happens to the consumer (finish, error, disconnect, cancellation) `aclose` cancels
+every unfinished sub-request so the engine frees its slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from engine.request import EngineRequest
+from gateway.backends.base import Backend, ChoiceOutput, ChoiceStream, GenerationRequest
+from gateway.queue.base import QueueItem, RequestQueue, Subscription
+
+
+class _LocalStream(ChoiceStream):
+    def __init__(self, queue: RequestQueue, subs: list[Subscription]):
+        self._queue = queue
+        self._subs = subs
+        self._unfinished = {s.request_id for s in subs}
+        self._merged: asyncio.Queue[ChoiceOutput | BaseException] = asyncio.Queue()
+        self._readers = [asyncio.create_task(self._read(i, s)) for i, s in enumerate(subs)]
+        self._closed = False
+
+    async def _read(self, index: int, sub: Subscription) -> None:
+        try:
+            while True:
+                out = await sub.get()
+                self._merged.put_nowait(ChoiceOutput(index, out))
+                if out.finished:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # surface reader failures to the consumer
+            self._merged.put_nowait(e)
+
+    async def __anext__(self) -> ChoiceOutput:
+        if not self._unfinished or self._closed:
+            raise StopAsyncIteration
+        item = await self._merged.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.output.finished:
+            self._unfinished.discard(item.output.request_id)
+        return item
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._readers:
+            t.cancel()
+        pending = list(self._unfinished)
+        # Shielded: a second cancellation of the handler must not skip the engine abort.
+        if pending:
+            await asyncio.shield(_cancel_all(self._queue, pending))
+        for s in self._subs:
+            await s.close()
+
+
+async def _cancel_all(queue: RequestQueue, request_ids: list[str]) -> None:
+    for rid in request_ids:
+        await queue.cancel(rid)
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def __init__(self, queue: RequestQueue):
+        self.queue = queue
+
+    @staticmethod
+    def sub_requests(req: GenerationRequest) -> list[EngineRequest]:
+        out = []
+        for i in range(req.n):
+            rid = req.request_id if req.n == 1 else f"{req.request_id}-{i}"
+            sampling = dataclasses.replace(req.sampling, stop=list(req.sampling.stop),
+                                           stop_token_ids=list(req.sampling.stop_token_ids))
+            if sampling.seed is not None:
+                sampling.seed = sampling.seed + i
+            out.append(EngineRequest(request_id=rid, prompt_token_ids=list(req.prompt_token_ids),
+                                     sampling=sampling, priority=req.priority))
+        return out
+
+    async def submit(self, req: GenerationRequest) -> ChoiceStream:
+        engine_reqs = self.sub_requests(req)
+        subs: list[Subscription] = []
+        queued: list[str] = []
+        ok = False
+        try:
+            for er in engine_reqs:
+                subs.append(await self.queue.subscribe(er.request_id))
+            for er in engine_reqs:
+                await self.queue.put(QueueItem(request=er, tier=req.tier, deadline=req.deadline))
+                queued.append(er.request_id)
+            stream = _LocalStream(self.queue, subs)
+            ok = True
+            return stream
+        finally:
+            if not ok:  # QueueFull (or cancellation) halfway: undo what was queued
+                if queued:
+                    await asyncio.shield(_cancel_all(self.queue, queued))
+                for s in subs:
+                    await s.close()

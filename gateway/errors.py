@@ -1,0 +1,109 @@
+"""One error type and the middleware that turns every failure into OpenAI's error shape.
+
+Clients (the OpenAI SDK in particular) map status codes to exception classes and read
+`{"error": {"message", "type", "param", "code"}}`; a stack trace or an HTML page would break them, so
+everything that leaves the gateway goes through `error_middleware`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+from pydantic import ValidationError
+
+log = logging.getLogger("sluice.gateway")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+class APIError(Exception):
+    """An error with an HTTP status and OpenAI's error fields; raise it anywhere in a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_response(self) -> web.Response:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, int(round(self.retry_after))))
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error as a 400 whose `param` is the dotted field path."""
+    errors = exc.errors(include_url=False)
+    # A union reports one error per branch; our own ValueError (e.g. "only text parts") says the most.
+    err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    loc = [str(p) for p in err.get("loc", ()) if not str(p).startswith("function-")]
+    # Drop pydantic's union-branch labels (e.g. "str", "list[...]") from the path.
+    loc = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int", "float", "bool", "list")]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid request")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    message = f"{param}: {msg}" if param else msg
+    return APIError(400, message, param=param, code="invalid_value" if loc else None)
+
+
+def from_http_exception(exc: web.HTTPException) -> APIError:
+    status = exc.status
+    if status == 404:
+        return APIError(404, f"Not found: {exc.reason}", code="not_found")
+    if status == 405:
+        return APIError(405, "Method not allowed", code="method_not_allowed")
+    if status == 413:
+        return APIError(413, "Request body too large", code="request_too_large")
+    return APIError(status, exc.text or exc.reason or "error")
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as e:
+        return e.to_response()
+    except ValidationError as e:
+        return validation_error(e).to_response()
+    except json.JSONDecodeError as e:
+        return APIError(400, f"Malformed JSON body: {e.msg}", code="invalid_json").to_response()
+    except web.HTTPException as e:
+        if e.status < 400:  # redirects and the like pass through
+            raise
+        return from_http_exception(e).to_response()
+    except (ConnectionResetError, ConnectionError):
+        raise  # the client went away; nothing to answer
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return APIError(500, "Internal server error", type="server_error").to_response()

@@ -1,0 +1,149 @@
+"""The queue seam: what the gateway and the workers agree on, whatever carries the items.
+
+Three channels share one object because every implementation needs all three and they must agree
+on request ids:
+  * requests: `put` (gateway) / `pull` (worker), strict priority, FIFO within a priority, aging,
+    bounded per tier, fill- and time-based batching;
+  * results: `subscribe` (gateway, BEFORE `put`, so no output is missed) / `publish` (worker);
+  * cancellation: `cancel` (gateway) / `next_cancellations` (worker, which then aborts in the engine).
+All methods are async so that a Redis implementation can keep the same interface.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine.request import EngineRequest, RequestOutput
+
+
+class QueueFull(Exception):
+    """The tier's queue is at max_depth; the gateway answers 503 with Retry-After."""
+
+    def __init__(self, tier: str, depth: int, retry_after: float = 1.0):
+        super().__init__(f"queue for tier {tier!r} is full ({depth} waiting)")
+        self.tier = tier
+        self.depth = depth
+        self.retry_after = retry_after
+
+
+class QueueClosed(Exception):
+    pass
+
+
+@dataclass
+class ErrorOutput(RequestOutput):
+    """A finished output that carries an HTTP-mappable error (the engine's RequestOutput has only text)."""
+
+    error_code: str | None = None
+    error_param: str | None = None
+    error_status: int = 500
+
+
+def output_to_dict(out: RequestOutput) -> dict[str, Any]:
+    d = asdict(out)
+    d["_kind"] = "error" if isinstance(out, ErrorOutput) else "output"
+    return d
+
+
+def output_from_dict(d: dict[str, Any]) -> RequestOutput:
+    d = dict(d)
+    kind = d.pop("_kind", "output")
+    return ErrorOutput(**d) if kind == "error" else RequestOutput(**d)
+
+
+@dataclass
+class QueueItem:
+    request: EngineRequest
+    tier: str
+    enqueued_at: float = field(default_factory=time.time)
+    deadline: float | None = None  # wall-clock time after which the request is no longer wanted
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request": self.request.to_dict(), "tier": self.tier, "enqueued_at": self.enqueued_at,
+                "deadline": self.deadline}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "QueueItem":
+        return cls(request=EngineRequest.from_dict(d["request"]), tier=d["tier"],
+                   enqueued_at=d["enqueued_at"], deadline=d.get("deadline"))
+
+
+class Subscription(ABC):
+    """The outputs of one request, in order. Close it when done (also on cancellation)."""
+
+    request_id: str
+
+    @abstractmethod
+    async def get(self, timeout: float | None = None) -> RequestOutput:
+        """The next output; raises TimeoutError after `timeout` seconds without one."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    def __aiter__(self) -> "Subscription":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self.get()
+
+
+class RequestQueue(ABC):
+    """See the module docstring. `pull` semantics:
+
+    waits until at least one item is queued (or `timeout` passes: returns []), then while fewer than
+    `fill_target` items are queued waits at most `max_wait_ms` for more, then returns up to
+    `max_items` items: aged items (waiting >= aging_s) first in arrival order, then by priority
+    (lower first), FIFO within a priority.
+    """
+
+    def __init__(self, *, max_depth: dict[str, int] | int = 1024, fill_target: int = 1,
+                 max_wait_ms: float = 50.0, aging_s: float = 10.0):
+        self.max_depth = max_depth
+        self.fill_target = fill_target
+        self.max_wait_ms = max_wait_ms
+        self.aging_s = aging_s
+
+    def depth_limit(self, tier: str) -> int:
+        if isinstance(self.max_depth, int):
+            return self.max_depth
+        return self.max_depth.get(tier, max(self.max_depth.values(), default=1024))
+
+    @abstractmethod
+    async def put(self, item: QueueItem) -> None:
+        """Enqueue; raises QueueFull when the item's tier holds max_depth items."""
+
+    @abstractmethod
+    async def pull(self, max_items: int, timeout: float | None = None, *, fill_target: int | None = None,
+                   max_wait_ms: float | None = None) -> list[QueueItem]: ...
+
+    @abstractmethod
+    async def depth(self, tier: str | None = None) -> int:
+        """Items waiting in a tier (all tiers when None)."""
+
+    @abstractmethod
+    async def subscribe(self, request_id: str) -> Subscription: ...
+
+    @abstractmethod
+    async def publish(self, output: RequestOutput) -> None: ...
+
+    @abstractmethod
+    async def cancel(self, request_id: str) -> None:
+        """The client is gone: drop the item if still queued, else tell the workers to abort it."""
+
+    @abstractmethod
+    async def next_cancellations(self, timeout: float | None = None) -> list[str]:
+        """Request ids cancelled since the last call; waits up to `timeout` for at least one."""
+
+    async def close(self) -> None:
+        return None

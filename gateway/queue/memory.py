@@ -1,0 +1,135 @@
+"""In-process queue: one event loop, plain deques and asyncio primitives. Not thread-safe by design:
+the engine thread never touches it (the worker hops to the loop first)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+from engine.request import RequestOutput
+from gateway.queue.base import QueueFull, QueueItem, RequestQueue, Subscription
+
+
+class _MemorySubscription(Subscription):
+    def __init__(self, owner: "MemoryQueue", request_id: str):
+        self._owner = owner
+        self.request_id = request_id
+        self._q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    async def get(self, timeout: float | None = None) -> RequestOutput:
+        if timeout is None:
+            return await self._q.get()
+        return await asyncio.wait_for(self._q.get(), timeout)
+
+    async def close(self) -> None:
+        if self._owner._subs.get(self.request_id) is self:
+            del self._owner._subs[self.request_id]
+
+
+class MemoryQueue(RequestQueue):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._by_priority: dict[int, deque[QueueItem]] = {}
+        self._tier_depth: dict[str, int] = {}
+        self._changed = asyncio.Condition()
+        self._subs: dict[str, _MemorySubscription] = {}
+        self._cancelled: list[str] = []
+        self._cancel_event = asyncio.Event()
+        self._clock = time.time  # injectable for aging tests
+
+    # ------------------------------------------------------------ requests
+
+    def _count(self) -> int:
+        return sum(len(d) for d in self._by_priority.values())
+
+    async def put(self, item: QueueItem) -> None:
+        limit = self.depth_limit(item.tier)
+        depth = self._tier_depth.get(item.tier, 0)
+        if depth >= limit:
+            raise QueueFull(item.tier, depth, retry_after=max(1.0, self.max_wait_ms / 1000))
+        self._by_priority.setdefault(item.priority, deque()).append(item)
+        self._tier_depth[item.tier] = depth + 1
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _pop_next(self) -> QueueItem | None:
+        heads = [(p, d[0]) for p, d in self._by_priority.items() if d]
+        if not heads:
+            return None
+        now = self._clock()
+        aged = [(item.enqueued_at, p) for p, item in heads if now - item.enqueued_at >= self.aging_s]
+        if aged:
+            _, prio = min(aged)
+        else:
+            prio = min(p for p, _ in heads)
+        item = self._by_priority[prio].popleft()
+        self._tier_depth[item.tier] -= 1
+        return item
+
+    async def pull(self, max_items: int, timeout: float | None = None, *, fill_target: int | None = None,
+                   max_wait_ms: float | None = None) -> list[QueueItem]:
+        fill = self.fill_target if fill_target is None else fill_target
+        wait_s = (self.max_wait_ms if max_wait_ms is None else max_wait_ms) / 1000
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self._count() > 0), timeout)
+            except (asyncio.TimeoutError, TimeoutError):
+                return []
+            if self._count() < min(fill, max_items) and wait_s > 0:
+                try:
+                    await asyncio.wait_for(
+                        self._changed.wait_for(lambda: self._count() >= min(fill, max_items)), wait_s)
+                except (asyncio.TimeoutError, TimeoutError):
+                    pass
+            out: list[QueueItem] = []
+            while len(out) < max_items:
+                item = self._pop_next()
+                if item is None:
+                    break
+                out.append(item)
+            return out
+
+    async def depth(self, tier: str | None = None) -> int:
+        if tier is None:
+            return self._count()
+        return self._tier_depth.get(tier, 0)
+
+    # ------------------------------------------------------------ results
+
+    async def subscribe(self, request_id: str) -> Subscription:
+        sub = _MemorySubscription(self, request_id)
+        self._subs[request_id] = sub
+        return sub
+
+    async def publish(self, output: RequestOutput) -> None:
+        sub = self._subs.get(output.request_id)
+        if sub is not None:
+            sub._q.put_nowait(output)
+
+    # ------------------------------------------------------------ cancellation
+
+    def _remove_queued(self, request_id: str) -> bool:
+        for d in self._by_priority.values():
+            for item in d:
+                if item.request_id == request_id:
+                    d.remove(item)
+                    self._tier_depth[item.tier] -= 1
+                    return True
+        return False
+
+    async def cancel(self, request_id: str) -> None:
+        if self._remove_queued(request_id):
+            return  # never reached a worker: nothing to abort
+        self._cancelled.append(request_id)
+        self._cancel_event.set()
+
+    async def next_cancellations(self, timeout: float | None = None) -> list[str]:
+        if not self._cancelled:
+            try:
+                await asyncio.wait_for(self._cancel_event.wait(), timeout)
+            except (asyncio.TimeoutError, TimeoutError):
+                return []
+        ids, self._cancelled = self._cancelled, []
+        self._cancel_event.clear()
+        return ids

@@ -1,0 +1,284 @@
+"""EngineWorker: pulls requests from the queue and drives the engine in one dedicated thread.
+
+The engine is not thread-safe and `step()` blocks for tens of milliseconds, so every engine call
+happens on one thread that the event loop never waits for. The two sides talk through:
+  * an inbox (thread-safe SimpleQueue + Event) of ("add", item) / ("abort", id) commands, drained by
+    the thread between steps, so a cancellation reaches `engine.abort` within one step;
+  * `loop.call_soon_threadsafe` for outputs, which a publisher task forwards, in order, to the queue's
+    result channels.
+The worker pulls only as many requests as the engine has free slots (`max_running_requests` minus
+in-flight), so requests beyond capacity wait in the queue where priority, aging and depth limits
+apply. It takes the queue as an argument so the same class runs in-process or as `sluice worker`
+against a Redis queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue as thread_queue
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from engine.request import RequestOutput, RequestRejected
+from gateway.queue.base import ErrorOutput, QueueItem, RequestQueue
+
+log = logging.getLogger("sluice.worker")
+
+
+class EngineWorker:
+    def __init__(self, engine: Any, queue: RequestQueue, *, max_batch: int = 128, poll_s: float = 0.5,
+                 idle_wait_s: float = 0.5):
+        self.engine = engine
+        self.queue = queue
+        self.max_batch = max_batch
+        self.poll_s = poll_s  # how often the asyncio loops re-check for shutdown
+        self.idle_wait_s = idle_wait_s
+        self.capacity = int(engine.config.max_running_requests)
+
+        self._inbox: thread_queue.SimpleQueue[tuple[str, Any]] = thread_queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop_thread = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: asyncio.Queue[list[RequestOutput]] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._room: asyncio.Event | None = None
+        self._stopping = False
+
+        self._in_flight: set[str] = set()  # event-loop side: handed to the thread, not yet finished
+        self._thread_running: set[str] = set()  # thread side: added to the engine, not finished/aborted
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()  # aborts that overtook their add
+        self.steps = 0
+        self.step_errors = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def running(self) -> bool:
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and all(not t.done() for t in self._tasks))
+
+    def stats(self) -> dict[str, Any]:
+        stats = {"in_flight": len(self._in_flight), "engine_requests": len(self._thread_running),
+                 "capacity": self.capacity, "steps": self.steps, "step_errors": self.step_errors}
+        for name in ("num_running", "num_waiting"):  # optional engine counters (racy reads; fine for monitoring)
+            try:
+                value = getattr(self.engine, name)
+                stats[f"engine_{name}"] = int(value() if callable(value) else value)
+            except Exception:
+                pass
+        return stats
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._outbox = asyncio.Queue()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._thread = threading.Thread(target=self._thread_main, name="sluice-engine", daemon=True)
+        self._thread.start()
+        self._tasks = [
+            asyncio.create_task(self._pull_loop(), name="sluice-worker-pull"),
+            asyncio.create_task(self._cancel_loop(), name="sluice-worker-cancel"),
+            asyncio.create_task(self._publish_loop(), name="sluice-worker-publish"),
+        ]
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        """Stop pulling; give in-flight requests `grace_s` to finish; abort the rest; join the thread."""
+        self._stopping = True
+        self._tasks[0].cancel()  # no new work
+        deadline = time.monotonic() + grace_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self._in_flight):
+            self._send("abort", rid)
+        self._stop_thread.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+        await asyncio.sleep(0)  # let the last call_soon_threadsafe callbacks run
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        assert self._outbox is not None
+        while not self._outbox.empty():  # outputs the publisher had not forwarded yet
+            for out in self._outbox.get_nowait():
+                await self.queue.publish(out)
+        # Whatever is still in flight gets a final answer so no handler waits forever.
+        for rid in list(self._in_flight):
+            await self.queue.publish(ErrorOutput(request_id=rid, finished=True, finish_reason="error",
+                                                 error="server shutting down", error_code="shutdown",
+                                                 error_status=503))
+        self._in_flight.clear()
+
+    # ------------------------------------------------------------ event-loop side
+
+    def _send(self, cmd: str, arg: Any) -> None:
+        self._inbox.put((cmd, arg))
+        self._wake.set()
+
+    async def _pull_loop(self) -> None:
+        assert self._room is not None
+        while not self._stopping:
+            room = self.capacity - len(self._in_flight)
+            if room <= 0:
+                self._room.clear()
+                try:
+                    await asyncio.wait_for(self._room.wait(), self.poll_s)
+                except (asyncio.TimeoutError, TimeoutError):
+                    pass
+                continue
+            try:
+                items = await self.queue.pull(min(room, self.max_batch), timeout=self.poll_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("queue pull failed; retrying")
+                await asyncio.sleep(self.poll_s)
+                continue
+            now = time.time()
+            for item in items:
+                if item.deadline is not None and now > item.deadline:
+                    await self.queue.publish(ErrorOutput(
+                        request_id=item.request_id, finished=True, finish_reason="error",
+                        error="request expired in the queue", error_code="queue_timeout", error_status=503))
+                    continue
+                self._in_flight.add(item.request_id)
+                self._send("add", item)
+
+    async def _cancel_loop(self) -> None:
+        while True:
+            try:
+                ids = await self.queue.next_cancellations(timeout=self.poll_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reading cancellations failed; retrying")
+                await asyncio.sleep(self.poll_s)
+                continue
+            for rid in ids:
+                self._send("abort", rid)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Runs on the loop (via call_soon_threadsafe)."""
+        assert self._outbox is not None and self._room is not None
+        for out in outputs:
+            if out.finished:
+                self._in_flight.discard(out.request_id)
+        self._room.set()
+        self._outbox.put_nowait(outputs)
+
+    async def _publish_loop(self) -> None:
+        assert self._outbox is not None
+        while True:
+            outputs = await self._outbox.get()
+            for out in outputs:
+                try:
+                    await self.queue.publish(out)
+                except Exception:
+                    log.exception("publishing an output for %s failed", out.request_id)
+
+    # ------------------------------------------------------------ engine thread
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        if outputs and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+            except RuntimeError:  # loop closed during shutdown
+                pass
+
+    def _drain_inbox(self) -> None:
+        emitted: list[RequestOutput] = []
+        while True:
+            try:
+                cmd, arg = self._inbox.get_nowait()
+            except thread_queue.Empty:
+                break
+            if cmd == "add":
+                emitted.extend(self._add(arg))
+            elif cmd == "abort":
+                emitted.extend(self._abort(arg))
+        self._emit(emitted)
+
+    def _add(self, item: QueueItem) -> list[RequestOutput]:
+        rid = item.request_id
+        if rid in self._early_aborts:
+            del self._early_aborts[rid]
+            return [RequestOutput(request_id=rid, finished=True, finish_reason="abort")]
+        try:
+            self.engine.add_request(item.request)
+        except RequestRejected as e:
+            return [ErrorOutput(request_id=rid, finished=True, finish_reason="error", error=str(e),
+                                error_code=e.code, error_param=e.param, error_status=400)]
+        except Exception as e:  # a bug or a bad request the engine did not classify
+            log.exception("engine.add_request failed for %s", rid)
+            return [ErrorOutput(request_id=rid, finished=True, finish_reason="error",
+                                error=f"engine error: {type(e).__name__}", error_code="engine_error",
+                                error_status=500)]
+        self._thread_running.add(rid)
+        return []
+
+    def _abort(self, rid: str) -> list[RequestOutput]:
+        if rid not in self._thread_running:
+            self._early_aborts[rid] = None
+            while len(self._early_aborts) > 10000:
+                self._early_aborts.popitem(last=False)
+            return []
+        self._thread_running.discard(rid)
+        try:
+            self.engine.abort(rid)
+        except Exception:
+            log.exception("engine.abort failed for %s", rid)
+        return [RequestOutput(request_id=rid, finished=True, finish_reason="abort")]
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self.step_errors += 1
+            log.exception("engine.step failed; failing %d in-flight requests", len(self._thread_running))
+            failed = []
+            for rid in list(self._thread_running):
+                try:
+                    self.engine.abort(rid)
+                except Exception:
+                    pass
+                failed.append(ErrorOutput(request_id=rid, finished=True, finish_reason="error",
+                                          error=f"engine step failed: {type(e).__name__}",
+                                          error_code="engine_error", error_status=500))
+            self._thread_running.clear()
+            self._emit(failed)
+            return
+        self.steps += 1
+        for out in outputs:
+            if out.finished:
+                self._thread_running.discard(out.request_id)
+        # Outputs for a request aborted meanwhile would be harmless (nobody subscribes) but skip them.
+        self._emit(outputs)
+
+    def _thread_main(self) -> None:
+        while not self._stop_thread.is_set():
+            self._drain_inbox()
+            busy = bool(self._thread_running)
+            try:
+                busy = busy or self.engine.has_unfinished()
+            except Exception:
+                pass
+            if busy:
+                self._step()
+            else:
+                self._wake.wait(self.idle_wait_s)
+                self._wake.clear()
+        # Shutdown: abort whatever is left so the engine frees its slots.
+        self._drain_inbox()
+        leftovers = [RequestOutput(request_id=rid, finished=True, finish_reason="abort")
+                     for rid in self._thread_running]
+        for rid in list(self._thread_running):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                pass
+        self._thread_running.clear()
+        self._emit(leftovers)

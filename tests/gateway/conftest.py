@@ -1,0 +1,113 @@
+"""Gateway fixtures: an in-process app on a fake engine (fast), and one real gateway per session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from aiohttp.test_utils import TestServer  # noqa: E402
+
+from gateway.app import STATE, create_app  # noqa: E402
+from gateway.config import Settings  # noqa: E402
+from gateway.keys import KeyStore  # noqa: E402
+from tests.gateway.fake_engine import FakeEngine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.asynccontextmanager
+async def fake_gateway(tmp_path: Path, engine: FakeEngine | None = None, **settings_kw):
+    """A gateway on a fake engine, served on a real local port. Yields (base_url, app, engine)."""
+    settings_kw.setdefault("auth", {"keys_file": str(tmp_path / "keys.json")})
+    settings = Settings(**settings_kw)
+    engine = engine or FakeEngine()
+    app = create_app(settings, engine=engine, keys=KeyStore(settings.auth.keys_file))
+    server = TestServer(app, host="127.0.0.1", handler_cancellation=True)
+    await server.start_server()
+    state = app[STATE]
+    for _ in range(200):
+        if state.ready:
+            break
+        import asyncio
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.port}", app, engine
+    finally:
+        engine.gate.set()
+        await server.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RealGateway:
+    def __init__(self, base: str, key: str, keys_file: Path, proc: subprocess.Popen, log_path: Path):
+        self.base = base
+        self.key = key
+        self.keys_file = keys_file
+        self.proc = proc
+        self.log_path = log_path
+
+    def ready(self) -> dict:
+        try:
+            with urllib.request.urlopen(self.base + "/ready", timeout=5) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return json.loads(e.read())
+
+
+@pytest.fixture(scope="session")
+def real_gateway(tmp_path_factory) -> RealGateway:
+    """`sluice serve` with the real engine and model, one per session, with one pro API key."""
+    tmp = tmp_path_factory.mktemp("gateway")
+    keys_file = tmp / "keys.json"
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "SLUICE_AUTH__KEYS_FILE": str(keys_file),
+           "SLUICE_ENGINE__KV_CACHE_TOKENS": "16384",  # smaller pool: faster start, less memory
+           # fp32 weights: the 32-concurrent test compares each answer with the same request run alone,
+           # which bf16 rounding (batch-shape dependent) would make flaky; bf16 is checked in tests/engine.
+           "SLUICE_ENGINE__WEIGHT_DTYPE": "float32",
+           "PYTHONPATH": str(ROOT)}
+    env.pop("SLUICE_CONFIG", None)
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "keys", "create", "--name", "tests",
+                          "--tier", "pro"], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    key = out.stdout.strip()
+    port = free_port()
+    log_path = tmp / "gateway.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)],
+                            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    gw = RealGateway(f"http://127.0.0.1:{port}", key, keys_file, proc, log_path)
+    deadline = time.time() + 300  # engine load is seconds, but the CI box is shared
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited:\n{log_path.read_text()[-4000:]}")
+        try:
+            if gw.ready().get("status") == "ready":
+                break
+        except OSError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"gateway not ready in time:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.2)
+    yield gw
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()

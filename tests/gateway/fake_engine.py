@@ -1,0 +1,109 @@
+"""A tiny engine that honours the engine contract without torch, for fast queue/worker/app tests.
+
+Tokens are characters (ord); a request "generates" its prompt back, cycling, one token per step,
+so outputs are deterministic and easy to check. `gate` (a threading.Event) can stall step() to
+hold requests in flight; `fail_next_step` makes one step raise.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engine.request import EngineRequest, RequestOutput, RequestRejected
+
+
+class FakeTokenizer:
+    vocab_size = 0x110000
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return self.encode(text)
+
+
+@dataclass
+class FakeConfig:
+    max_running_requests: int = 4
+
+
+@dataclass
+class _Seq:
+    req: EngineRequest
+    generated: list[int] = field(default_factory=list)
+
+
+class FakeEngine:
+    def __init__(self, max_running_requests: int = 4, max_model_len: int = 256, step_s: float = 0.0):
+        self.config = FakeConfig(max_running_requests)
+        self.model_name = "fake-model"
+        self.max_model_len = max_model_len
+        self.tokenizer = FakeTokenizer()
+        self.step_s = step_s
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_next_step = False
+        self.running: dict[str, _Seq] = {}
+        self.waiting: list[_Seq] = []
+        self.aborted: list[str] = []
+        self.added: list[str] = []
+        self.threads: set[int] = set()  # every thread that called into the engine
+
+    def _touch(self) -> None:
+        self.threads.add(threading.get_ident())
+
+    def add_request(self, req: EngineRequest) -> None:
+        self._touch()
+        if len(req.prompt_token_ids) >= self.max_model_len:
+            raise RequestRejected("prompt too long", code="context_length_exceeded", param="messages")
+        if req.sampling.max_tokens == 999_999:  # a magic value to exercise the rejection path
+            raise RequestRejected("rejected on purpose", code="fake_rejection", param="max_tokens")
+        self.added.append(req.request_id)
+        self.waiting.append(_Seq(req))
+
+    def abort(self, request_id: str) -> None:
+        self._touch()
+        self.aborted.append(request_id)
+        self.running.pop(request_id, None)
+        self.waiting = [s for s in self.waiting if s.req.request_id != request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def step(self) -> list[RequestOutput]:
+        self._touch()
+        self.gate.wait()
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("boom")
+        if self.step_s:
+            time.sleep(self.step_s)
+        while self.waiting and len(self.running) < self.config.max_running_requests:
+            s = self.waiting.pop(0)
+            self.running[s.req.request_id] = s
+        outs = []
+        for rid, s in list(self.running.items()):
+            prompt = s.req.prompt_token_ids
+            tok = prompt[len(s.generated) % len(prompt)]
+            s.generated.append(tok)
+            done = len(s.generated) >= s.req.sampling.max_tokens
+            outs.append(RequestOutput(request_id=rid, text=chr(tok), token_ids=[tok], finished=done,
+                                      finish_reason="length" if done else None,
+                                      prompt_tokens=len(prompt), completion_tokens=len(s.generated)))
+            if done:
+                del self.running[rid]
+        return outs

@@ -1,0 +1,188 @@
+"""End to end: `sluice serve` with the real engine and model, driven by the OpenAI SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import urllib.request
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.model
+
+MSG = [{"role": "user", "content": "Tell me a short story about a cat."}]
+
+
+@pytest.fixture(scope="module")
+def gw(real_gateway):
+    return real_gateway
+
+
+@pytest.fixture
+def sdk(gw):
+    return openai.OpenAI(base_url=gw.base + "/v1", api_key=gw.key, max_retries=0, timeout=120)
+
+
+@pytest.fixture
+async def asdk(gw):
+    client = openai.AsyncOpenAI(base_url=gw.base + "/v1", api_key=gw.key, max_retries=0, timeout=300)
+    yield client
+    await client.close()
+
+
+def model_id(sdk) -> str:
+    return sdk.models.list().data[0].id
+
+
+def test_models(sdk):
+    ids = [m.id for m in sdk.models.list().data]
+    assert len(ids) == 1
+    assert sdk.models.retrieve(ids[0]).id == ids[0]
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("no-such-model")
+
+
+def test_chat_non_stream(sdk):
+    raw = sdk.chat.completions.with_raw_response.create(model=model_id(sdk), messages=MSG, max_tokens=8,
+                                                        temperature=0)
+    assert raw.headers.get("x-request-id")
+    r = raw.parse()
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8 and r.usage.prompt_tokens > 5
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_stream_and_usage(sdk):
+    stream = sdk.chat.completions.create(model=model_id(sdk), messages=MSG, max_tokens=10, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) >= 3  # arrives piecewise
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    # Same request without streaming, greedy: same text.
+    r = sdk.chat.completions.create(model=model_id(sdk), messages=MSG, max_tokens=10, temperature=0)
+    assert "".join(content) == r.choices[0].message.content
+
+
+def test_stream_ends_with_done(gw, sdk):
+    body = json.dumps({"model": model_id(sdk), "messages": MSG, "max_tokens": 4, "stream": True}).encode()
+    req = urllib.request.Request(gw.base + "/v1/chat/completions", data=body, headers={
+        "Authorization": f"Bearer {gw.key}", "Content-Type": "application/json", "x-request-id": "abc-123"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["x-request-id"] == "abc-123"
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = [line for line in r.read().decode().split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+
+
+def test_stop_string_never_appears(sdk):
+    m = model_id(sdk)
+    base = sdk.chat.completions.create(model=m, messages=MSG, max_tokens=12, temperature=0).choices[0].message.content
+    words = base.split()
+    assert len(words) >= 3
+    stop = words[2]
+    r = sdk.chat.completions.create(model=m, messages=MSG, max_tokens=12, temperature=0, stop=[stop])
+    assert stop not in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert base.startswith(r.choices[0].message.content)
+
+
+def test_n_and_seed(sdk):
+    m = model_id(sdk)
+    r = sdk.chat.completions.create(model=m, messages=MSG, max_tokens=6, n=2, temperature=1, seed=11)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.message.content for c in r.choices) and r.usage.completion_tokens <= 12
+    a = sdk.chat.completions.create(model=m, messages=MSG, max_tokens=8, temperature=1, seed=1234)
+    b = sdk.chat.completions.create(model=m, messages=MSG, max_tokens=8, temperature=1, seed=1234)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_completions(sdk):
+    r = sdk.completions.create(model=model_id(sdk), prompt="The capital of France is", max_tokens=5,
+                               temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens <= 5
+
+
+async def test_32_concurrent_match_alone(asdk, sdk):
+    m = model_id(sdk)
+    prompts = [f"Count from {i} to {i + 5}." for i in range(8)]
+
+    async def one(p):
+        r = await asdk.chat.completions.create(model=m, messages=[{"role": "user", "content": p}],
+                                               max_tokens=6, temperature=0)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+
+    alone = [await one(p) for p in prompts]
+    together = await asyncio.gather(*(one(prompts[i % 8]) for i in range(32)))
+    # A mismatch here with correctly routed text (right prompt, other tokens) means the engine's greedy
+    # output depends on batch composition or prefix caching, not that the gateway mixed requests up.
+    mismatches = [(i, got, alone[i % 8]) for i, got in enumerate(together) if got != alone[i % 8]]
+    assert not mismatches, mismatches
+
+
+def test_errors(gw, sdk):
+    m = model_id(sdk)
+    bad = openai.OpenAI(base_url=gw.base + "/v1", api_key="sk-sluice-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model=m, messages=MSG, max_tokens=1)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError) as e:
+        sdk.chat.completions.create(model="gpt-4o", messages=MSG, max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    for kw in ({"temperature": 3}, {"top_p": 0}, {"n": 0}, {"max_tokens": 0}, {"messages": []},
+               {"messages": [{"role": "alien", "content": "x"}]}, {"stop": ["a", "b", "c", "d", "e"]}):
+        args = {"model": m, "messages": MSG, **kw}
+        with pytest.raises(openai.BadRequestError):
+            sdk.chat.completions.create(**args)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model=m, messages=[{"role": "user", "content": "word " * 20000}], max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model=m, messages=MSG, max_tokens=10**7)
+    assert e.value.body["code"] == "context_length_exceeded" and "available" in e.value.body["message"]
+    req = urllib.request.Request(gw.base + "/v1/chat/completions", data=b"{oops", headers={
+        "Authorization": f"Bearer {gw.key}", "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as he:
+        urllib.request.urlopen(req, timeout=30)
+    assert he.value.code == 400 and json.loads(he.value.read())["error"]["type"] == "invalid_request_error"
+    assert he.value.headers["x-request-id"]
+    big = b'{"model": "x", "messages": [], "pad": "' + b"x" * (5 * 1024 * 1024) + b'"}'
+    req = urllib.request.Request(gw.base + "/v1/chat/completions", data=big, headers={
+        "Authorization": f"Bearer {gw.key}", "Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        raise AssertionError("expected 413")
+    except urllib.error.HTTPError as e2:
+        assert e2.code == 413
+    except (ConnectionResetError, BrokenPipeError):
+        pass  # the server may close before the whole body is sent; status checked in the fake-engine suite
+
+
+def test_disconnect_mid_stream_then_healthy(gw, sdk):
+    m = model_id(sdk)
+    port = int(gw.base.rsplit(":", 1)[1])
+    body = json.dumps({"model": m, "messages": MSG, "max_tokens": 2000, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Authorization: Bearer {gw.key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += s.recv(4096)
+    s.close()
+    deadline = time.time() + 30
+    while True:
+        w = gw.ready()["worker"]
+        if w["in_flight"] == 0 and w.get("engine_num_running", 0) == 0 and w.get("engine_num_waiting", 0) == 0:
+            break
+        assert time.time() < deadline, w
+        time.sleep(0.1)
+    r = sdk.chat.completions.create(model=m, messages=MSG, max_tokens=3)
+    assert r.choices[0].finish_reason == "length"
