@@ -111,7 +111,7 @@ class LLMEngine:
                 raise RequestRejected(
                     f"the prompt ({prompt_len} tokens) cannot fit in this engine's KV pool of "
                     f"{self.capacity_tokens} tokens", code="context_length_exceeded", param="messages")
-        seq = Sequence.from_request(req, max_tokens)
+        seq = Sequence.from_request(req, max_tokens, self.runner.model.args.vocab_size)
         if seq.num_new_outputs < 0 or len(seq.output_token_ids) >= max_tokens:
             raise RequestRejected("the resumed tokens already reach max_tokens", param="max_tokens")
         self._seqs[req.request_id] = seq

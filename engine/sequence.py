@@ -40,15 +40,16 @@ class Sequence:
     order: int = field(default_factory=lambda: next(_order))  # tie-break for equal arrival times
 
     @classmethod
-    def from_request(cls, req: EngineRequest, max_tokens: int) -> "Sequence":
+    def from_request(cls, req: EngineRequest, max_tokens: int, vocab_size: int = 0) -> "Sequence":
         seq = cls(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), sampling=req.sampling,
                   priority=req.priority, arrival_time=req.arrival_time, max_tokens=max_tokens,
                   output_token_ids=list(req.resume_token_ids), num_resumed_tokens=len(req.resume_token_ids))
         if req.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
-            # A resumed request continues the same random stream, as if it had never stopped.
-            for _ in range(seq.num_resumed_tokens):
-                torch.empty(1).exponential_(generator=seq.generator)
+            # A resumed request continues the same random stream, as if it had never stopped: the
+            # sampler draws one number per vocabulary entry per token.
+            if seq.num_resumed_tokens and req.sampling.temperature > 0:
+                torch.empty(seq.num_resumed_tokens, vocab_size).exponential_(generator=seq.generator)
         return seq
 
     @property

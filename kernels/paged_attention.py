@@ -1,4 +1,5 @@
-"""Attention over a paged KV cache: the torch reference path (used on CPU, and to check the Triton kernels).
+"""Attention over a paged KV cache: the torch reference path (used on CPU, and to check the Triton kernels),
+and `paged_attention_triton`, which runs the same step as write_kv + decode kernel + extend kernel.
 
 The cache of one layer is `[num_slots, kv_heads, head_dim]`, where slot = block * block_size + offset.
 Sequences are ordered decodes first (one query token each), then prefill/extend chunks; a chunk
@@ -12,6 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from .decode_attention import decode_attention_triton
+from .extend_attention import extend_attention_triton
+from .kv_cache import write_kv_ref, write_kv_triton
 
 
 @dataclass
@@ -51,12 +56,6 @@ class AttentionMetadata:
         return self._prefill_gather[s]
 
 
-def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
 def paged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (this step's new tokens). Writes k/v into the cache, returns [T, H, D]."""
@@ -87,4 +86,21 @@ def paged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
                                                attn_mask=mask, enable_gqa=True)
         out[start:start + qlen] = o.squeeze(0).transpose(0, 1)
         start += qlen
+    return out
+
+
+def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, meta: AttentionMetadata, num_splits: int | None = None) -> torch.Tensor:
+    """Same contract as `paged_attention_ref`: write_kv kernel, then the decode kernel on the first
+    num_decodes sequences and the extend kernel on the rest. No host synchronisation: the only host
+    values read are the metadata's host-side lists."""
+    write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        decode_attention_triton(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                meta.block_size, out=out[:nd], num_splits=num_splits, max_len=meta.max_decode_len)
+    if len(meta.query_lens_host) > nd:
+        extend_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                meta.block_size, max(meta.query_lens_host[nd:]), first_seq=nd, out=out)
     return out

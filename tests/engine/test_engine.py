@@ -135,6 +135,14 @@ def test_resumed_request_generates_only_the_rest(engine):
     assert engine.tokenizer.decode(toks[:8]) + text_of(resumed) == text_of(full)
 
 
+def test_resumed_seeded_request_continues_the_same_random_stream(engine):
+    ids = chat(engine, PROMPTS[7])
+    sp = SamplingParams(temperature=1.0, max_tokens=16, seed=11, ignore_eos=True)
+    toks = tokens_of(engine.generate([EngineRequest("sfull", ids, sp)])["sfull"])
+    resumed = engine.generate([EngineRequest("sres", ids, sp, resume_token_ids=toks[:5])])["sres"]
+    assert tokens_of(resumed) == toks[5:]
+
+
 def test_prompt_logits_consistent_with_generation(engine):
     ids = chat(engine, PROMPTS[5])
     r = engine.generate([EngineRequest("g", ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))])
