@@ -176,11 +176,35 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "revoke":
             kp.add_argument("name_or_id")
 
-    for name in ("worker", "bench"):
+    for name in ("worker",):
         np_ = sub.add_parser(name, help="(not implemented yet)")
         np_.add_argument("rest", nargs=argparse.REMAINDER)
         np_.set_defaults(func=cmd_not_implemented)
+
+    bench = sub.add_parser("bench", help="run a benchmark from bench/ (list them with `sluice bench`)")
+    bench.add_argument("name", nargs="?", help="benchmark module, e.g. engine_batching")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
+    bench.set_defaults(func=cmd_bench)
     return p
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Benchmarks live in the source tree's bench/ folder (they are not installed with the package)."""
+    import importlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench").is_dir():
+        print("bench/ is not next to the gateway package: run `sluice bench` from a source checkout", file=sys.stderr)
+        return 2
+    available = sorted(p.stem for p in (root / "bench").glob("*.py")
+                       if p.stem not in ("__init__", "common", "driver") and not p.stem.startswith("_"))
+    if not args.name or args.name not in available:
+        print("benchmarks: " + ", ".join(available), file=sys.stderr)
+        return 0 if not args.name else 2
+    sys.path.insert(0, str(root))
+    importlib.import_module(f"bench.{args.name}").main(args.rest)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
