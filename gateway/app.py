@@ -204,8 +204,30 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -
         top_k=req.top_k or 0,
         max_tokens=max_tokens,
         stop=req.stop_list(),
+        stop_token_ids=list(req.stop_token_ids or []),
         seed=req.seed,
+        ignore_eos=bool(req.ignore_eos),
     )
+
+
+TRUNCATION_MARKER = "\n\n[... middle of the prompt truncated ...]\n\n"
+
+
+def _fit_prompt(state: GatewayState, ids: list[int], requested_max_tokens: int | None, mode: str | None) -> list[int]:
+    """With prompt_truncation="middle", cut an over-long prompt's middle (the head keeps the system prompt,
+    the tail the latest turn and the generation prompt) so that it and max_tokens fit the context."""
+    limit = state.max_model_len
+    reserve = requested_max_tokens if requested_max_tokens is not None else min(256, limit // 4)
+    budget = limit - reserve
+    if mode != "middle" or len(ids) <= budget:
+        return ids
+    marker = state.engine.tokenizer.encode(TRUNCATION_MARKER)
+    keep = budget - len(marker)
+    if keep < 2:
+        raise APIError(400, f"max_tokens {reserve} leaves no room for the prompt in the {limit}-token context.",
+                       param="max_tokens", code="context_length_exceeded")
+    head = keep // 2
+    return ids[:head] + marker + ids[len(ids) - (keep - head):]
 
 
 async def _submit(state: GatewayState, gen: GenerationRequest) -> ChoiceStream:
@@ -331,6 +353,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt_ids = state.engine.tokenizer.apply_chat_template(req.template_messages())
     except ValueError as e:  # the model's chat template refuses this conversation
         raise APIError(400, str(e), param="messages", code="invalid_messages") from None
+    prompt_ids = _fit_prompt(state, prompt_ids, req.requested_max_tokens(), req.prompt_truncation)
     max_tokens = _resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens(), None)
     tier = request.get(TIER_KEY, state.settings.auth.anonymous_tier)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -391,6 +414,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = state.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     if not prompt_ids:
         raise APIError(400, "The prompt is empty.", param="prompt", code="invalid_value")
+    prompt_ids = _fit_prompt(state, prompt_ids, req.max_tokens, req.prompt_truncation)
     try:
         max_tokens = _resolve_max_tokens(state, len(prompt_ids), req.max_tokens, 16)  # OpenAI's default: 16
     except APIError as e:

@@ -70,6 +70,11 @@ class _SamplingFields(_Request):
     temperature: Number | None = Field(None, ge=0.0, le=2.0)
     top_p: Number | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None  # vLLM's extra; 0 or less: off
+    stop_token_ids: list[int] | None = None  # vLLM's extra: finish (reason "stop") on any of these ids
+    ignore_eos: bool | None = False  # vLLM's extra: keep generating past the end-of-sequence token
+    # Sluice's extra: what to do with a prompt longer than the context. "error" (default): 400
+    # context_length_exceeded. "middle": cut the middle, insert a marker, keep the head and the tail.
+    prompt_truncation: Literal["error", "middle"] | None = "error"
     n: int | None = Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None

@@ -80,6 +80,7 @@ def real_gateway(tmp_path_factory) -> RealGateway:
            # fp32 weights: the 32-concurrent test compares each answer with the same request run alone,
            # which bf16 rounding (batch-shape dependent) would make flaky; bf16 is checked in tests/engine.
            "SLUICE_ENGINE__WEIGHT_DTYPE": "float32",
+           "SLUICE_ENGINE__MAX_MODEL_LEN": "2048",  # over-long prompts stay cheap to build and to cut
            "PYTHONPATH": str(ROOT)}
     env.pop("SLUICE_CONFIG", None)
     out = subprocess.run([sys.executable, "-m", "gateway.cli", "keys", "create", "--name", "tests",

@@ -166,6 +166,31 @@ def test_errors(gw, sdk):
         pass  # the server may close before the whole body is sent; status checked in the fake-engine suite
 
 
+def test_prompt_truncation_middle_keeps_head_and_tail(sdk):
+    m = model_id(sdk)
+    long = "The secret word is BANANA. " + "filler text " * 1500 + " Repeat the secret word."
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model=m, messages=[{"role": "user", "content": long}], max_tokens=8)
+    assert e.value.body["code"] == "context_length_exceeded"
+    r = sdk.chat.completions.create(model=m, messages=[{"role": "user", "content": long}], max_tokens=8,
+                                    temperature=0, extra_body={"prompt_truncation": "middle"})
+    assert r.usage.prompt_tokens + 8 <= 2048
+    assert r.usage.prompt_tokens > 2048 - 8 - 300  # cut to fit, not to nothing
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_token_ids_and_ignore_eos_extras(sdk):
+    m = model_id(sdk)
+    base = sdk.chat.completions.create(model=m, messages=MSG, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert base.usage.completion_tokens == 6 and base.choices[0].finish_reason == "length"
+    r = sdk.completions.create(model=m, prompt="1, 2, 3, 4,", max_tokens=10, temperature=0)
+    ids = r.usage.completion_tokens
+    r2 = sdk.completions.create(model=m, prompt="1, 2, 3, 4,", max_tokens=10, temperature=0,
+                                extra_body={"stop_token_ids": [28]})  # 28 is "," in SmolLM2's vocabulary
+    assert r2.choices[0].finish_reason == "stop" and r2.usage.completion_tokens < ids
+
+
 def test_disconnect_mid_stream_then_healthy(gw, sdk):
     m = model_id(sdk)
     port = int(gw.base.rsplit(":", 1)[1])

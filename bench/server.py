@@ -1,0 +1,59 @@
+"""Starts `sluice serve` (or another OpenAI-compatible server) on a free port for a benchmark, and stops it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, timeout: float = 300.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not ready after {timeout}s")
+
+
+@contextlib.contextmanager
+def sluice_server(env_overrides: dict[str, str] | None = None, args: list[str] | None = None):
+    """Yields the base URL (http://127.0.0.1:PORT/v1) of a fresh `sluice serve` with no API keys."""
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="sluice-bench-")
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "SLUICE_AUTH__KEYS_FILE": f"{tmp}/keys.json",
+           "PYTHONPATH": str(ROOT), **(env_overrides or {})}
+    env.pop("SLUICE_CONFIG", None)
+    log = open(f"{tmp}/server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *(args or [])],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/ready", proc=proc)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
