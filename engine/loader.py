@@ -66,12 +66,13 @@ def default_model_path() -> Path:
     return path
 
 
-def load_model(path: str | None) -> LoadedModel:
+def load_model(path: str | None, with_weights: bool = True) -> LoadedModel:
+    """with_weights=False reads only the configuration and tokenizer (a gateway without an engine)."""
     p = Path(path) if path else default_model_path()
     if p.is_dir():
-        return _load_hf_folder(p)
+        return _load_hf_folder(p, with_weights)
     if p.suffix == ".gguf" and p.is_file():
-        return _load_gguf(p)
+        return _load_gguf(p, with_weights)
     raise FileNotFoundError(f"model {p} is neither a .gguf file nor a Hugging Face folder")
 
 
@@ -106,7 +107,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
-def _load_gguf(path: Path) -> LoadedModel:
+def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
     import gguf  # imported here: only GGUF loading needs it
 
     reader = gguf.GGUFReader(str(path))
@@ -134,7 +135,7 @@ def _load_gguf(path: Path) -> LoadedModel:
         max_position_embeddings=int(meta("context_length", 4096)),
     )
     weights: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in reader.tensors if with_weights else []:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.array(arr, dtype=np.float32, copy=True, order="C")
         name = t.name
@@ -156,8 +157,9 @@ def _load_gguf(path: Path) -> LoadedModel:
         else:
             continue
         weights[hf] = torch.from_numpy(arr)
-    args.tie_word_embeddings = "lm_head.weight" not in weights
-    args.attention_bias = "model.layers.0.self_attn.q_proj.bias" in weights
+    names = {t.name for t in reader.tensors}
+    args.tie_word_embeddings = "output.weight" not in names
+    args.attention_bias = "blk.0.attn_q.bias" in names
 
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
@@ -188,7 +190,7 @@ def _load_gguf(path: Path) -> LoadedModel:
 
 # --- Hugging Face folder ------------------------------------------------------------------------
 
-def _load_hf_folder(path: Path) -> LoadedModel:
+def _load_hf_folder(path: Path, with_weights: bool = True) -> LoadedModel:
     from safetensors.torch import load_file
 
     cfg = json.loads((path / "config.json").read_text())
@@ -217,10 +219,10 @@ def _load_hf_folder(path: Path) -> LoadedModel:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files")
-    for f in files:
+    for f in files if with_weights else []:
         for k, v in load_file(str(f)).items():
             weights[k] = v.to(torch.float32)
-    if "lm_head.weight" not in weights:
+    if with_weights and "lm_head.weight" not in weights:
         args.tie_word_embeddings = True
 
     tok_cfg_path = path / "tokenizer_config.json"

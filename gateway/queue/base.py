@@ -145,5 +145,39 @@ class RequestQueue(ABC):
     async def next_cancellations(self, timeout: float | None = None) -> list[str]:
         """Request ids cancelled since the last call; waits up to `timeout` for at least one."""
 
+    # ---- distributed delivery (leases). The in-process queue needs none of it: these defaults make
+    # every hook a no-op there, and the Redis queue overrides them.
+
+    lease_s: float | None = None  # None: no leases (nothing to renew)
+    renew_interval_s: float | None = None
+
+    async def publish_batch(self, outputs: list[RequestOutput]) -> list[str]:
+        """Publish one step's outputs; returns the ids this worker no longer owns (to abort locally)."""
+        for out in outputs:
+            await self.publish(out)
+        return []
+
+    async def renew(self, request_ids: list[str]) -> list[str]:
+        """Extend the leases of requests this worker runs; returns the ids it no longer owns."""
+        return []
+
+    async def release(self, request_ids: list[str]) -> int:
+        """Hand unfinished requests back to the queue (graceful shutdown). Returns how many went
+        back; 0 means the queue cannot take them back (the worker then fails them)."""
+        return 0
+
+    async def heartbeat(self, info: dict[str, Any]) -> None:
+        """Announce a live worker and how busy it is (no-op in-process)."""
+
+    async def unregister(self) -> None:
+        """The worker is leaving."""
+
+    async def workers(self) -> list[dict[str, Any]] | None:
+        """Live workers with their stats; None when the queue has no notion of remote workers."""
+        return None
+
+    def start_reaper(self) -> None:
+        """Start background housekeeping (lease reclaim, deadline expiry); no-op in-process."""
+
     async def close(self) -> None:
         return None
