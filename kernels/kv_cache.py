@@ -1,0 +1,48 @@
+"""Writing this step's K/V into their cache slots: the torch reference and the Triton kernel.
+
+Cache of one layer: `[num_slots, kv_heads, head_dim]`, slot = block * block_size + offset.
+`slot_mapping[t]` is token t's slot; a negative slot skips the token (padding rows of a CUDA-graph
+batch bucket). k, v `[T, Hkv, D]` may be strided views of a fused QKV output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import jit, next_pow2
+
+tl = None  # triton.language, set by _triton.jit at the first launch (kernels import without Triton)
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcs, stride_kch, stride_vcs, stride_vch, NUM_HEADS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        i = tl.arange(0, BLOCK)
+        mask = i < NUM_HEADS * HEAD_DIM
+        h = i // HEAD_DIM
+        d = i % HEAD_DIM
+        kx = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+        vx = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(kc_ptr + slot * stride_kcs + h * stride_kch + d, kx.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + slot * stride_vcs + h * stride_vch + d, vx.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    jit(_write_kv_kernel)[(t,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        NUM_HEADS=hkv, HEAD_DIM=d, BLOCK=next_pow2(hkv * d), num_warps=4)
