@@ -41,15 +41,22 @@ async def run_load(base_url: str, model: str, prompts: list[tuple[str, int]], co
         async with sem:
             t0 = time.perf_counter()
             first = None
+            chunks = 0
+            usage_seen = False
             try:
                 stream = await client.chat.completions.create(
                     model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
                     temperature=0, stream=True, stream_options={"include_usage": True})
                 async for chunk in stream:
-                    if first is None and chunk.choices and chunk.choices[0].delta.content:
-                        first = time.perf_counter()
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        chunks += 1
+                        if first is None:
+                            first = time.perf_counter()
                     if chunk.usage is not None:
                         tokens[0] += chunk.usage.completion_tokens
+                        usage_seen = True
+                if not usage_seen:  # servers that ignore include_usage: one content chunk per token
+                    tokens[0] += chunks
             except Exception:
                 errors[0] += 1
                 return

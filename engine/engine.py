@@ -39,7 +39,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, loaded)
         del loaded
         self.capacity_tokens = self.runner.num_blocks * config.block_size
-        self._validate_limits()
+        self.max_input_len = validate_limits(config, self.max_model_len, self.capacity_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self._seqs: dict[str, Sequence] = {}
@@ -51,35 +51,6 @@ class LLMEngine:
                  self.runner.num_blocks, config.block_size,
                  self.capacity_tokens * self.runner.kv_bytes_per_token / 2**20,
                  config.max_running_requests, time.perf_counter() - t0)
-
-    def _validate_limits(self) -> None:
-        c = self.config
-        self.max_input_len = c.req_max_input_len or self.max_model_len - 1
-        if self.max_input_len >= self.max_model_len:
-            raise EngineConfigError(
-                f"req_max_input_len {self.max_input_len} leaves no room to generate within max_model_len "
-                f"{self.max_model_len}; set it below {self.max_model_len}")
-        if self.capacity_tokens < self.max_model_len and c.req_max_input_len is None:
-            # Only an error when the user asked for limits the pool cannot serve.
-            log.warning("KV pool (%d tokens) is smaller than the context (%d): longer requests are refused",
-                        self.capacity_tokens, self.max_model_len)
-        if c.req_max_input_len is not None and c.req_max_input_len + 1 > self.capacity_tokens:
-            raise EngineConfigError(
-                f"req_max_input_len {c.req_max_input_len} cannot fit in the KV pool of {self.capacity_tokens} "
-                "tokens; raise kv_cache_tokens / max_total_num_tokens (or mem_fraction_static on a GPU) or "
-                "lower req_max_input_len")
-        if c.max_num_batched_tokens < c.max_running_requests:
-            raise EngineConfigError(
-                f"max_num_batched_tokens {c.max_num_batched_tokens} is below max_running_requests "
-                f"{c.max_running_requests}: a step could not give every running request its decode token")
-        if c.chunked_prefill_size > c.max_num_batched_tokens:
-            raise EngineConfigError(
-                f"chunked_prefill_size {c.chunked_prefill_size} exceeds max_num_batched_tokens "
-                f"{c.max_num_batched_tokens}; lower it or raise the token budget")
-        if c.chunked_prefill_size <= 0 and c.max_num_batched_tokens < self.max_input_len:
-            raise EngineConfigError(
-                "without chunked prefill (chunked_prefill_size <= 0) max_num_batched_tokens must hold the "
-                f"longest prompt ({self.max_input_len} tokens)")
 
     # -- the loop's API --------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -177,6 +148,43 @@ class LLMEngine:
             for out in self.step():
                 results[out.request_id].append(out)
         return results
+
+
+def validate_limits(c: EngineConfig, max_model_len: int, capacity_tokens: int) -> int:
+    """Checks the scheduling limits against the model and the KV pool; returns the longest prompt.
+
+    Every value that cannot be honoured is an EngineConfigError naming the setting to change."""
+    max_input_len = c.req_max_input_len or max_model_len - 1
+    if max_input_len >= max_model_len:
+        raise EngineConfigError(
+            f"req_max_input_len {max_input_len} leaves no room to generate within max_model_len "
+            f"{max_model_len}; set it below {max_model_len}")
+    if c.req_max_input_len is not None and c.req_max_input_len + 1 > capacity_tokens:
+        raise EngineConfigError(
+            f"req_max_input_len {c.req_max_input_len} cannot fit in the KV pool of {capacity_tokens} tokens; "
+            "raise kv_cache_tokens / max_total_num_tokens (or mem_fraction_static on a GPU) or lower "
+            "req_max_input_len")
+    if capacity_tokens // c.block_size < c.max_running_requests:
+        raise EngineConfigError(
+            f"max_running_requests {c.max_running_requests} needs at least one KV block each, but the pool "
+            f"has {capacity_tokens // c.block_size} blocks of {c.block_size} tokens; raise kv_cache_tokens / "
+            "max_total_num_tokens (or mem_fraction_static on a GPU) or lower max_running_requests")
+    if c.max_num_batched_tokens < c.max_running_requests:
+        raise EngineConfigError(
+            f"max_num_batched_tokens {c.max_num_batched_tokens} is below max_running_requests "
+            f"{c.max_running_requests}: a step could not give every running request its decode token")
+    if c.chunked_prefill_size > c.max_num_batched_tokens:
+        raise EngineConfigError(
+            f"chunked_prefill_size {c.chunked_prefill_size} exceeds max_num_batched_tokens "
+            f"{c.max_num_batched_tokens}; lower it or raise the token budget")
+    if c.chunked_prefill_size <= 0 and c.max_num_batched_tokens < max_input_len:
+        raise EngineConfigError(
+            "without chunked prefill (chunked_prefill_size <= 0) max_num_batched_tokens must hold the "
+            f"longest prompt ({max_input_len} tokens); raise it, lower req_max_input_len, or enable chunking")
+    if capacity_tokens < max_model_len:
+        log.warning("KV pool (%d tokens) is smaller than the context (%d): longer requests are refused",
+                    capacity_tokens, max_model_len)
+    return max_input_len
 
 
 class EngineStats:
