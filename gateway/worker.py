@@ -9,7 +9,10 @@ happens on one thread that the event loop never waits for. The two sides talk th
 The worker pulls only as many requests as the engine has free slots (`max_running_requests` minus
 in-flight), so requests beyond capacity wait in the queue where priority, aging and depth limits
 apply. It takes the queue as an argument so the same class runs in-process or as `sluice worker`
-against a Redis queue.
+against a Redis queue. With a queue that leases requests (Redis) it also renews the leases of what it
+holds, publishes each step's outputs in one fenced round trip (retrying through Redis outages, in
+order), aborts requests it no longer owns, sends heartbeats, and on `stop(handback=True)` hands
+unfinished requests back to the queue (with their published tokens) instead of failing them.
 """
 
 from __future__ import annotations
@@ -30,13 +33,16 @@ log = logging.getLogger("sluice.worker")
 
 class EngineWorker:
     def __init__(self, engine: Any, queue: RequestQueue, *, max_batch: int = 128, poll_s: float = 0.5,
-                 idle_wait_s: float = 0.5):
+                 idle_wait_s: float = 0.5, heartbeat_s: float = 1.0, model_name: str | None = None):
         self.engine = engine
         self.queue = queue
         self.max_batch = max_batch
         self.poll_s = poll_s  # how often the asyncio loops re-check for shutdown
         self.idle_wait_s = idle_wait_s
         self.capacity = int(engine.config.max_running_requests)
+        self.heartbeat_s = heartbeat_s
+        self.model_name = model_name or getattr(engine, "model_name", None)
+        self._handing_back: set[str] = set()
 
         self._inbox: thread_queue.SimpleQueue[tuple[str, Any]] = thread_queue.SimpleQueue()
         self._wake = threading.Event()
@@ -83,17 +89,27 @@ class EngineWorker:
             asyncio.create_task(self._pull_loop(), name="sluice-worker-pull"),
             asyncio.create_task(self._cancel_loop(), name="sluice-worker-cancel"),
             asyncio.create_task(self._publish_loop(), name="sluice-worker-publish"),
+            asyncio.create_task(self._heartbeat_loop(), name="sluice-worker-heartbeat"),
         ]
+        if self.queue.renew_interval_s:
+            self._tasks.append(asyncio.create_task(self._renew_loop(), name="sluice-worker-renew"))
 
-    async def stop(self, grace_s: float = 0.0) -> None:
-        """Stop pulling; give in-flight requests `grace_s` to finish; abort the rest; join the thread."""
+    async def stop(self, grace_s: float = 0.0, *, handback: bool | None = None) -> None:
+        """Stop pulling; give in-flight requests `grace_s` to finish; then hand the rest back to the
+        queue (when it leases: `handback` defaults to that) or abort them; join the thread."""
         self._stopping = True
         self._tasks[0].cancel()  # no new work
+        if handback is None:
+            handback = self.queue.lease_s is not None
         deadline = time.monotonic() + grace_s
         while self._in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(self._in_flight):
-            self._send("abort", rid)
+        if handback:
+            # The thread aborts them at shutdown; those abort outputs must not reach the clients.
+            self._handing_back = set(self._in_flight)
+        else:
+            for rid in list(self._in_flight):
+                self._send("abort", rid)
         self._stop_thread.set()
         self._wake.set()
         if self._thread is not None:
@@ -104,8 +120,24 @@ class EngineWorker:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         assert self._outbox is not None
         while not self._outbox.empty():  # outputs the publisher had not forwarded yet
-            for out in self._outbox.get_nowait():
-                await self.queue.publish(out)
+            batch = self._outbox.get_nowait()
+            try:
+                await self.queue.publish_batch(batch)
+            except Exception:
+                log.exception("publishing %d outputs at shutdown failed", len(batch))
+        if handback and self._handing_back:
+            ids = sorted(self._handing_back)
+            try:
+                n = await self.queue.release(ids)
+                log.info("handed %d unfinished requests back to the queue", n)
+                self._in_flight.difference_update(ids)
+            except Exception:  # their leases expire and the reaper requeues them anyway
+                log.exception("handing back %d requests failed; their leases will expire", len(ids))
+                self._in_flight.difference_update(ids)
+        try:
+            await self.queue.unregister()
+        except Exception:
+            pass
         # Whatever is still in flight gets a final answer so no handler waits forever.
         for rid in list(self._in_flight):
             await self.queue.publish(ErrorOutput(request_id=rid, finished=True, finish_reason="error",
@@ -141,9 +173,10 @@ class EngineWorker:
             now = time.time()
             for item in items:
                 if item.deadline is not None and now > item.deadline:
-                    await self.queue.publish(ErrorOutput(
+                    await self.queue.publish_batch([ErrorOutput(
                         request_id=item.request_id, finished=True, finish_reason="error",
-                        error="request expired in the queue", error_code="queue_timeout", error_status=503))
+                        error="the request waited in the queue past its deadline", error_code="queue_timeout",
+                        error_status=504)])
                     continue
                 self._in_flight.add(item.request_id)
                 self._send("add", item)
@@ -164,6 +197,8 @@ class EngineWorker:
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         """Runs on the loop (via call_soon_threadsafe)."""
         assert self._outbox is not None and self._room is not None
+        if self._handing_back:
+            outputs = [o for o in outputs if not (o.request_id in self._handing_back and o.finish_reason == "abort")]
         for out in outputs:
             if out.finished:
                 self._in_flight.discard(out.request_id)
@@ -171,14 +206,55 @@ class EngineWorker:
         self._outbox.put_nowait(outputs)
 
     async def _publish_loop(self) -> None:
+        """Forwards each step's outputs in order; a failed publish is retried (never skipped), so a
+        Redis outage delays tokens but loses none."""
         assert self._outbox is not None
         while True:
             outputs = await self._outbox.get()
-            for out in outputs:
+            delay = 0.05
+            while True:
                 try:
-                    await self.queue.publish(out)
-                except Exception:
-                    log.exception("publishing an output for %s failed", out.request_id)
+                    lost = await self.queue.publish_batch(outputs)
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    log.warning("publishing %d outputs failed (%s); retrying", len(outputs), e)
+                    await asyncio.sleep(delay)
+                    delay = min(1.0, delay * 2)
+            self._drop_lost(lost)
+
+    def _drop_lost(self, lost: list[str]) -> None:
+        """Requests this worker no longer owns (cancelled, or reclaimed after a stalled lease): stop them."""
+        for rid in lost:
+            if rid in self._in_flight:
+                log.info("request %s is no longer ours (cancelled or reclaimed); aborting it", rid)
+                self._send("abort", rid)
+
+    async def _renew_loop(self) -> None:
+        interval = float(self.queue.renew_interval_s or 1.0)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self._drop_lost(await self.queue.renew(list(self._in_flight)))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("renewing leases failed (%s); retrying", e)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                stats = self.stats()
+                await self.queue.heartbeat({
+                    "model": self.model_name, "capacity": self.capacity, "in_flight": stats["in_flight"],
+                    "running": stats.get("engine_num_running", 0), "waiting": stats.get("engine_num_waiting", 0),
+                    "draining": self._stopping})
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("heartbeat failed (%s); retrying", e)
+            await asyncio.sleep(self.heartbeat_s)
 
     # ------------------------------------------------------------ engine thread
 

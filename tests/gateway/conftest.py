@@ -112,3 +112,68 @@ def real_gateway(tmp_path_factory) -> RealGateway:
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+
+
+# ---------------------------------------------------------------- a real redis-server
+
+
+class RedisServer:
+    """A redis-server on a free port, data in its own folder (AOF on), restartable with its data."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.workdir)],
+            stdout=open(self.workdir / "redis.log", "a"), stderr=subprocess.STDOUT)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start:\n{(self.workdir / 'redis.log').read_text()[-2000:]}")
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is None:
+            return
+        if kill:
+            self.proc.kill()
+        else:
+            self.proc.terminate()  # SIGTERM: redis-server flushes the AOF and exits
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+    def restart(self, down_s: float = 0.0) -> None:
+        self.stop()
+        time.sleep(down_s)
+        self.start()
+
+
+def _have_redis_server() -> bool:
+    import shutil
+
+    return shutil.which("redis-server") is not None
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    if not _have_redis_server():
+        pytest.skip("redis-server is not installed (make test installs it: apt-get install redis-server)")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()

@@ -1,9 +1,11 @@
-"""Queue semantics, parametrised over implementations (the Redis queue joins `QUEUE_FACTORIES` later)."""
+"""Queue semantics, parametrised over implementations: in-process, Redis (a real redis-server) and
+Redis on fakeredis (its Lua runs on lupa; skipped where lupa is missing)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import pytest
 
@@ -17,20 +19,39 @@ def _memory(**kw):
     return MemoryQueue(**kw)
 
 
-QUEUE_FACTORIES = {"memory": _memory}
+def _redis(request, **kw):
+    from gateway.queue.redis import RedisQueue
+
+    server = request.getfixturevalue("redis_server")
+    return RedisQueue(server.url, prefix=f"t{uuid.uuid4().hex[:8]}", **kw)
+
+
+def _fakeredis(request, **kw):
+    pytest.importorskip("lupa", reason="fakeredis runs Lua only with lupa installed")
+    import fakeredis
+
+    from gateway.queue.redis import RedisQueue
+
+    client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    return RedisQueue(client=client, prefix="t", **kw)
+
+
+QUEUE_FACTORIES = {"memory": lambda request, **kw: _memory(**kw), "redis": _redis, "fakeredis": _fakeredis}
 
 
 @pytest.fixture(params=sorted(QUEUE_FACTORIES))
-def make_queue(request):
+async def make_queue(request):
     made = []
 
     def factory(**kw):
         kw.setdefault("max_wait_ms", 0)
-        q = QUEUE_FACTORIES[request.param](**kw)
+        q = QUEUE_FACTORIES[request.param](request, **kw)
         made.append(q)
         return q
 
     yield factory
+    for q in made:
+        await q.close()
 
 
 def item(rid: str, tier: str = "standard", enqueued_at: float | None = None) -> QueueItem:
