@@ -68,6 +68,9 @@ class GatewayState:
     model_name: str | None = None
     max_model_len: int = 0
     load_error: str | None = None
+    no_engine: bool = False  # gateway only: engine workers run elsewhere (`sluice worker`, Redis queue)
+    draining: bool = False  # SIGTERM received: new requests get 503 + Retry-After
+    workers: list[dict[str, Any]] | None = None  # live remote workers of this model (Redis queue)
     created: int = field(default_factory=lambda: int(time.time()))
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
@@ -81,7 +84,12 @@ class GatewayState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.worker is not None and self.worker.running
+        if self.draining or self.engine is None:
+            return False
+        local = self.worker is not None and self.worker.running
+        if self.no_engine:
+            return bool(self.workers)
+        return local
 
 
 def request_id(request: web.Request) -> str:
@@ -110,15 +118,65 @@ def load_engine(settings: Settings) -> Any:
     return LLMEngine(config)
 
 
+class Frontend:
+    """What the handlers need from an engine when the engine runs elsewhere: tokenizer, name, context."""
+
+    def __init__(self, settings: Settings):
+        from engine.loader import load_model
+        from engine.tokenizer import Tokenizer
+
+        loaded = load_model(settings.model.path, with_weights=False)
+        self.tokenizer = Tokenizer(loaded)
+        self.model_name = settings.model.served_model_name or settings.engine.get("served_model_name") or loaded.name
+        self.max_model_len = int(settings.engine.get("max_model_len") or loaded.args.max_position_embeddings)
+
+
+def make_queue(settings: Settings) -> RequestQueue:
+    """The Redis queue when `redis_url` is set, else the in-process one."""
+    q = settings.queue
+    kw = dict(max_depth=dict(q.max_depth), fill_target=q.fill_target, max_wait_ms=q.max_wait_ms, aging_s=q.aging_s)
+    if settings.redis_url:
+        from gateway.queue.redis import RedisQueue
+
+        return RedisQueue(settings.redis_url, prefix=q.key_prefix, lease_s=q.lease_s, result_ttl_s=q.result_ttl_s,
+                          heartbeat_ttl_s=5 * q.heartbeat_s, **kw)
+    return MemoryQueue(**kw)
+
+
+async def _watch_workers(app: web.Application) -> None:
+    """Keeps `state.workers` (live remote workers serving this model) fresh for /ready and routing."""
+    state = app[STATE]
+    assert state.queue is not None
+    while True:
+        try:
+            workers = await state.queue.workers()
+            if workers is not None:
+                state.workers = [w for w in workers if state.model_name is None or w.get("model") == state.model_name]
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # Redis unreachable: keep the last view, retry
+            log.warning("listing workers failed: %s", e)
+        await asyncio.sleep(state.settings.queue.heartbeat_s)
+
+
 async def _start_engine(app: web.Application) -> None:
     state = app[STATE]
     try:
+        if state.no_engine:
+            if state.engine is None:
+                state.engine = await asyncio.to_thread(Frontend, state.settings)
+            state.model_name = state.settings.model.served_model_name or state.engine.model_name
+            state.max_model_len = int(state.engine.max_model_len)
+            log.info("gateway only (no local engine): model=%s max_model_len=%d", state.model_name,
+                     state.max_model_len)
+            return
         if state.engine is None:
             state.engine = await asyncio.to_thread(load_engine, state.settings)
         engine = state.engine
         state.model_name = state.settings.model.served_model_name or engine.model_name
         state.max_model_len = int(engine.max_model_len)
-        worker = EngineWorker(engine, state.queue, max_batch=state.settings.queue.max_batch)
+        worker = EngineWorker(engine, state.queue, max_batch=state.settings.queue.max_batch,
+                              heartbeat_s=state.settings.queue.heartbeat_s, model_name=state.model_name)
         await worker.start()
         state.worker = worker
         log.info("engine ready: model=%s max_model_len=%d max_running_requests=%d",
@@ -130,17 +188,19 @@ async def _start_engine(app: web.Application) -> None:
 
 async def _lifecycle(app: web.Application):
     state = app[STATE]
-    q = state.settings.queue
     if state.queue is None:
-        state.queue = MemoryQueue(max_depth=dict(q.max_depth), fill_target=q.fill_target,
-                                  max_wait_ms=q.max_wait_ms, aging_s=q.aging_s)
+        state.queue = make_queue(state.settings)
     if state.backend is None:
         state.backend = LocalBackend(state.queue)
+    state.queue.start_reaper()
     loader = asyncio.create_task(_start_engine(app))
     app[LOADER] = loader
+    watcher = asyncio.create_task(_watch_workers(app)) if state.no_engine else None
     yield
-    loader.cancel()
-    await asyncio.gather(loader, return_exceptions=True)
+    for t in (loader, watcher):
+        if t is not None:
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)
     if state.worker is not None:
         await state.worker.stop(grace_s=state.settings.server.shutdown_grace_s)
     await state.queue.close()
@@ -161,6 +221,11 @@ async def _read_json(request: web.Request, model: type) -> Any:
 
 
 def _require_ready(state: GatewayState) -> None:
+    if state.draining:
+        raise APIError(503, "This gateway is shutting down; retry (another gateway will answer).",
+                       code="shutting_down", retry_after=1)
+    if state.no_engine and state.engine is not None and not state.workers:
+        raise APIError(503, "No engine worker is alive for this model.", code="no_workers", retry_after=1)
     if not state.ready:
         msg = "The model is still loading." if state.load_error is None else "The engine is not available."
         raise APIError(503, msg, code="not_ready", retry_after=1)
@@ -195,6 +260,24 @@ def _tier_priority(state: GatewayState, tier: str) -> int:
     if tier in tiers:
         return tiers[tier].priority
     return max(t.priority for t in tiers.values())
+
+
+DEADLINE_HEADER = "x-request-timeout"  # seconds the client is willing to wait (its own timeout)
+
+
+def _deadline(state: GatewayState, request: web.Request, tier: str) -> float | None:
+    """When a still-queued request stops being wanted: the tier's deadline_s, or the client's timeout."""
+    limits = []
+    t = state.settings.tiers.get(tier)
+    if t is not None and t.deadline_s is not None:
+        limits.append(t.deadline_s)
+    try:
+        client = float(request.headers.get(DEADLINE_HEADER, ""))
+        if client > 0:
+            limits.append(client)
+    except ValueError:
+        pass
+    return time.time() + min(limits) if limits else None
 
 
 def _sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> SamplingParams:
@@ -359,7 +442,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     n = req.n or 1
     gen = GenerationRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=_sampling(req, max_tokens),
-                            n=n, tier=tier, priority=_tier_priority(state, tier))
+                            n=n, tier=tier, priority=_tier_priority(state, tier),
+                            deadline=_deadline(state, request, tier))
     stream = await _submit(state, gen)
     created = int(time.time())
     model = state.model_name or req.model
@@ -425,7 +509,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     rid = f"cmpl-{uuid.uuid4().hex}"
     n = req.n or 1
     gen = GenerationRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=_sampling(req, max_tokens),
-                            n=n, tier=tier, priority=_tier_priority(state, tier))
+                            n=n, tier=tier, priority=_tier_priority(state, tier),
+                            deadline=_deadline(state, request, tier))
     stream = await _submit(state, gen)
     created = int(time.time())
     model = state.model_name or req.model
@@ -486,6 +571,13 @@ async def ready(request: web.Request) -> web.Response:
         body["error"] = state.load_error
     if state.worker is not None:
         body["worker"] = state.worker.stats()
+    if state.workers is not None:  # remote workers (Redis queue): how many and how busy, for the router
+        body["workers"] = {"alive": len(state.workers),
+                           "capacity": sum(int(w.get("capacity", 0)) for w in state.workers),
+                           "in_flight": sum(int(w.get("in_flight", 0)) for w in state.workers),
+                           "draining": sum(1 for w in state.workers if w.get("draining"))}
+    if state.draining:
+        body["draining"] = True
     if state.queue is not None:
         body["queue_depth"] = {t: await state.queue.depth(t) for t in state.settings.tiers}
     return web.json_response(body, status=200 if state.ready else 503)
@@ -523,10 +615,14 @@ async def _access_log(request: web.Request, handler):
 
 
 def create_app(settings: Settings, engine: Any = None, *, queue: RequestQueue | None = None,
-               keys: KeyStore | None = None) -> web.Application:
-    """The gateway app. `engine`: an already-built engine (tests); None loads one from settings."""
+               keys: KeyStore | None = None, no_engine: bool = False) -> web.Application:
+    """The gateway app. `engine`: an already-built engine (tests); None loads one from settings.
+    `no_engine`: gateway only; engine workers (`sluice worker`) drain the Redis queue elsewhere, and
+    `engine` (if given) only supplies the tokenizer, model name and context length."""
     keys = keys or KeyStore(settings.auth.keys_file)
-    state = GatewayState(settings=settings, keys=keys, engine=engine, queue=queue)
+    if no_engine and not settings.redis_url and queue is None:
+        raise ValueError("a gateway without an engine needs the Redis queue (set redis_url / SLUICE_REDIS_URL)")
+    state = GatewayState(settings=settings, keys=keys, engine=engine, queue=queue, no_engine=no_engine)
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
         middlewares=[_access_log, error_middleware, make_auth_middleware(keys, settings.auth.anonymous_tier)],

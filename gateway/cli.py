@@ -1,4 +1,4 @@
-"""`sluice` command line: serve, keys create|list|revoke (worker and bench arrive with later issues).
+"""`sluice` command line: serve [--no-engine], worker, keys create|list|revoke, bench.
 
 OMP_WAIT_POLICY is set before anything imports torch: on a small shared CPU box torch's OpenMP
 threads otherwise busy-wait between kernels and slow everything down by orders of magnitude.
@@ -30,7 +30,18 @@ def _settings(args: argparse.Namespace, **overrides: Any):
 # ---------------------------------------------------------------- serve
 
 
-async def _serve(settings, engine: Any = None) -> None:
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    return stop
+
+
+async def _serve(settings, engine: Any = None, no_engine: bool = False) -> None:
     from aiohttp import web
 
     from gateway.app import STATE, create_app
@@ -42,7 +53,7 @@ async def _serve(settings, engine: Any = None) -> None:
     if not keys.has_keys():
         log.warning("no API keys in %s: serving WITHOUT authentication (loopback only); "
                     "create one with `sluice keys create`", keys.path)
-    app = create_app(settings, engine=engine, keys=keys)
+    app = create_app(settings, engine=engine, keys=keys, no_engine=no_engine)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=settings.server.shutdown_grace_s)
     await runner.setup()
@@ -50,22 +61,22 @@ async def _serve(settings, engine: Any = None) -> None:
     await site.start()
     state = app[STATE]
     # Wait for the engine to give the one informative start line (capacity needs the engine).
-    while state.worker is None and state.load_error is None:
+    stop = _stop_event()
+    while state.load_error is None and not stop.is_set() and (
+            state.worker is None if not no_engine else state.model_name is None):
         await asyncio.sleep(0.05)
     capacity = state.worker.capacity if state.worker else 0
     log.info("sluice serving on http://%s:%d model=%s max_model_len=%d capacity=%d running "
-             "(+%s queued per tier) auth=%s", settings.server.host, settings.server.port, state.model_name,
-             state.max_model_len, capacity, dict(settings.queue.max_depth), auth_mode)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+             "(+%s queued per tier) auth=%s queue=%s%s", settings.server.host, settings.server.port,
+             state.model_name, state.max_model_len, capacity, dict(settings.queue.max_depth), auth_mode,
+             "redis" if settings.redis_url else "in-process", " (no engine: workers run elsewhere)" if no_engine else "")
     await stop.wait()
-    log.info("shutting down")
+    # Graceful: refuse new requests (503 + Retry-After), stop listening, let open streams finish
+    # within shutdown_grace_s, then hand the local engine's unfinished requests back (Redis) and exit.
+    log.info("shutting down: draining open requests for up to %.0fs", settings.server.shutdown_grace_s)
+    state.draining = True
     await runner.cleanup()
+    log.info("stopped")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -81,12 +92,58 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overrides["server"] = server
     if args.model is not None:
         overrides["model"] = {"path": args.model}
+    if args.redis_url is not None:
+        overrides["redis_url"] = args.redis_url
     settings = _settings(args, **overrides)
+    if args.no_engine and not settings.redis_url:
+        print("sluice serve --no-engine needs a Redis queue: --redis-url or SLUICE_REDIS_URL", file=sys.stderr)
+        return 2
     try:
-        asyncio.run(_serve(settings))
+        asyncio.run(_serve(settings, no_engine=args.no_engine))
     except InsecureBindError as e:
         print(f"sluice: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+# ---------------------------------------------------------------- worker
+
+
+async def _worker(settings) -> None:
+    from gateway.app import load_engine, make_queue
+    from gateway.worker import EngineWorker
+
+    queue = make_queue(settings)
+    queue.start_reaper()
+    stop = _stop_event()
+    engine = await asyncio.to_thread(load_engine, settings)
+    model = settings.model.served_model_name or engine.model_name
+    q = settings.queue
+    worker = EngineWorker(engine, queue, max_batch=q.max_batch, heartbeat_s=q.heartbeat_s, model_name=model)
+    await worker.start()
+    log.info("sluice worker %s: model=%s capacity=%d, draining %s", getattr(queue, "consumer_id", "?"), model,
+             worker.capacity, settings.redis_url)
+    await stop.wait()
+    # Graceful: stop pulling, let in-flight requests finish within the grace period, hand the rest
+    # back to the queue with the tokens already sent (another worker continues them), exit.
+    log.info("worker shutting down: finishing %d in-flight requests for up to %.0fs",
+             worker.stats()["in_flight"], settings.server.shutdown_grace_s)
+    await worker.stop(grace_s=settings.server.shutdown_grace_s, handback=True)
+    await queue.close()
+    log.info("worker stopped")
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    overrides: dict[str, Any] = {}
+    if args.model is not None:
+        overrides["model"] = {"path": args.model}
+    if args.redis_url is not None:
+        overrides["redis_url"] = args.redis_url
+    settings = _settings(args, **overrides)
+    if not settings.redis_url:
+        print("sluice worker needs the Redis queue: --redis-url or SLUICE_REDIS_URL", file=sys.stderr)
+        return 2
+    asyncio.run(_worker(settings))
     return 0
 
 
@@ -154,7 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=os.environ.get("SLUICE_LOG_LEVEL", "INFO"))
     sub = p.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the HTTP gateway with a local engine")
+    serve = sub.add_parser("serve", help="run the HTTP gateway (with a local engine unless --no-engine)")
+    serve.add_argument("--no-engine", action="store_true",
+                       help="gateway only: `sluice worker` processes run the engine (needs the Redis queue)")
+    serve.add_argument("--redis-url", help="use the Redis queue (default: $SLUICE_REDIS_URL; unset: in-process)")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--model", help="model path (.gguf or HF folder); default: SmolLM2-135M-Instruct")
@@ -176,10 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "revoke":
             kp.add_argument("name_or_id")
 
-    for name in ("worker",):
-        np_ = sub.add_parser(name, help="(not implemented yet)")
-        np_.add_argument("rest", nargs=argparse.REMAINDER)
-        np_.set_defaults(func=cmd_not_implemented)
+    worker = sub.add_parser("worker", help="run an engine that drains the Redis queue (one per GPU)")
+    worker.add_argument("--redis-url", help="default: $SLUICE_REDIS_URL")
+    worker.add_argument("--model", help="model path (.gguf or HF folder); default: SmolLM2-135M-Instruct")
+    worker.add_argument("--config", help="TOML config file (default: $SLUICE_CONFIG or config/sluice.toml)")
+    worker.set_defaults(func=cmd_worker)
 
     bench = sub.add_parser("bench", help="run a benchmark from bench/ (list them with `sluice bench`)")
     bench.add_argument("name", nargs="?", help="benchmark module, e.g. engine_batching")

@@ -27,7 +27,7 @@ class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    shutdown_grace_s: float = Field(10.0, ge=0)
+    shutdown_grace_s: float = Field(10.0, ge=0)  # on SIGTERM: open streams / in-flight requests get this long
 
 
 class ModelSettings(BaseModel):
@@ -41,6 +41,11 @@ class QueueSettings(BaseModel):
     fill_target: int = Field(1, ge=1)  # a pull returns at once when this many items are waiting
     max_depth: dict[str, int] = Field(default_factory=lambda: {"pro": 1024, "standard": 1024})
     aging_s: float = Field(10.0, gt=0)  # older items are served first, whatever their tier
+    # Redis queue only (redis_url set):
+    lease_s: float = Field(10.0, gt=0)  # a worker silent this long loses its requests to another
+    heartbeat_s: float = Field(1.0, gt=0)  # workers announce themselves this often (TTL: 5x)
+    result_ttl_s: float = Field(300.0, gt=0)  # a result stream nobody reads expires after this
+    key_prefix: str = "sluice"  # every Redis key of one deployment starts with it
 
 
 class AuthSettings(BaseModel):
@@ -50,6 +55,7 @@ class AuthSettings(BaseModel):
 
 class TierSettings(BaseModel):
     priority: int  # lower is served first
+    deadline_s: float | None = Field(None, gt=0)  # a request still queued this long is dropped (timeout)
 
 
 def _default_tiers() -> dict[str, TierSettings]:
@@ -65,6 +71,9 @@ class Settings(BaseSettings):
     queue: QueueSettings = Field(default_factory=QueueSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     tiers: dict[str, TierSettings] = Field(default_factory=_default_tiers)
+    # None: the in-process queue (one process). Set (env SLUICE_REDIS_URL): the Redis queue, shared by
+    # every gateway and `sluice worker` of a deployment.
+    redis_url: str | None = None
 
     @field_validator("tiers")
     @classmethod
