@@ -65,7 +65,8 @@ class FakeEngine:
         if req.sampling.max_tokens == 999_999:  # a magic value to exercise the rejection path
             raise RequestRejected("rejected on purpose", code="fake_rejection", param="max_tokens")
         self.added.append(req.request_id)
-        self.waiting.append(_Seq(req))
+        # Resumed tokens (a retry after another worker died) count as generated and are not re-emitted.
+        self.waiting.append(_Seq(req, generated=list(req.resume_token_ids)))
 
     def abort(self, request_id: str) -> None:
         self._touch()
