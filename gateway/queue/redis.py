@@ -293,6 +293,8 @@ def make_redis_client(url: str, **kw: Any):
     kw.setdefault("socket_connect_timeout", 2.0)
     kw.setdefault("socket_keepalive", True)
     kw.setdefault("health_check_interval", 15)
+    # Each open result subscription blocks one connection in XREAD (see _RedisSubscription).
+    kw.setdefault("max_connections", 10_000)
     return aioredis.Redis.from_url(url, **kw)
 
 
