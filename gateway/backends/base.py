@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 from engine.request import RequestOutput, SamplingParams
 
 
@@ -20,6 +21,11 @@ class GenerationRequest:
     tier: str = "standard"
     priority: int = 1
     deadline: float | None = None
+    # For routing and remote providers (the router needs the request as the client sent it):
+    model: str = ""  # the model id the client asked for
+    endpoint: str = "chat"  # "chat" (/v1/chat/completions) or "completion" (/v1/completions)
+    api: Any = None  # the validated OpenAI request (ChatCompletionRequest / CompletionRequest)
+    key: str | None = None  # the API key's name (never the key), for limits and usage
 
 
 @dataclass
@@ -34,7 +40,12 @@ class ChoiceStream(ABC):
     """Outputs of a submitted request until every choice finished.
 
     `aclose()` must always be called (use `async with`): on an unfinished stream it cancels the request.
+    `backend` says where it is served (`local` or `remote:<provider>`; known once the first output
+    arrived); `prompt_tokens` is the provider's prompt count when remote (None: the local count).
     """
+
+    backend: str = "local"
+    prompt_tokens: int | None = None
 
     def __aiter__(self) -> "ChoiceStream":
         return self

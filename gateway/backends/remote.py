@@ -1,0 +1,509 @@
+"""RemoteBackend: OpenAI-compatible providers behind retries, backoff, circuit breakers and failover.
+
+Each provider has one `openai.AsyncOpenAI` client (one connection pool; the SDK's own retries off).
+Requests go through the client's raw-response path: the body the client sent (validated, with the
+Sluice-only fields removed and the model name mapped) is forwarded as is, and the answer's bytes are
+read without building SDK objects, so a relayed chunk costs a `json.loads` and nothing more. The SDK
+still does the connection pool, auth header and the mapping of error statuses to exceptions.
+
+Tries are rounds over the provider chain (order, then weight), driven by tenacity:
+  * in a round each provider whose breaker is closed (or half-open and free for a probe), that is not
+    at `max_concurrent` and not inside a Retry-After it gave us, gets one try; a retryable failure
+    (429, 5xx, timeout, connection error, a stream cut before its first text) moves on to the next
+    provider at once: a 429 with a healthy fallback does not sleep out its Retry-After;
+  * 400/413/422 are the caller's fault and answered as they are; 401/403/404 say this provider is
+    misconfigured and move on without retrying it;
+  * when a round fails, tenacity waits (the soonest Retry-After, else exponential backoff with full
+    jitter) and tries again, at most `max_attempts` rounds, and never past the request's deadline;
+  * then the client gets 429 (every provider rate-limited us) or 503, with Retry-After.
+A stream is committed once a chunk with real text arrived (a role-only first chunk is not); before
+that every failure is retried invisibly; after it a failure ends the stream with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import httpx2
+import openai
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
+
+from engine.request import RequestOutput
+from gateway.backends.base import Backend, ChoiceOutput, ChoiceStream, GenerationRequest
+from gateway.breaker import CircuitBreaker
+from gateway.errors import APIError
+from gateway.remote_config import ProviderSettings, RoutingSettings
+
+log = logging.getLogger("sluice.remote")
+
+# Fields of Sluice's request models that providers do not know (extras of vLLM and Sluice).
+SLUICE_ONLY_FIELDS = frozenset({"top_k", "stop_token_ids", "ignore_eos", "prompt_truncation"})
+RAW_STREAM = {"X-Stainless-Raw-Response": "stream"}
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 521, 522, 523, 524, 529})
+CLIENT_FAULT_STATUS = frozenset({400, 413, 422})
+
+
+class Provider:
+    def __init__(self, settings: ProviderSettings, routing: RoutingSettings):
+        self.settings = settings
+        self.name = settings.name
+        self.breaker = CircuitBreaker(routing.breaker_failures, routing.breaker_cooldown_s)
+        self.in_flight = 0
+        self.not_before = 0.0  # monotonic time before which its Retry-After asks us not to call
+        limits = httpx2.Limits(max_connections=settings.max_concurrent,
+                               max_keepalive_connections=settings.max_concurrent)
+        self.http = httpx2.AsyncClient(limits=limits, timeout=settings.timeout_s)
+        self.client = openai.AsyncOpenAI(api_key=settings.api_key() or "missing", base_url=settings.base_url,
+                                         max_retries=0, timeout=settings.timeout_s, http_client=self.http)
+
+    def usable(self, now: float) -> bool:
+        return (self.breaker.available() and self.in_flight < self.settings.max_concurrent
+                and now >= self.not_before)
+
+    def wait_hint(self, now: float) -> float:
+        """Seconds until this provider could be tried again."""
+        return max(self.not_before - now, self.breaker.retry_in(), 0.0)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+@dataclass
+class _Failure:
+    provider: str
+    kind: str  # "rate_limited" | "server_error" | "timeout" | "connection" | "misconfigured" | "dropped"
+    message: str
+    status: int | None = None
+    retry_after: float | None = None
+
+
+class RoundFailed(Exception):
+    def __init__(self, failures: list[_Failure], wait_hint: float | None):
+        super().__init__("; ".join(f"{f.provider}: {f.message}" for f in failures) or "no provider available")
+        self.failures = failures
+        self.wait_hint = wait_hint
+
+
+def _retry_after(headers: Any) -> float | None:
+    if headers is None:
+        return None
+    for name in ("retry-after-ms", "retry-after"):
+        v = headers.get(name)
+        if v is None:
+            continue
+        try:
+            s = float(v)
+            return s / 1000 if name == "retry-after-ms" else s
+        except ValueError:
+            try:
+                import email.utils
+
+                return max(0.0, email.utils.parsedate_to_datetime(v).timestamp() - time.time())
+            except Exception:
+                return None
+    return None
+
+
+def _classify(p: Provider, e: BaseException) -> _Failure | None:
+    """A retryable/failover-able failure, or None when the error is the caller's (re-raised as 4xx)."""
+    if isinstance(e, openai.APIStatusError):
+        st = e.status_code
+        ra = _retry_after(e.response.headers)
+        msg = f"HTTP {st}"
+        if st in CLIENT_FAULT_STATUS:
+            return None
+        if st == 429:
+            return _Failure(p.name, "rate_limited", msg, st, ra)
+        if st in (401, 403, 404):
+            return _Failure(p.name, "misconfigured", msg, st)
+        if st in RETRYABLE_STATUS or st >= 500:
+            return _Failure(p.name, "server_error", msg, st, ra)
+        return None
+    if isinstance(e, (openai.APITimeoutError, httpx2.TimeoutException, asyncio.TimeoutError, TimeoutError)):
+        return _Failure(p.name, "timeout", "timed out")
+    if isinstance(e, (openai.APIConnectionError, httpx2.TransportError, ConnectionError)):
+        return _Failure(p.name, "connection", f"connection failed ({type(e).__name__})")
+    if isinstance(e, _Dropped):
+        return _Failure(p.name, "dropped", "the stream ended early")
+    if isinstance(e, _UpstreamStreamError):
+        return _Failure(p.name, "server_error", f"error event in the stream ({e})")
+    return None
+
+
+class _Dropped(Exception):
+    pass
+
+
+def _client_error(e: openai.APIStatusError) -> APIError:
+    body = e.body if isinstance(e.body, dict) else {}
+    err = body.get("error", body) if isinstance(body, dict) else {}
+    if not isinstance(err, dict):
+        err = {}
+    return APIError(e.status_code, str(err.get("message") or e.message), param=err.get("param"),
+                    code=err.get("code"))
+
+
+@dataclass
+class _Parsed:
+    """Accumulated facts of one upstream answer."""
+
+    prompt_tokens: int | None = None
+    cached_tokens: int = 0
+    completion_tokens: int | None = None
+    pending_finish: dict[int, str] = field(default_factory=dict)
+    text_chunks: int = 0
+
+
+def _usage_into(parsed: _Parsed, usage: dict[str, Any] | None) -> None:
+    if not usage:
+        return
+    parsed.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    parsed.completion_tokens = int(usage.get("completion_tokens") or 0)
+    details = usage.get("prompt_tokens_details") or {}
+    parsed.cached_tokens = int((details or {}).get("cached_tokens") or usage.get("prompt_cache_hit_tokens") or 0)
+
+
+class RemoteStream(ChoiceStream):
+    def __init__(self, backend: "RemoteBackend", gen: GenerationRequest, chain: list[Provider]):
+        self._backend = backend
+        self._gen = gen
+        self._chain = chain
+        self.backend = "remote"
+        self.provider: Provider | None = None
+        self.prompt_tokens: int | None = None
+        self.cached_tokens = 0
+        self.completion_tokens: int | None = None
+        self.failovers = 0
+        self._it = self._run()
+        self._resp: httpx2.Response | None = None
+        self._closed = False
+
+    # ---------------------------------------------------------------- plumbing
+
+    async def __anext__(self) -> ChoiceOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        return await self._it.__anext__()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._it.aclose()
+        finally:
+            await self._release()
+
+    async def _release(self) -> None:
+        if self._resp is not None:
+            resp, self._resp = self._resp, None
+            try:
+                await resp.aclose()
+            except Exception:
+                pass
+        if self.provider is not None and self._holding:
+            self._holding = False
+            self.provider.in_flight -= 1
+
+    _holding = False
+
+    # ---------------------------------------------------------------- the upstream body
+
+    def _body(self, p: Provider) -> dict[str, Any]:
+        api = self._gen.api
+        body = api.model_dump(exclude_unset=True, exclude=SLUICE_ONLY_FIELDS)
+        body["model"] = p.settings.models[self._gen.model]
+        if body.get("stream"):
+            body["stream_options"] = {"include_usage": True}  # every token is counted
+        return body
+
+    # ---------------------------------------------------------------- one try
+
+    async def _try(self, p: Provider, deadline: float) -> Any:
+        """One call to one provider. JSON: the parsed body. Stream: the buffered outputs up to and
+        including the first real text (the stream is then committed), plus the line iterator."""
+        timeout = max(0.05, min(p.settings.timeout_s, deadline - time.monotonic()))
+        path = "/chat/completions" if self._gen.endpoint == "chat" else "/completions"
+        body = self._body(p)
+        if not body.get("stream"):
+            r = await p.client.post(path, cast_to=httpx2.Response, body=body, options={"timeout": timeout})
+            return json.loads(r.content)
+        resp = await p.client.post(path, cast_to=httpx2.Response, body=body, stream=True,
+                                   options={"timeout": timeout, "headers": RAW_STREAM})
+        self._resp = resp
+        lines = resp.aiter_lines()
+        parsed = _Parsed()
+        buffered: list[ChoiceOutput] = []
+        try:
+            async with asyncio.timeout(max(0.05, deadline - time.monotonic())):
+                async for out in self._outputs(lines, parsed):
+                    buffered.append(out)
+                    if out.output.text or out.output.finished:
+                        return buffered, lines, parsed
+        except BaseException:
+            await self._release_resp()
+            raise
+        # A clean end with no text at all: commit an empty answer (usage still counts).
+        return buffered, None, parsed
+
+    async def _release_resp(self) -> None:
+        if self._resp is not None:
+            resp, self._resp = self._resp, None
+            try:
+                await resp.aclose()
+            except Exception:
+                pass
+
+    async def _outputs(self, lines: AsyncIterator[str], parsed: _Parsed) -> AsyncIterator[ChoiceOutput]:
+        """Upstream SSE lines -> ChoiceOutputs. Finish reasons are held until the usage chunk (or the
+        end) so the finishing output carries the provider's token counts."""
+        rid = self._gen.request_id
+        chat = self._gen.endpoint == "chat"
+        done = False
+        async for line in lines:
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk and not chunk.get("choices"):
+                raise _UpstreamStreamError(chunk["error"])
+            _usage_into(parsed, chunk.get("usage"))
+            for c in chunk.get("choices") or ():
+                idx = int(c.get("index", 0))
+                text = ((c.get("delta") or {}).get("content") if chat else c.get("text")) or ""
+                if text:
+                    parsed.text_chunks += 1
+                    yield ChoiceOutput(idx, RequestOutput(request_id=rid, text=text))
+                if c.get("finish_reason"):
+                    parsed.pending_finish[idx] = c["finish_reason"]
+        if not done and not parsed.pending_finish:
+            raise _Dropped()
+        for out in self._finish(parsed):
+            yield out
+
+    def _finish(self, parsed: _Parsed) -> list[ChoiceOutput]:
+        self.prompt_tokens = parsed.prompt_tokens
+        self.cached_tokens = parsed.cached_tokens
+        completion = parsed.completion_tokens if parsed.completion_tokens is not None else parsed.text_chunks
+        self.completion_tokens = completion
+        n = max(self._gen.n, max(parsed.pending_finish, default=0) + 1)
+        outs = []
+        for i in range(n):
+            outs.append(ChoiceOutput(i, RequestOutput(
+                request_id=self._gen.request_id, finished=True,
+                finish_reason=parsed.pending_finish.get(i, "stop"),  # type: ignore[arg-type]
+                prompt_tokens=parsed.prompt_tokens or 0, completion_tokens=completion if i == 0 else 0,
+                cached_tokens=parsed.cached_tokens)))
+        return outs
+
+    def _json_outputs(self, body: dict[str, Any]) -> list[ChoiceOutput]:
+        parsed = _Parsed()
+        _usage_into(parsed, body.get("usage"))
+        chat = self._gen.endpoint == "chat"
+        outs = []
+        texts = 0
+        for c in body.get("choices") or ():
+            idx = int(c.get("index", 0))
+            text = ((c.get("message") or {}).get("content") if chat else c.get("text")) or ""
+            texts += bool(text)
+            outs.append(ChoiceOutput(idx, RequestOutput(request_id=self._gen.request_id, text=text)))
+            parsed.pending_finish[idx] = c.get("finish_reason") or "stop"
+        parsed.text_chunks = texts
+        return outs + self._finish(parsed)
+
+    # ---------------------------------------------------------------- the try chain
+
+    async def _open(self) -> tuple[Provider, Any]:
+        b = self._backend
+        r = b.routing
+        start = time.monotonic()
+        deadline = start + r.request_timeout_s
+        if self._gen.deadline is not None:  # a wall-clock deadline set by the caller
+            deadline = min(deadline, start + max(0.0, self._gen.deadline - time.time()))
+
+        def wait(rs: RetryCallState) -> float:
+            e = rs.outcome.exception() if rs.outcome else None
+            hint = e.wait_hint if isinstance(e, RoundFailed) else None
+            if hint:
+                return hint
+            cap = min(r.backoff_max_s, r.backoff_base_s * 2 ** (rs.attempt_number - 1))
+            return random.uniform(0, cap)
+
+        def past_deadline(rs: RetryCallState) -> bool:
+            e = rs.outcome.exception() if rs.outcome else None
+            if isinstance(e, RoundFailed) and e.wait_hint is not None and e.wait_hint > r.max_retry_after_s:
+                return True
+            return time.monotonic() + rs.upcoming_sleep >= deadline
+
+        last: RoundFailed | None = None
+        try:
+            async for attempt in AsyncRetrying(stop=stop_after_attempt(r.max_attempts) | past_deadline,
+                                               wait=wait, retry=retry_if_exception_type(RoundFailed),
+                                               reraise=True):
+                with attempt:
+                    return await self._round(deadline)
+        except RoundFailed as e:
+            last = e
+        assert last is not None
+        raise self._give_up(last, deadline)
+
+    async def _round(self, deadline: float) -> tuple[Provider, Any]:
+        failures: list[_Failure] = []
+        now = time.monotonic()
+        for p in self._backend.order(self._chain):
+            if time.monotonic() >= deadline:
+                break
+            if not p.usable(time.monotonic()) or not p.breaker.allow():
+                continue
+            p.in_flight += 1
+            self.provider, self._holding = p, True
+            b = self._backend
+            t0 = time.monotonic()
+            try:
+                result = await self._try(p, deadline)
+            except asyncio.CancelledError:
+                p.breaker.release()
+                await self._release()
+                raise
+            except Exception as e:
+                await self._release()
+                self.provider = None
+                f = _classify(p, e)
+                if f is None:  # the caller's fault (400/413/422): answer it, count no failure
+                    p.breaker.release()
+                    if isinstance(e, openai.APIStatusError):
+                        raise _client_error(e) from None
+                    raise
+                if f.kind == "misconfigured":
+                    p.breaker.release()
+                else:
+                    p.breaker.failure()
+                if f.retry_after:
+                    p.not_before = time.monotonic() + f.retry_after
+                failures.append(f)
+                b.on_attempt(p, f.kind, time.monotonic() - t0)
+                log.warning("provider %s failed for %s: %s; %s", p.name, self._gen.request_id, f.message,
+                            "failing over" if p is not self._chain[-1] else "no more providers this round")
+                self.failovers += 1
+                continue
+            p.breaker.success()
+            b.on_attempt(p, "ok", time.monotonic() - t0)
+            return p, result
+        now = time.monotonic()
+        hints = [p.wait_hint(now) for p in self._chain]
+        hint = min(hints) if hints else None
+        raise RoundFailed(failures, hint if hint and hint > 0 else None)
+
+    def _give_up(self, e: RoundFailed, deadline: float) -> APIError:
+        names = ", ".join(p.name for p in self._chain)
+        kinds = {f.kind for f in e.failures}
+        retry_after = e.wait_hint if e.wait_hint else max(1.0, self._backend.routing.backoff_max_s / 5)
+        if kinds == {"rate_limited"}:
+            return APIError(429, f"Every provider for `{self._gen.model}` is rate limiting ({names}); "
+                                 "retry later.", code="upstream_rate_limited", retry_after=retry_after)
+        detail = "; ".join(f"{f.provider}: {f.message}" for f in e.failures[-4:]) or \
+            "every provider's circuit is open or at its concurrency limit"
+        return APIError(503, f"No provider could serve `{self._gen.model}` ({detail}).", type="overloaded_error",
+                        code="upstream_unavailable", retry_after=retry_after)
+
+    # ---------------------------------------------------------------- the stream
+
+    async def _run(self) -> AsyncIterator[ChoiceOutput]:
+        p, result = await self._open()
+        self.backend = f"remote:{p.name}"
+        if isinstance(result, dict):
+            try:
+                for out in self._json_outputs(result):
+                    yield out
+            finally:
+                await self._release()
+            return
+        buffered, lines, parsed = result
+        try:
+            for out in buffered:
+                yield out
+            if lines is None:
+                for out in self._finish(parsed):
+                    yield out
+                return
+            try:
+                async for out in self._outputs(lines, parsed):
+                    yield out
+            except (Exception, _Dropped) as e:  # committed: end with an error event, never silently
+                kind = _classify(p, e)
+                log.warning("provider %s failed mid-stream for %s: %s", p.name, self._gen.request_id,
+                            kind.message if kind else type(e).__name__)
+                self.prompt_tokens = parsed.prompt_tokens
+                self.completion_tokens = parsed.completion_tokens or parsed.text_chunks
+                yield ChoiceOutput(0, RequestOutput(
+                    request_id=self._gen.request_id, finished=True, finish_reason="error",
+                    error=f"The upstream provider failed mid-stream ({kind.message if kind else type(e).__name__});"
+                          " the answer is incomplete.",
+                    completion_tokens=self.completion_tokens or 0, prompt_tokens=parsed.prompt_tokens or 0))
+        finally:
+            await self._release()
+
+
+class _UpstreamStreamError(Exception):
+    def __init__(self, err: Any):
+        super().__init__(str(err))
+
+
+class RemoteBackend(Backend):
+    name = "remote"
+
+    def __init__(self, providers: list[ProviderSettings], routing: RoutingSettings, metrics: Any = None):
+        self.routing = routing
+        self.providers = [Provider(s, routing) for s in providers]
+        self.metrics = metrics
+
+    def chain(self, model: str) -> list[Provider]:
+        return [p for p in self.providers if model in p.settings.models]
+
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for p in self.providers:
+            for m in p.settings.models:
+                seen[m] = None
+        return list(seen)
+
+    def order(self, chain: list[Provider]) -> list[Provider]:
+        """By `order`; among equals, weighted random (weight w first with probability w/sum)."""
+        if len(chain) < 2:
+            return chain
+        groups: dict[int, list[Provider]] = {}
+        for p in chain:
+            groups.setdefault(p.settings.order, []).append(p)
+        out: list[Provider] = []
+        for key in sorted(groups):
+            g = list(groups[key])
+            if len(g) > 1:
+                g.sort(key=lambda p: -random.random() ** (1.0 / p.settings.weight))
+            out.extend(g)
+        return out
+
+    def on_attempt(self, p: Provider, outcome: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.remote_attempt(p.name, outcome, seconds)
+
+    async def submit(self, gen: GenerationRequest) -> ChoiceStream:
+        chain = self.chain(gen.model)
+        if not chain:
+            raise APIError(404, f"The model `{gen.model}` does not exist.", param="model", code="model_not_found")
+        return RemoteStream(self, gen, chain)
+
+    async def close(self) -> None:
+        for p in self.providers:
+            try:
+                await p.close()
+            except Exception:
+                pass
