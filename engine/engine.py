@@ -31,6 +31,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or loaded.name
         self.tokenizer = Tokenizer(loaded)
         self.eos_token_ids = loaded.eos_token_ids
+        self.generation_defaults = dict(loaded.generation_defaults)
         self.max_model_len = config.max_model_len or loaded.args.max_position_embeddings
         if self.max_model_len > loaded.args.max_position_embeddings:
             raise EngineConfigError(

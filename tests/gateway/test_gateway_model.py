@@ -166,6 +166,17 @@ def test_errors(gw, sdk):
         pass  # the server may close before the whole body is sent; status checked in the fake-engine suite
 
 
+def test_paris_with_the_models_default_sampling(sdk):
+    """No temperature/top_p in the request: the model's recommended defaults apply (the done-when check)."""
+    m = model_id(sdk)
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    for seed in range(3):
+        r = sdk.chat.completions.create(model=m, messages=q, seed=seed)
+        assert "Paris" in r.choices[0].message.content
+        s = sdk.chat.completions.create(model=m, messages=q, seed=seed, stream=True)
+        assert "Paris" in "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+
+
 def test_prompt_truncation_middle_keeps_head_and_tail(sdk):
     m = model_id(sdk)
     long = "The secret word is BANANA. " + "filler text " * 1500 + " Repeat the secret word."
