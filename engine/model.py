@@ -1,4 +1,5 @@
-"""The Llama forward pass in plain torch, read top to bottom (gpt-fast style).
+"""The Llama forward pass, read top to bottom (gpt-fast style); the ops come from `kernels` (torch on a
+CPU, Triton on CUDA).
 
 One forward handles a flat batch of tokens from many sequences (decodes and prefill chunks mixed):
 the linear layers see `[num_tokens, hidden]`, and attention reads each sequence's keys and values
@@ -15,14 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import AttentionMetadata, paged_attention
+from kernels import AttentionMetadata, fused_add_rms_norm, paged_attention, rms_norm, rotary_inplace, silu_and_mul
 from .loader import ModelArgs
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * weight.float()).to(x.dtype)
 
 
 def rope_tables(args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,14 +37,6 @@ def rope_tables(args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, to
     t = torch.arange(args.max_position_embeddings, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)
     return freqs.cos().float().to(device), freqs.sin().float().to(device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim] in rotate-half layout; cos/sin: [tokens, head_dim // 2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
 class Linear:
@@ -117,19 +104,19 @@ class LlamaModel(nn.Module):
         sequence that samples this step), so a long prefill never builds a [T, vocab] matrix.
         """
         a = self.args
-        h = self.embed[token_ids]
-        cos, sin = self.cos[positions], self.sin[positions]
+        x = self.embed[token_ids]
+        residual = None
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.attn_norm, a.rms_norm_eps)
-            q, k, v = layer.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(-1, a.num_heads, a.head_dim), cos, sin)
-            k = apply_rope(k.view(-1, a.num_kv_heads, a.head_dim), cos, sin)
-            v = v.view(-1, a.num_kv_heads, a.head_dim)
+            x, residual = fused_add_rms_norm(x, residual, layer.attn_norm, a.rms_norm_eps)
+            qkv = layer.qkv(x)
+            q = qkv[:, :q_size].unflatten(-1, (a.num_heads, a.head_dim))
+            k = qkv[:, q_size:q_size + kv_size].unflatten(-1, (a.num_kv_heads, a.head_dim))
+            v = qkv[:, q_size + kv_size:].unflatten(-1, (a.num_kv_heads, a.head_dim))
+            rotary_inplace(q, k, self.cos, self.sin, positions)
             attn = paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta)
-            h = h + layer.o(attn.reshape(-1, q_size))
-            x = rms_norm(h, layer.mlp_norm, a.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        h = rms_norm(h[logits_indices], self.norm, a.rms_norm_eps)
+            x = layer.o(attn.reshape(-1, q_size))
+            x, residual = fused_add_rms_norm(x, residual, layer.mlp_norm, a.rms_norm_eps)
+            x = layer.down(silu_and_mul(layer.gate_up(x)))
+        h = rms_norm((residual + x)[logits_indices], self.norm, a.rms_norm_eps)
         return self.lm_head(h).float()
