@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
+
+from gateway.remote_config import LimitSettings, ProviderSettings, RoutingSettings
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -56,10 +58,14 @@ class AuthSettings(BaseModel):
 class TierSettings(BaseModel):
     priority: int  # lower is served first
     deadline_s: float | None = Field(None, gt=0)  # a request still queued this long is dropped (timeout)
+    # Overflow: when the estimated local queue wait exceeds this, the request goes to a remote provider
+    # (if one serves the model). None: never overflow this tier. pro larger than standard: stays local longest.
+    max_queue_wait_ms: float | None = Field(None, ge=0)
 
 
 def _default_tiers() -> dict[str, TierSettings]:
-    return {"pro": TierSettings(priority=0), "standard": TierSettings(priority=1)}
+    return {"pro": TierSettings(priority=0, max_queue_wait_ms=10000.0),
+            "standard": TierSettings(priority=1, max_queue_wait_ms=2000.0)}
 
 
 class Settings(BaseSettings):
@@ -74,6 +80,10 @@ class Settings(BaseSettings):
     # None: the in-process queue (one process). Set (env SLUICE_REDIS_URL): the Redis queue, shared by
     # every gateway and `sluice worker` of a deployment.
     redis_url: str | None = None
+    # Remote providers, routing and per-key limits (gateway/remote_config.py, issue 5).
+    providers: list[ProviderSettings] = Field(default_factory=list)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
 
     @field_validator("tiers")
     @classmethod

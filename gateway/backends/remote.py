@@ -270,9 +270,9 @@ class RemoteStream(ChoiceStream):
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
+            if data == "[DONE]":  # keep reading to the end of the body: the connection then goes back
+                done = True          # to the pool instead of being closed
+                continue
             chunk = json.loads(data)
             if "error" in chunk and not chunk.get("choices"):
                 raise _UpstreamStreamError(chunk["error"])
