@@ -32,7 +32,7 @@ class EngineConfig:
     max_running_requests: int = 64
     max_total_num_tokens: int | None = None  # KV pool size in tokens; None: derived from kv_cache_tokens
     kv_cache_tokens: int = 65536  # KV pool size on CPU (or when max_total_num_tokens is not set)
-    mem_fraction_static: float | None = None  # on GPU: fraction of free memory for the KV pool
+    mem_fraction_static: float | None = None  # on GPU: fraction of free memory for the KV pool (None: 0.85)
     block_size: int = 16
     max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
     chunked_prefill_size: int = 512  # longest prefill chunk of one request in one step; <=0: no chunking
@@ -40,6 +40,7 @@ class EngineConfig:
     req_max_output_len: int | None = None  # None: whatever the context allows
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
+    cuda_graph_max_batch: int = 256  # on CUDA: decode steps up to this batch replay captured graphs; 0: off
 
     # Scheduling policy.
     priority_aging_s: float = 10.0  # a request waiting longer than this is admitted ahead of newer ones of any priority

@@ -9,6 +9,7 @@ import torch
 from kernels import AttentionMetadata
 
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs
 from .loader import LoadedModel
 from .model import LlamaModel
 from .sampler import sample
@@ -51,18 +52,27 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = self._pool_blocks(kv_bytes_per_token)
         self.num_blocks = num_blocks
-        self.kv_cache = torch.zeros(args.num_layers, 2, num_blocks * self.block_size, args.num_kv_heads,
+        # One extra block past the pool: the scratch block that CUDA-graph padding rows write to.
+        self.scratch_block = num_blocks
+        self.kv_cache = torch.zeros(args.num_layers, 2, (num_blocks + 1) * self.block_size, args.num_kv_heads,
                                     args.head_dim, dtype=self.dtype, device=self.device)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
+            max_len = config.max_model_len or args.max_position_embeddings
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, -(-max_len // self.block_size),
+                                       self.scratch_block, min(config.cuda_graph_max_batch, config.max_running_requests),
+                                       max_len)
 
     def _pool_blocks(self, bytes_per_token: int) -> int:
         cfg = self.config
         if cfg.max_total_num_tokens is not None:
             tokens = cfg.max_total_num_tokens
-        elif self.device.type == "cuda" and cfg.mem_fraction_static is not None:
+        elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            tokens = int(free * cfg.mem_fraction_static) // bytes_per_token
+            fraction = cfg.mem_fraction_static if cfg.mem_fraction_static is not None else 0.85
+            tokens = int(free * fraction) // bytes_per_token
         else:
             tokens = cfg.kv_cache_tokens
         return max(1, tokens // cfg.block_size)
@@ -81,6 +91,25 @@ class ModelRunner:
         return logits
 
     def _forward(self, scheduled: dict[Sequence, int], all_logits: bool = False):
+        if (self.graphs is not None and not all_logits and all(n == 1 for n in scheduled.values())
+                and self.graphs.bucket_for(len(scheduled)) is not None):
+            return self._forward_graph(scheduled)
+        return self._forward_eager(scheduled, all_logits)
+
+    def _forward_graph(self, scheduled: dict[Sequence, int]):
+        """A pure decode step: every sequence computes its one newest token and samples."""
+        bs = self.block_size
+        seqs = list(scheduled)
+        positions = [s.num_computed_tokens for s in seqs]
+        logits = self.graphs.run(
+            tokens=[s.token_at(p, p + 1)[0] for s, p in zip(seqs, positions)], positions=positions,
+            slots=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
+            block_tables=[s.block_table for s in seqs], seq_lens=[p + 1 for p in positions])
+        for s in seqs:
+            s.num_computed_tokens += 1
+        return logits, seqs
+
+    def _forward_eager(self, scheduled: dict[Sequence, int], all_logits: bool = False):
         # Decodes (one token) first, then prefill chunks: the layout the attention op expects.
         order = sorted(scheduled.items(), key=lambda kv: kv[1] > 1)
         tokens: list[int] = []

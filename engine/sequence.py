@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,9 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
+    # The device sampler's noise is a pure function of (seed, token index): unseeded requests get a
+    # random seed of their own.
+    noise_seed: int = field(default_factory=lambda: random.getrandbits(62))
     order: int = field(default_factory=lambda: next(_order))  # tie-break for equal arrival times
 
     @classmethod
@@ -45,6 +49,7 @@ class Sequence:
                   priority=req.priority, arrival_time=req.arrival_time, max_tokens=max_tokens,
                   output_token_ids=list(req.resume_token_ids), num_resumed_tokens=len(req.resume_token_ids))
         if req.sampling.seed is not None:
+            seq.noise_seed = req.sampling.seed & (2**62 - 1)
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
             # A resumed request continues the same random stream, as if it had never stopped: the
             # sampler draws one number per vocabulary entry per token.

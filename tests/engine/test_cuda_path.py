@@ -1,0 +1,58 @@
+"""The CUDA-only pieces, checked on the CPU: graph-bucket padding and the device sampler."""
+
+import pytest
+import torch
+
+from engine import EngineRequest, SamplingParams
+from engine.cuda_graphs import DecodeGraphs
+from engine.sampler import sample_on_device
+
+pytestmark = pytest.mark.model
+
+
+def test_padded_decode_bucket_gives_the_same_logits_as_eager(engine):
+    runner = engine.runner
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": f"Count to {i}."}]) for i in range(3, 8)]
+    for i, ids in enumerate(prompts):
+        engine.add_request(EngineRequest(f"g{i}", ids, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)))
+    for _ in range(3):
+        engine.step()  # prefill, then a couple of decodes
+    seqs = list(engine.scheduler.running)
+    assert len(seqs) == 5 and all(not s.is_prefilling for s in seqs)
+    step = {s: 1 for s in seqs}
+    before = [s.num_computed_tokens for s in seqs]
+    eager, _ = runner._forward_eager(step)
+    for s, n in zip(seqs, before):
+        s.num_computed_tokens = n  # rerun the same step: it writes the same K/V to the same slots
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.block_size, 64, runner.scratch_block, max_batch=8,
+                          max_model_len=engine.max_model_len, capture=False)
+    assert graphs.bucket_for(5) == 8  # three padding rows
+    runner.graphs = graphs
+    try:
+        padded, order = runner._forward_graph(step)
+    finally:
+        runner.graphs = None
+    assert order == seqs
+    torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
+    assert [s.num_computed_tokens for s in seqs] == [n + 1 for n in before]
+    for i in range(len(prompts)):
+        engine.abort(f"g{i}")
+
+
+def test_device_sampler_is_greedy_at_zero_and_seeded_independent_of_batch(engine):
+    from engine.sequence import Sequence
+
+    def seq(rid, temp, seed=None, outputs=0):
+        s = Sequence.from_request(EngineRequest(rid, [1, 2, 3], SamplingParams(temperature=temp, seed=seed, top_p=0.9)), 8)
+        s.output_token_ids = [5] * outputs
+        return s
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 1000)
+    a = [seq("a", 0.0), seq("b", 1.0, seed=42), seq("c", 0.7), seq("d", 1.0, seed=42, outputs=3)]
+    out = sample_on_device(logits, a).tolist()
+    assert out[0] == int(logits[0].argmax())
+    again = sample_on_device(logits[1:2], [seq("b2", 1.0, seed=42)]).tolist()
+    assert again == [out[1]]  # same seed and index, same token, alone or in a batch
+    diff_index = [sample_on_device(logits[1:2], [seq("e", 1.0, seed=42, outputs=k)]).item() for k in range(8)]
+    assert len(set(diff_index)) > 1  # the noise moves on with the token index
