@@ -322,3 +322,19 @@ async def test_usage_totals_equal_the_sum_of_responses(tmp_path, providers):
         for name in ("sluice_ttft_seconds_bucket", "sluice_inter_token_seconds_bucket", "sluice_e2e_seconds_bucket",
                      "sluice_queue_seconds_bucket", "sluice_queue_depth", "sluice_engine_busy_ratio"):
             assert name in metrics, name
+
+
+async def test_overload_is_a_fast_503_not_a_growing_queue(tmp_path, providers):
+    a, _ = providers
+    a.ttft_s = 0.5
+    async with gateway(tmp_path, [provider_cfg(a, max_concurrent=2)]) as (base, *_):
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(post(base, chat())) for _ in range(6)]
+        await asyncio.sleep(0.05)
+        res = await asyncio.gather(*tasks)
+        codes = sorted(st for st, _, _ in res)
+        assert codes == [200, 200, 503, 503, 503, 503]
+        refused = [(h, b) for st, h, b in res if st == 503]
+        assert all(h["Retry-After"] == "1" for h, _ in refused)
+        assert "concurrency limit" in refused[0][1]["error"]["message"]
+        assert a.count == 2 and time.monotonic() - t0 < 1.5
