@@ -20,9 +20,22 @@ def test_import_without_triton():
     assert "torch.Size([2, 8])" in out.stdout
 
 
-def test_torch_branches_match_engine_math_exactly(monkeypatch):
+def rms_norm(x, weight, eps):
+    """The textbook formulas (the engine's math before it moved behind the dispatch point)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * weight.float()).to(x.dtype)
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def test_torch_branches_match_the_reference_math_exactly(monkeypatch):
     monkeypatch.delenv("SLUICE_KERNELS", raising=False)
-    from engine.model import apply_rope, rms_norm
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
