@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.request import SamplingParams
-from gateway.auth import TIER_KEY, make_auth_middleware
+from gateway import router as remote_router
+from gateway.auth import KEY_NAME, TIER_KEY, make_auth_middleware
 from gateway.backends.base import Backend, ChoiceStream, GenerationRequest
 from gateway.backends.local import LocalBackend
 from gateway.config import Settings
@@ -65,6 +66,7 @@ class GatewayState:
     queue: RequestQueue | None = None
     worker: EngineWorker | None = None
     backend: Backend | None = None
+    router: Any = None  # gateway.router.Router (wraps `backend` once the app starts)
     model_name: str | None = None
     max_model_len: int = 0
     load_error: str | None = None
@@ -129,6 +131,7 @@ class Frontend:
         self.tokenizer = Tokenizer(loaded)
         self.model_name = settings.model.served_model_name or settings.engine.get("served_model_name") or loaded.name
         self.max_model_len = int(settings.engine.get("max_model_len") or loaded.args.max_position_embeddings)
+        self.generation_defaults = dict(loaded.generation_defaults)
 
 
 def make_queue(settings: Settings) -> RequestQueue:
@@ -280,11 +283,14 @@ def _deadline(state: GatewayState, request: web.Request, tier: str) -> float | N
     return time.time() + min(limits) if limits else None
 
 
-def _sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> SamplingParams:
+def _sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
+              defaults: dict[str, float] | None = None) -> SamplingParams:
+    """Fields the request leaves out take the model's recommended values, then OpenAI's defaults."""
+    d = defaults or {}
     return SamplingParams(
-        temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p),
-        top_k=req.top_k or 0,
+        temperature=float(d.get("temperature", 1.0)) if req.temperature is None else float(req.temperature),
+        top_p=float(d.get("top_p", 1.0)) if req.top_p is None else float(req.top_p),
+        top_k=int(d.get("top_k", 0)) if req.top_k is None else req.top_k,
         max_tokens=max_tokens,
         stop=req.stop_list(),
         stop_token_ids=list(req.stop_token_ids or []),
@@ -391,6 +397,7 @@ async def _stream_sse(request: web.Request, state: GatewayState, stream: ChoiceS
     accs = [_ChoiceAcc() for _ in range(n)]
     async with stream:
         first = await _first(stream)
+        resp.headers[remote_router.BACKEND_HEADER] = remote_router.stream_backend(stream)
         await resp.prepare(request)
         try:
             pending = [first] if first is not None else []
@@ -427,26 +434,41 @@ async def _stream_sse(request: web.Request, state: GatewayState, stream: ChoiceS
 # ---------------------------------------------------------------- routes
 
 
+def _route_local(state: GatewayState, model: str) -> bool:
+    """True: tokenize here, the local engine may serve it (the router may still overflow it);
+    False: only remote providers can take it now (a remote-only model, or no engine worker ready)."""
+    router = state.router
+    if router is not None and router.serves_remotely(model) and not state.draining:
+        return model == state.model_name and state.ready
+    _require_ready(state)
+    _check_model(state, model)
+    return True
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await _read_json(request, ChatCompletionRequest)
-    _require_ready(state)
-    _check_model(state, req.model)
-    try:
-        prompt_ids = state.engine.tokenizer.apply_chat_template(req.template_messages())
-    except ValueError as e:  # the model's chat template refuses this conversation
-        raise APIError(400, str(e), param="messages", code="invalid_messages") from None
-    prompt_ids = _fit_prompt(state, prompt_ids, req.requested_max_tokens(), req.prompt_truncation)
-    max_tokens = _resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens(), None)
+    if _route_local(state, req.model):
+        try:
+            prompt_ids = state.engine.tokenizer.apply_chat_template(req.template_messages())
+        except ValueError as e:  # the model's chat template refuses this conversation
+            raise APIError(400, str(e), param="messages", code="invalid_messages") from None
+        prompt_ids = _fit_prompt(state, prompt_ids, req.requested_max_tokens(), req.prompt_truncation)
+        max_tokens = _resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens(), None)
+    else:  # remote providers only: they tokenize, and their usage is what counts
+        prompt_ids, max_tokens = [], req.requested_max_tokens() or 0
     tier = request.get(TIER_KEY, state.settings.auth.anonymous_tier)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     n = req.n or 1
-    gen = GenerationRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=_sampling(req, max_tokens),
+    sampling = _sampling(req, max_tokens, getattr(state.engine, "generation_defaults", None))
+    gen = GenerationRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
                             n=n, tier=tier, priority=_tier_priority(state, tier),
-                            deadline=_deadline(state, request, tier))
+                            deadline=_deadline(state, request, tier), model=req.model, api=req,
+                            endpoint="chat" if isinstance(req, ChatCompletionRequest) else "completion",
+                            key=request.get(KEY_NAME))
     stream = await _submit(state, gen)
     created = int(time.time())
-    model = state.model_name or req.model
+    model = req.model  # the local model's id, or the Sluice name of a remote one
 
     if not req.stream:
         accs = await _collect(stream, n)
@@ -454,9 +476,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             id=rid, created=created, model=model,
             choices=[ChatChoice(index=i, message=ChatMessageOut(content="".join(a.text)),
                                 finish_reason=a.finish_reason) for i, a in enumerate(accs)],
-            usage=_usage(len(prompt_ids), accs))
+            usage=_usage(remote_router.stream_prompt_tokens(stream, len(prompt_ids)), accs))
         state.m_tokens.inc(body.usage.completion_tokens)
-        return web.json_response(body.model_dump())
+        return web.json_response(body.model_dump(),
+                                 headers={remote_router.BACKEND_HEADER: remote_router.stream_backend(stream)})
 
     include_usage = req.include_usage()
 
@@ -484,7 +507,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if not include_usage:
             return None
         return ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                   usage=_usage(len(prompt_ids), accs)).model_dump()
+                                   usage=_usage(remote_router.stream_prompt_tokens(stream, len(prompt_ids)), accs)).model_dump()
 
     return await _stream_sse(request, state, stream, n, make_chunks, make_usage)
 
@@ -492,28 +515,32 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await _read_json(request, CompletionRequest)
-    _require_ready(state)
-    _check_model(state, req.model)
-    prompt = req.prompt_text_or_ids()
-    prompt_ids = state.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-    if not prompt_ids:
-        raise APIError(400, "The prompt is empty.", param="prompt", code="invalid_value")
-    prompt_ids = _fit_prompt(state, prompt_ids, req.max_tokens, req.prompt_truncation)
-    try:
-        max_tokens = _resolve_max_tokens(state, len(prompt_ids), req.max_tokens, 16)  # OpenAI's default: 16
-    except APIError as e:
-        if e.param == "messages":
-            e.param = "prompt"
-        raise
+    if _route_local(state, req.model):
+        prompt = req.prompt_text_or_ids()
+        prompt_ids = state.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if not prompt_ids:
+            raise APIError(400, "The prompt is empty.", param="prompt", code="invalid_value")
+        prompt_ids = _fit_prompt(state, prompt_ids, req.max_tokens, req.prompt_truncation)
+        try:
+            max_tokens = _resolve_max_tokens(state, len(prompt_ids), req.max_tokens, 16)  # OpenAI's default: 16
+        except APIError as e:
+            if e.param == "messages":
+                e.param = "prompt"
+            raise
+    else:  # remote providers only
+        prompt_ids, max_tokens = [], req.max_tokens or 0
     tier = request.get(TIER_KEY, state.settings.auth.anonymous_tier)
     rid = f"cmpl-{uuid.uuid4().hex}"
     n = req.n or 1
-    gen = GenerationRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=_sampling(req, max_tokens),
+    sampling = _sampling(req, max_tokens, getattr(state.engine, "generation_defaults", None))
+    gen = GenerationRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
                             n=n, tier=tier, priority=_tier_priority(state, tier),
-                            deadline=_deadline(state, request, tier))
+                            deadline=_deadline(state, request, tier), model=req.model, api=req,
+                            endpoint="chat" if isinstance(req, ChatCompletionRequest) else "completion",
+                            key=request.get(KEY_NAME))
     stream = await _submit(state, gen)
     created = int(time.time())
-    model = state.model_name or req.model
+    model = req.model  # the local model's id, or the Sluice name of a remote one
 
     if not req.stream:
         accs = await _collect(stream, n)
@@ -521,9 +548,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
             id=rid, created=created, model=model,
             choices=[CompletionChoice(index=i, text="".join(a.text), finish_reason=a.finish_reason)
                      for i, a in enumerate(accs)],
-            usage=_usage(len(prompt_ids), accs))
+            usage=_usage(remote_router.stream_prompt_tokens(stream, len(prompt_ids)), accs))
         state.m_tokens.inc(body.usage.completion_tokens)
-        return web.json_response(body.model_dump())
+        return web.json_response(body.model_dump(),
+                                 headers={remote_router.BACKEND_HEADER: remote_router.stream_backend(stream)})
 
     include_usage = req.include_usage()
 
@@ -541,7 +569,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if not include_usage:
             return None
         return CompletionResponse(id=rid, created=created, model=model, choices=[],
-                                  usage=_usage(len(prompt_ids), accs)).model_dump()
+                                  usage=_usage(remote_router.stream_prompt_tokens(stream, len(prompt_ids)), accs)).model_dump()
 
     return await _stream_sse(request, state, stream, n, make_chunks, make_usage)
 
@@ -637,4 +665,5 @@ def create_app(settings: Settings, engine: Any = None, *, queue: RequestQueue | 
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    remote_router.install(app)  # routing to remote providers, per-key limits, usage (GET /v1/usage)
     return app
