@@ -31,6 +31,17 @@ from gateway.queue.base import ErrorOutput, QueueItem, RequestQueue
 log = logging.getLogger("sluice.worker")
 
 
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    """Cancel and wait. Cancel again while any is still pending: a client library that absorbs a
+    CancelledError mid-command (redis-py can) would otherwise leave its task waiting forever."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.5)
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class EngineWorker:
     def __init__(self, engine: Any, queue: RequestQueue, *, max_batch: int = 128, poll_s: float = 0.5,
                  idle_wait_s: float = 0.5, heartbeat_s: float = 1.0, model_name: str | None = None):
@@ -115,9 +126,7 @@ class EngineWorker:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
         await asyncio.sleep(0)  # let the last call_soon_threadsafe callbacks run
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await _cancel_all(self._tasks)
         assert self._outbox is not None
         while not self._outbox.empty():  # outputs the publisher had not forwarded yet
             batch = self._outbox.get_nowait()

@@ -425,10 +425,11 @@ class RedisQueue(RequestQueue):
                 log.warning("reaper: %s; retrying", e)
 
     async def close(self) -> None:
-        for t in (self._reaper_task, self._cancel_task):
-            if t is not None:
+        pending = {t for t in (self._reaper_task, self._cancel_task) if t is not None and not t.done()}
+        while pending:  # re-cancel: redis-py can absorb a CancelledError mid-command
+            for t in pending:
                 t.cancel()
-                await asyncio.gather(t, return_exceptions=True)
+            _, pending = await asyncio.wait(pending, timeout=0.5)
         self._reaper_task = self._cancel_task = None
         try:
             await self._r.aclose()
