@@ -1,6 +1,6 @@
 """Long prompts arriving while 16 streams decode: the streams' inter-token latency with and without chunked prefill.
 
-    python -m bench.chunked_prefill [--streams 16] [--long-prompts 4] [--long-tokens 1500] [--chunk 256]
+    python -m bench.chunked_prefill [--streams 16] [--long-prompts 4] [--long-tokens 1500] [--chunk 128]
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stream-tokens", type=int, default=96)
     ap.add_argument("--long-prompts", type=int, default=4)
     ap.add_argument("--long-tokens", type=int, default=1500)
-    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=128)
     a = ap.parse_args(argv)
+    # Token budget: the streams' decodes plus one chunk, so one step never holds more than a chunk of prefill.
     engine = LLMEngine(EngineConfig(max_running_requests=32, kv_cache_tokens=65536, enable_prefix_caching=False,
-                                    max_num_batched_tokens=4096, chunked_prefill_size=a.chunk))
+                                    max_num_batched_tokens=max(a.long_tokens + 8, 4096), chunked_prefill_size=a.chunk))
     long_text = " ".join(f"Paragraph {i} describes rivers, rain and the sea in some detail." for i in range(a.long_tokens // 12))
     res = {}
     for chunk in (0, a.chunk):
         engine.config.chunked_prefill_size = chunk
+        engine.config.max_num_batched_tokens = chunk + a.streams if chunk else max(a.long_tokens + 8, 4096)
         arrivals = [(0.0, EngineRequest(f"s{chunk}-{i}", engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": f"Tell me story number {i}."}]),
             SamplingParams(temperature=0, max_tokens=a.stream_tokens, ignore_eos=True))) for i in range(a.streams)]

@@ -25,10 +25,15 @@ def mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def mixed_workload(n: int, min_out: int, max_out: int, seed: int = 0) -> list[tuple[str, int]]:
-    """n (prompt, output length) pairs with output lengths spread evenly over [min_out, max_out]."""
+def mixed_workload(n: int, min_out: int, max_out: int, seed: int = 0, dist: str = "uniform") -> list[tuple[str, int]]:
+    """n (prompt, output length) pairs. uniform: lengths spread evenly over [min_out, max_out];
+    longtail: most answers short and a few long (a chat-like, log-normal-ish spread, clipped to the range)."""
     rng = random.Random(seed)
-    lengths = [round(min_out + (max_out - min_out) * i / max(1, n - 1)) for i in range(n)]
+    if dist == "longtail":
+        lengths = [min(max_out, max(min_out, round(min_out * (max_out / min_out) ** (rng.random() ** 3))))
+                   for _ in range(n)]
+    else:
+        lengths = [round(min_out + (max_out - min_out) * i / max(1, n - 1)) for i in range(n)]
     rng.shuffle(lengths)
     return [(f"Write about {TOPICS[i % len(TOPICS)]}." + " Please be detailed." * rng.randint(0, 6), lengths[i])
             for i in range(n)]

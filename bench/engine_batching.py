@@ -50,19 +50,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-out", type=int, default=8)
     ap.add_argument("--max-out", type=int, default=256)
     ap.add_argument("--weight-dtype", default="auto")
+    ap.add_argument("--dist", choices=("uniform", "longtail", "both"), default="both",
+                    help="output-length spread (longtail: most answers short, a few long, as in chat)")
     a = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(max_running_requests=a.batch, kv_cache_tokens=65536, weight_dtype=a.weight_dtype,
                                     enable_prefix_caching=False))
-    work = mixed_workload(a.requests, a.min_out, a.max_out)
-    engine.generate(make_requests(engine, work[:2], "warm"))
-    t_static, useful_s = run_static(engine, make_requests(engine, work, "s"), a.batch)
-    t_cont, useful_c = run_continuous(engine, make_requests(engine, work, "c"))
-    assert useful_s == useful_c
-    print(f"workload: {a.requests} requests, output {a.min_out}..{a.max_out} tokens "
-          f"({useful_c} in all), {a.batch} slots")
-    print(f"static batching:     {t_static:8.1f} s  {useful_s / t_static:7.1f} useful output tokens/s")
-    print(f"continuous batching: {t_cont:8.1f} s  {useful_c / t_cont:7.1f} useful output tokens/s")
-    print(f"ratio continuous/static throughput: {t_static / t_cont:.2f}x")
+    engine.generate(make_requests(engine, mixed_workload(2, 4, 8), "warm"))
+    for dist in (("uniform", "longtail") if a.dist == "both" else (a.dist,)):
+        work = mixed_workload(a.requests, a.min_out, a.max_out, dist=dist)
+        t_static, useful_s = run_static(engine, make_requests(engine, work, f"s{dist}"), a.batch)
+        t_cont, useful_c = run_continuous(engine, make_requests(engine, work, f"c{dist}"))
+        assert useful_s == useful_c
+        print(f"workload {dist}: {a.requests} requests, output {a.min_out}..{a.max_out} tokens "
+              f"({useful_c} in all, mean {useful_c / a.requests:.0f}), {a.batch} slots")
+        print(f"  static batching:     {t_static:8.1f} s  {useful_s / t_static:7.1f} useful output tokens/s")
+        print(f"  continuous batching: {t_cont:8.1f} s  {useful_c / t_cont:7.1f} useful output tokens/s")
+        print(f"  ratio continuous/static throughput: {t_static / t_cont:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-running", type=int, default=32)
+    ap.add_argument("--max-running", type=int, default=64)
     a = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(max_running_requests=a.max_running, kv_cache_tokens=80000))
     ctx = context_text(engine, a.context_tokens)

