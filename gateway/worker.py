@@ -31,6 +31,11 @@ from gateway.queue.base import ErrorOutput, QueueItem, RequestQueue
 log = logging.getLogger("sluice.worker")
 
 
+def _cancel_requested() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 async def _cancel_all(tasks: list[asyncio.Task]) -> None:
     """Cancel and wait. Cancel again while any is still pending: a client library that absorbs a
     CancelledError mid-command (redis-py can) would otherwise leave its task waiting forever."""
@@ -228,6 +233,8 @@ class EngineWorker:
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
+                    if _cancel_requested():
+                        raise asyncio.CancelledError() from e
                     log.warning("publishing %d outputs failed (%s); retrying", len(outputs), e)
                     await asyncio.sleep(delay)
                     delay = min(1.0, delay * 2)

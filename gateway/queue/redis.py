@@ -302,6 +302,13 @@ def _now() -> float:
     return time.time()
 
 
+def cancel_requested() -> bool:
+    """True when the current task was asked to stop. redis-py can turn a CancelledError that lands
+    mid-command into a ConnectionError, so retry loops check this before retrying."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class _RedisSubscription(Subscription):
     """Reads one request's result stream from the last id seen; drops repeated sequence numbers."""
 
@@ -346,6 +353,8 @@ class _RedisSubscription(Subscription):
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis restarting: keep the position, retry
+                if cancel_requested():
+                    raise asyncio.CancelledError() from e
                 log.warning("reading results of %s failed (%s); retrying", self.request_id, e)
                 await asyncio.sleep(0.2)
                 continue
@@ -561,6 +570,8 @@ class RedisQueue(RequestQueue):
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis went away: resubscribe (renewals catch what we missed)
+                if cancel_requested():
+                    raise asyncio.CancelledError() from e
                 log.warning("cancel channel: %s; resubscribing", e)
                 await asyncio.sleep(0.2)
             finally:
