@@ -65,6 +65,13 @@ async def cluster(redis_server):
 
 def kill(worker: EngineWorker) -> None:
     """As if SIGKILLed: nothing more leaves the worker (no publish, no renewal, no hand-back)."""
+    async def dead(*args, **kwargs):
+        await asyncio.Event().wait()
+
+    # A task cancelled mid-command may go on (redis-py can absorb the cancellation): make sure that
+    # nothing it does afterwards reaches Redis, as after a real kill -9.
+    worker.queue.publish_batch = dead  # type: ignore[method-assign]
+    worker.queue.renew = dead  # type: ignore[method-assign]
     worker._stopping = True
     for t in worker._tasks:
         t.cancel()
