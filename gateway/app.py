@@ -434,6 +434,20 @@ async def _stream_sse(request: web.Request, state: GatewayState, stream: ChoiceS
 # ---------------------------------------------------------------- routes
 
 
+async def _submit_generation(request: web.Request, state: GatewayState, req: ChatCompletionRequest | CompletionRequest,
+                             prompt_ids: list[int], max_tokens: int, id_prefix: str) -> tuple[str, ChoiceStream]:
+    """Builds the backend request (tier, priority, deadline, sampling) and submits it; returns its id and stream."""
+    tier = request.get(TIER_KEY, state.settings.auth.anonymous_tier)
+    rid = f"{id_prefix}-{uuid.uuid4().hex}"
+    sampling = _sampling(req, max_tokens, getattr(state.engine, "generation_defaults", None))
+    gen = GenerationRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
+                            n=req.n or 1, tier=tier, priority=_tier_priority(state, tier),
+                            deadline=_deadline(state, request, tier), model=req.model, api=req,
+                            endpoint="chat" if isinstance(req, ChatCompletionRequest) else "completion",
+                            key=request.get(KEY_NAME))
+    return rid, await _submit(state, gen)
+
+
 def _route_local(state: GatewayState, model: str) -> bool:
     """True: tokenize here, the local engine may serve it (the router may still overflow it);
     False: only remote providers can take it now (a remote-only model, or no engine worker ready)."""
@@ -457,16 +471,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         max_tokens = _resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens(), None)
     else:  # remote providers only: they tokenize, and their usage is what counts
         prompt_ids, max_tokens = [], req.requested_max_tokens() or 0
-    tier = request.get(TIER_KEY, state.settings.auth.anonymous_tier)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
     n = req.n or 1
-    sampling = _sampling(req, max_tokens, getattr(state.engine, "generation_defaults", None))
-    gen = GenerationRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
-                            n=n, tier=tier, priority=_tier_priority(state, tier),
-                            deadline=_deadline(state, request, tier), model=req.model, api=req,
-                            endpoint="chat" if isinstance(req, ChatCompletionRequest) else "completion",
-                            key=request.get(KEY_NAME))
-    stream = await _submit(state, gen)
+    rid, stream = await _submit_generation(request, state, req, prompt_ids, max_tokens, "chatcmpl")
     created = int(time.time())
     model = req.model  # the local model's id, or the Sluice name of a remote one
 
@@ -529,16 +535,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             raise
     else:  # remote providers only
         prompt_ids, max_tokens = [], req.max_tokens or 0
-    tier = request.get(TIER_KEY, state.settings.auth.anonymous_tier)
-    rid = f"cmpl-{uuid.uuid4().hex}"
     n = req.n or 1
-    sampling = _sampling(req, max_tokens, getattr(state.engine, "generation_defaults", None))
-    gen = GenerationRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
-                            n=n, tier=tier, priority=_tier_priority(state, tier),
-                            deadline=_deadline(state, request, tier), model=req.model, api=req,
-                            endpoint="chat" if isinstance(req, ChatCompletionRequest) else "completion",
-                            key=request.get(KEY_NAME))
-    stream = await _submit(state, gen)
+    rid, stream = await _submit_generation(request, state, req, prompt_ids, max_tokens, "cmpl")
     created = int(time.time())
     model = req.model  # the local model's id, or the Sluice name of a remote one
 

@@ -165,7 +165,12 @@ async def test_queue_full_is_503_with_retry_after(tmp_path):
         c = client(base)
         tasks = [asyncio.create_task(c.chat.completions.create(model="fake-model", messages=MSG, max_tokens=2))
                  for _ in range(2)]
-        await asyncio.sleep(0.5)  # one in the engine, one in the queue
+        queue = app[STATE].queue
+        for _ in range(600):  # one in the engine, one in the queue (polled: the machine may be slow)
+            if await queue.depth("standard") == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert await queue.depth("standard") == 1
         async with aiohttp.ClientSession() as s:
             async with s.post(base + "/v1/chat/completions",
                               json={"model": "fake-model", "messages": MSG, "max_tokens": 2}) as r:
