@@ -163,13 +163,25 @@ async def test_queue_full_is_503_with_retry_after(tmp_path):
     async with fake_gateway(tmp_path, engine=engine, queue={"max_depth": {"pro": 1, "standard": 1}}) as (
             base, app, _):
         c = client(base)
-        tasks = [asyncio.create_task(c.chat.completions.create(model="fake-model", messages=MSG, max_tokens=2))
-                 for _ in range(2)]
         queue = app[STATE].queue
-        for _ in range(600):  # one in the engine, one in the queue (polled: the machine may be slow)
-            if await queue.depth("standard") == 1:
-                break
-            await asyncio.sleep(0.05)
+
+        async def until(cond) -> None:  # polled, not slept: the machine may be slow
+            for _ in range(600):
+                value = cond()
+                if asyncio.iscoroutine(value):
+                    value = await value
+                if value:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError("condition not reached")
+
+        def ask():
+            return asyncio.create_task(c.chat.completions.create(model="fake-model", messages=MSG, max_tokens=2))
+
+        tasks = [ask()]
+        await until(lambda: len(engine.added) == 1)  # the first is in the (stalled) engine
+        tasks.append(ask())
+        await until(lambda: queue.depth("standard"))  # the second waits in the queue
         assert await queue.depth("standard") == 1
         async with aiohttp.ClientSession() as s:
             async with s.post(base + "/v1/chat/completions",
