@@ -572,18 +572,29 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _stream_sse(request, state, stream, n, make_chunks, make_usage)
 
 
+def _served_models(state: GatewayState) -> list[str]:
+    """The local model (once ready) and every model a remote provider serves."""
+    local = [state.model_name] if state.ready and state.model_name else []
+    remote = state.router.remote_models() if state.router is not None else []
+    return local + [m for m in remote if m not in local]
+
+
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    _require_ready(state)
-    body = ModelList(data=[ModelCard(id=state.model_name or "", created=state.created)])
+    models = _served_models(state)
+    if not models:
+        _require_ready(state)
+    body = ModelList(data=[ModelCard(id=m, created=state.created) for m in models])
     return web.json_response(body.model_dump())
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    _require_ready(state)
-    _check_model(state, request.match_info["model"])
-    return web.json_response(ModelCard(id=state.model_name or "", created=state.created).model_dump())
+    model = request.match_info["model"]
+    if model not in _served_models(state):
+        _require_ready(state)
+        _check_model(state, model)
+    return web.json_response(ModelCard(id=model, created=state.created).model_dump())
 
 
 async def health(request: web.Request) -> web.Response:

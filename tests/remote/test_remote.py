@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import aiohttp
 import pytest
 
 from gateway.app import STATE
@@ -26,6 +27,14 @@ async def test_remote_only_model_served_with_upstream_model_and_key(tmp_path, pr
         assert sent["model"] == "up-a" and sent["_auth"] == "Bearer sk-upstream-a"
         assert "prompt_truncation" not in sent and "ignore_eos" not in sent
         assert b.count == 0
+        async with aiohttp.ClientSession() as s:  # the remote-only model is listed beside the local one
+            async with s.get(base + "/v1/models") as r:
+                listed = [m["id"] for m in (await r.json())["data"]]
+            async with s.get(f"{base}/v1/models/{REMOTE_MODEL}") as r:
+                assert r.status == 200 and (await r.json())["id"] == REMOTE_MODEL
+            async with s.get(base + "/v1/models/no-such-model") as r:
+                assert r.status == 404
+        assert REMOTE_MODEL in listed and LOCAL_MODEL in listed
 
 
 async def test_429_with_retry_after_then_success(tmp_path, providers):
