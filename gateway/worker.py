@@ -92,6 +92,9 @@ class EngineWorker:
                 stats[f"engine_{name}"] = int(value() if callable(value) else value)
             except Exception:
                 pass
+        busy = getattr(getattr(self.engine, "stats", None), "busy_seconds", None)
+        if busy is not None:  # seconds spent inside engine steps: the router's busy ratio
+            stats["busy_seconds"] = float(busy)
         return stats
 
     async def start(self) -> None:
@@ -265,7 +268,8 @@ class EngineWorker:
                 await self.queue.heartbeat({
                     "model": self.model_name, "capacity": self.capacity, "in_flight": stats["in_flight"],
                     "running": stats.get("engine_num_running", 0), "waiting": stats.get("engine_num_waiting", 0),
-                    "draining": self._stopping})
+                    "draining": self._stopping,
+                    **({"busy_seconds": stats["busy_seconds"]} if "busy_seconds" in stats else {})})
             except asyncio.CancelledError:
                 raise
             except Exception as e:

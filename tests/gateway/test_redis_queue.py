@@ -223,10 +223,13 @@ async def test_graceful_stop_hands_back_with_tokens(cluster):
 async def test_heartbeats_list_live_workers(cluster):
     gw = cluster(heartbeat_ttl_s=0.5)
     assert await gw.workers() == []
-    w = await cluster.worker(FakeEngine(max_running_requests=3), heartbeat_ttl_s=0.5)
+    engine = FakeEngine(max_running_requests=3)
+    engine.stats = type("Stats", (), {"busy_seconds": 1.25})()  # the real engine's step-time counter
+    w = await cluster.worker(engine, heartbeat_ttl_s=0.5)
     await asyncio.sleep(0.3)
     [info] = await gw.workers()
     assert info["capacity"] == 3 and info["model"] == "fake-model" and info["in_flight"] == 0
+    assert info["busy_seconds"] == 1.25  # the router's busy ratio across workers
     await w.stop()
     assert await gw.workers() == []
 
