@@ -37,19 +37,13 @@ def wait_ready(url: str, timeout: float = 300.0, proc: subprocess.Popen | None =
 
 
 @contextlib.contextmanager
-def sluice_server(env_overrides: dict[str, str] | None = None, args: list[str] | None = None):
-    """Yields the base URL (http://127.0.0.1:PORT/v1) of a fresh `sluice serve` with no API keys."""
-    port = free_port()
-    tmp = tempfile.mkdtemp(prefix="sluice-bench-")
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "SLUICE_AUTH__KEYS_FILE": f"{tmp}/keys.json",
-           "PYTHONPATH": str(ROOT), **(env_overrides or {})}
-    env.pop("SLUICE_CONFIG", None)
-    log = open(f"{tmp}/server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *(args or [])],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+def managed_server(cmd: list[str], ready_url: str, env: dict[str, str], cwd: str | Path | None = None):
+    """Runs `cmd` until the block ends (terminate, then kill), once `ready_url` answers 200; logs to a temp file."""
+    log = open(tempfile.mktemp(prefix="sluice-bench-", suffix=".log"), "w")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_ready(f"http://127.0.0.1:{port}/ready", proc=proc)
-        yield f"http://127.0.0.1:{port}/v1"
+        wait_ready(ready_url, proc=proc)
+        yield
     finally:
         proc.terminate()
         try:
@@ -57,3 +51,16 @@ def sluice_server(env_overrides: dict[str, str] | None = None, args: list[str] |
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@contextlib.contextmanager
+def sluice_server(env_overrides: dict[str, str] | None = None, args: list[str] | None = None):
+    """Yields the base URL (http://127.0.0.1:PORT/v1) of a fresh `sluice serve` with no API keys."""
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="sluice-bench-")
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "SLUICE_AUTH__KEYS_FILE": f"{tmp}/keys.json",
+           "PYTHONPATH": str(ROOT), **(env_overrides or {})}
+    env.pop("SLUICE_CONFIG", None)
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *(args or [])]
+    with managed_server(cmd, f"http://127.0.0.1:{port}/ready", env, cwd=ROOT):
+        yield f"http://127.0.0.1:{port}/v1"

@@ -13,13 +13,11 @@ import argparse
 import asyncio
 import contextlib
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 from bench.common import mixed_workload, pct
 from bench.load import run_load
-from bench.server import ROOT, free_port, sluice_server, wait_ready
+from bench.server import ROOT, free_port, managed_server, sluice_server
 from engine.loader import default_model_path
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -28,21 +26,11 @@ MODEL = "SmolLM2-135M-Instruct"
 @contextlib.contextmanager
 def llamacpp_server(env_dir: Path, threads: int = 2):
     port = free_port()
-    log = open(tempfile.mktemp(prefix="llamacpp-", suffix=".log"), "w")
-    proc = subprocess.Popen([str(env_dir / "bin" / "python"), "-m", "llama_cpp.server", "--model",
-                             str(default_model_path()), "--model_alias", MODEL, "--n_threads", str(threads),
-                             "--n_ctx", "8192", "--interrupt_requests", "False", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
-    try:
-        wait_ready(f"http://127.0.0.1:{port}/v1/models", proc=proc)
+    cmd = [str(env_dir / "bin" / "python"), "-m", "llama_cpp.server", "--model", str(default_model_path()),
+           "--model_alias", MODEL, "--n_threads", str(threads), "--n_ctx", "8192", "--interrupt_requests", "False",
+           "--port", str(port)]
+    with managed_server(cmd, f"http://127.0.0.1:{port}/v1/models", {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}):
         yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def main(argv: list[str] | None = None) -> None:
