@@ -11,6 +11,7 @@ All methods are async so that a Redis implementation can keep the same interface
 
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,29 @@ def output_from_dict(d: dict[str, Any]) -> RequestOutput:
     d = dict(d)
     kind = d.pop("_kind", "output")
     return ErrorOutput(**d) if kind == "error" else RequestOutput(**d)
+
+
+class CancellationInbox:
+    """Ids of cancelled requests waiting for this process's worker to abort them (either queue kind)."""
+
+    def __init__(self) -> None:
+        self._ids: list[str] = []
+        self._event = asyncio.Event()
+
+    def add(self, request_id: str) -> None:
+        self._ids.append(request_id)
+        self._event.set()
+
+    async def take(self, timeout: float | None = None) -> list[str]:
+        """Every id added since the last call; waits up to `timeout` for at least one."""
+        if not self._ids:
+            try:
+                await asyncio.wait_for(self._event.wait(), timeout)
+            except (asyncio.TimeoutError, TimeoutError):
+                return []
+        ids, self._ids = self._ids, []
+        self._event.clear()
+        return ids
 
 
 @dataclass

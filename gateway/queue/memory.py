@@ -8,7 +8,7 @@ import time
 from collections import deque
 
 from engine.request import RequestOutput
-from gateway.queue.base import QueueFull, QueueItem, RequestQueue, Subscription
+from gateway.queue.base import CancellationInbox, QueueFull, QueueItem, RequestQueue, Subscription
 
 
 class _MemorySubscription(Subscription):
@@ -34,8 +34,7 @@ class MemoryQueue(RequestQueue):
         self._tier_depth: dict[str, int] = {}
         self._changed = asyncio.Condition()
         self._subs: dict[str, _MemorySubscription] = {}
-        self._cancelled: list[str] = []
-        self._cancel_event = asyncio.Event()
+        self._cancelled = CancellationInbox()
         self._clock = time.time  # injectable for aging tests
 
     # ------------------------------------------------------------ requests
@@ -121,15 +120,7 @@ class MemoryQueue(RequestQueue):
     async def cancel(self, request_id: str) -> None:
         if self._remove_queued(request_id):
             return  # never reached a worker: nothing to abort
-        self._cancelled.append(request_id)
-        self._cancel_event.set()
+        self._cancelled.add(request_id)
 
     async def next_cancellations(self, timeout: float | None = None) -> list[str]:
-        if not self._cancelled:
-            try:
-                await asyncio.wait_for(self._cancel_event.wait(), timeout)
-            except (asyncio.TimeoutError, TimeoutError):
-                return []
-        ids, self._cancelled = self._cancelled, []
-        self._cancel_event.clear()
-        return ids
+        return await self._cancelled.take(timeout)

@@ -43,7 +43,7 @@ from collections import deque
 from typing import Any
 
 from engine.request import RequestOutput
-from gateway.queue.base import ErrorOutput, QueueFull, QueueItem, RequestQueue, Subscription, output_from_dict, \
+from gateway.queue.base import CancellationInbox, ErrorOutput, QueueFull, QueueItem, RequestQueue, Subscription, output_from_dict, \
     output_to_dict
 
 log = logging.getLogger("sluice.queue.redis")
@@ -397,8 +397,7 @@ class RedisQueue(RequestQueue):
         self._put, self._pull, self._publish = s(_PUT), s(_PULL), s(_PUBLISH)
         self._renew, self._release, self._reap = s(_RENEW), s(_RELEASE), s(_REAP)
         self._cancel, self._depth = s(_CANCEL), s(_DEPTH)
-        self._cancelled: list[str] = []
-        self._cancel_event = asyncio.Event()
+        self._cancelled = CancellationInbox()
         self._cancel_task: asyncio.Task | None = None
         self._reaper_task: asyncio.Task | None = None
         self.pulls = 0  # round trips of the pull script (for the fill/time measurements)
@@ -565,8 +564,7 @@ class RedisQueue(RequestQueue):
                 while True:
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg and msg.get("type") == "message":
-                        self._cancelled.append(msg["data"])
-                        self._cancel_event.set()
+                        self._cancelled.add(msg["data"])
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis went away: resubscribe (renewals catch what we missed)
@@ -587,14 +585,7 @@ class RedisQueue(RequestQueue):
 
     async def next_cancellations(self, timeout: float | None = None) -> list[str]:
         await self.start_cancel_listener()
-        if not self._cancelled:
-            try:
-                await asyncio.wait_for(self._cancel_event.wait(), timeout)
-            except (asyncio.TimeoutError, TimeoutError):
-                return []
-        ids, self._cancelled = self._cancelled, []
-        self._cancel_event.clear()
-        return ids
+        return await self._cancelled.take(timeout)
 
     # ------------------------------------------------------------ workers
 
