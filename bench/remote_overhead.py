@@ -119,7 +119,10 @@ max_concurrent = 512
     p = start([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
               env={"OMP_WAIT_POLICY": "PASSIVE", "SLUICE_AUTH__KEYS_FILE": f"{tmp}/keys.json",
                    "BENCH_MOCK_KEY": "sk-mock", "PYTHONPATH": str(ROOT)}, log=f"{tmp}/sluice.log")
-    wait_ready(f"http://127.0.0.1:{port}/health", proc=p)
+    # /ready, not /health: the engine loads in the background, and its load (and the gc.freeze the router
+    # does once it is loaded, within a second) must not be billed to the first rows' requests.
+    wait_ready(f"http://127.0.0.1:{port}/ready", proc=p)
+    time.sleep(1.5)
     return p, f"http://127.0.0.1:{port}/v1"
 
 
