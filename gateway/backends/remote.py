@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import aiohttp
 import httpx2
 import openai
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
@@ -58,7 +59,10 @@ class Provider:
         self.not_before = 0.0  # monotonic time before which its Retry-After asks us not to call
         limits = httpx2.Limits(max_connections=settings.max_concurrent,
                                max_keepalive_connections=settings.max_concurrent)
-        self.http = httpx2.AsyncClient(limits=limits, timeout=settings.timeout_s)
+        # The SDK's aiohttp transport: aiohttp's C parser and connector instead of httpcore's pure-Python
+        # h11 state machine, header validation and pool bookkeeping (measured in bench/remote_overhead.py).
+        # Redirects stay off, as with a plain httpx client.
+        self.http = openai.DefaultAioHttpClient(limits=limits, timeout=settings.timeout_s, follow_redirects=False)
         self.client = openai.AsyncOpenAI(api_key=settings.api_key() or "missing", base_url=settings.base_url,
                                          max_retries=0, timeout=settings.timeout_s, http_client=self.http)
 
@@ -110,8 +114,29 @@ def _retry_after(headers: Any) -> float | None:
     return None
 
 
+def _aiohttp_cause(e: BaseException) -> BaseException | None:
+    """The aiohttp error behind an SDK/httpx2 error, if any. The aiohttp transport maps every
+    `aiohttp.ClientConnectionError` (a refused connection, a server that hung up) to httpx2's
+    `ConnectTimeout`; the original tells a timeout from a connection failure."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, aiohttp.ClientError):
+            return e
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+        seen += 1
+    return None
+
+
 def _classify(p: Provider, e: BaseException) -> _Failure | None:
     """A retryable/failover-able failure, or None when the error is the caller's (re-raised as 4xx)."""
+    if isinstance(e, (openai.APIConnectionError, httpx2.TransportError)):  # APITimeoutError included
+        cause = _aiohttp_cause(e)
+        if cause is not None:
+            if isinstance(cause, (aiohttp.ServerTimeoutError, asyncio.TimeoutError, TimeoutError)):
+                return _Failure(p.name, "timeout", "timed out")
+            # named as with the httpx transport: the SDK's error type, or httpx2's mid-stream
+            name = "APIConnectionError" if isinstance(e, openai.APIError) else type(e).__name__
+            return _Failure(p.name, "connection", f"connection failed ({name})")
     if isinstance(e, openai.APIStatusError):
         st = e.status_code
         ra = _retry_after(e.response.headers)

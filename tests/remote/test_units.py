@@ -108,3 +108,50 @@ def test_cost():
     p = ProviderSettings(name="p", base_url="http://x", input_price_per_m=1.0, output_price_per_m=4.0,
                          cached_input_price_per_m=0.5)
     assert p.cost(1_000_000, 200_000, 500_000) == pytest.approx(0.8 + 0.1 + 2.0)
+
+
+async def test_transport_errors_are_classified_like_httpx_did():
+    """The aiohttp transport maps every aiohttp connection error to httpx2's ConnectTimeout; a refused
+    connection or a server that hangs up is still a connection failure, a slow answer a timeout."""
+    import asyncio
+    import socket
+
+    import httpx2
+    from aiohttp import web
+
+    from gateway.backends.remote import Provider, _classify
+
+    async def hang(request):
+        await asyncio.sleep(5)
+        return web.json_response({})
+
+    async def reset(request):
+        request.transport.close()
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/hang/chat/completions", hang)
+    app.router.add_post("/reset/chat/completions", reset)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    closed_port = s.getsockname()[1]
+    s.close()
+    try:
+        for base, kind in [(f"http://127.0.0.1:{closed_port}", "connection"),
+                           (f"http://127.0.0.1:{port}/reset", "connection"),
+                           (f"http://127.0.0.1:{port}/hang", "timeout")]:
+            p = Provider(ProviderSettings(name="p", base_url=base, timeout_s=0.3), RoutingSettings())
+            try:
+                with pytest.raises(Exception) as ei:
+                    await p.client.post("/chat/completions", cast_to=httpx2.Response, body={})
+                f = _classify(p, ei.value)
+                assert f is not None and f.kind == kind, (base, f)
+            finally:
+                await p.close()
+    finally:
+        await runner.cleanup()
