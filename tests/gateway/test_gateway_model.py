@@ -177,6 +177,19 @@ def test_paris_with_the_models_default_sampling(sdk):
         assert "Paris" in "".join(c.choices[0].delta.content or "" for c in s if c.choices)
 
 
+def test_prefix_cache_hits_reported_in_usage(sdk):
+    m = model_id(sdk)
+    system = "You answer questions about rivers. " * 40  # ~240 tokens shared by both requests
+    def ask(q):
+        return sdk.chat.completions.create(model=m, max_tokens=2, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": q}])
+    first, second = ask("How long is the Nile?"), ask("How long is the Amazon?")
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 224 and cached % 16 == 0  # whole 16-token blocks of the shared prefix
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens_details.cached_tokens
+
+
 def test_prompt_truncation_middle_keeps_head_and_tail(sdk):
     m = model_id(sdk)
     long = "The secret word is BANANA. " + "filler text " * 1500 + " Repeat the secret word."
