@@ -30,7 +30,8 @@ def read_bandwidth(nbytes: int = 512 * 2**20) -> float:
 
 def weight_bytes(engine: LLMEngine) -> int:
     m = engine.runner.model
-    total = m.lm_head.weight.numel() * m.lm_head.weight.element_size()
+    head = m.lm_head_fast or m.lm_head  # the output layer actually read each step
+    total = head.weight.numel() * head.weight.element_size()
     for layer in m.layers:
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
             total += lin.weight.numel() * lin.weight.element_size()
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     bw = read_bandwidth()
     wbytes = weight_bytes(engine)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights read per step {wbytes / 2**20:.0f} MiB "
-          f"({str(engine.runner.weight_dtype).removeprefix('torch.')} linear layers, fp32 output layer)")
+          f"({str(engine.runner.weight_dtype).removeprefix('torch.')} weights)")
     for b in [int(x) for x in a.batches.split(",")]:
         reqs = [EngineRequest(f"{b}-{i}", [(i * 7 + j) % 1000 + 100 for j in range(a.context)],
                               SamplingParams(temperature=0, max_tokens=a.steps + 5, ignore_eos=True)) for i in range(b)]

@@ -39,6 +39,9 @@ def rope_tables(args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, to
     return freqs.cos().float().to(device), freqs.sin().float().to(device)
 
 
+REFINE_TOP = 16  # output-layer candidates per row recomputed at full precision
+
+
 class Linear:
     """y = x W^T (+ b), with W stored in its own dtype (bf16 halves the bytes a CPU decode step reads);
     the activations stay in the model's dtype, so the residual stream and the norms keep full precision."""
@@ -76,8 +79,12 @@ class LlamaModel(nn.Module):
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         lm_head = self.embed if args.tie_word_embeddings else w("lm_head.weight")
-        # The output layer keeps the model's dtype: bf16 logits would turn near-ties into greedy flips.
+        # The output layer reads as many bytes as a third of the model. With bf16 weights it runs in
+        # bf16 too, and each row's top candidates are then recomputed at full precision, so near-ties
+        # between the likeliest tokens (all that greedy, top-k and top-p look at) are decided exactly;
+        # bf16 alone flips such ties.
         self.lm_head = Linear(lm_head, None, dtype)
+        self.lm_head_fast = Linear(lm_head, None, wdt) if wdt != dtype else None
         self.layers: list[LayerWeights] = []
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
@@ -95,13 +102,22 @@ class LlamaModel(nn.Module):
             ))
         self.cos, self.sin = rope_tables(args, device)
 
+    def logits(self, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        if self.lm_head_fast is None or exact:
+            return self.lm_head(h).float()
+        logits = self.lm_head_fast(h).float()
+        top = logits.topk(REFINE_TOP, dim=-1).indices  # [n, k]
+        rows = self.lm_head.weight[top]  # [n, k, hidden], full precision
+        return logits.scatter_(1, top, torch.einsum("nd,nkd->nk", h.to(rows.dtype), rows).float())
+
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, logits_indices: torch.Tensor, exact_logits: bool = False) -> torch.Tensor:
         """token_ids/positions: [T]; kv_cache: [layers, 2, slots, kv_heads, head_dim].
 
         Returns float32 logits for the tokens at `logits_indices` only (the last token of each
         sequence that samples this step), so a long prefill never builds a [T, vocab] matrix.
+        `exact_logits`: every logit at full precision (scoring and tests), not only the top candidates.
         """
         a = self.args
         x = self.embed[token_ids]
@@ -119,4 +135,4 @@ class LlamaModel(nn.Module):
             x, residual = fused_add_rms_norm(x, residual, layer.mlp_norm, a.rms_norm_eps)
             x = layer.down(silu_and_mul(layer.gate_up(x)))
         h = rms_norm((residual + x)[logits_indices], self.norm, a.rms_norm_eps)
-        return self.lm_head(h).float()
+        return self.logits(h, exact_logits)

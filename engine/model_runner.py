@@ -153,7 +153,7 @@ class ModelRunner:
             max_decode_len=max(seq_lens[:num_decodes], default=0),
         )
         logits = self.model(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), self.kv_cache,
-                            meta, torch.tensor(logits_idx, dtype=torch.long, device=dev))
+                            meta, torch.tensor(logits_idx, dtype=torch.long, device=dev), exact_logits=all_logits)
         for seq, n in order:
             seq.num_computed_tokens += n
         return logits, samplers
