@@ -11,22 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import sample_tokens
+from kernels.sampling import filter_top_k_top_p, sample_tokens
 
 from .sequence import Sequence
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-    cut = ranks >= k[:, None]
-    probs = sorted_logits.softmax(dim=-1)
-    cum = probs.cumsum(dim=-1) - probs  # mass strictly before each token: the first token always stays
-    cut |= cum >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator | None = None) -> list[int]:
@@ -43,7 +30,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generato
     top_k = torch.tensor([s.sampling.top_k for s in seqs], device=device)
     top_p = torch.tensor([s.sampling.top_p for s in seqs], device=device, dtype=torch.float32)
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-        scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+        scaled = filter_top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)
     noise = torch.empty_like(probs)
     for i, s in enumerate(seqs):

@@ -51,15 +51,15 @@ def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> tor
     return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """engine.sampler's top-k/top-p masking, all on device."""
+def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k / top-p masking with per-row parameters, all on the device (used by both samplers)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
     cut = ranks >= k[:, None]
     probs = sorted_logits.softmax(dim=-1)
-    cum = probs.cumsum(dim=-1) - probs
+    cum = probs.cumsum(dim=-1) - probs  # mass strictly before each token: the first token always stays
     cut |= cum >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
@@ -76,7 +76,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     greedy = logits.argmax(dim=-1)
     scaled = logits / temperature.clamp(min=1e-5)[:, None]
     if filter_top:
-        scaled = _filter_top_k_top_p(scaled, top_k, top_p.float())
+        scaled = filter_top_k_top_p(scaled, top_k, top_p.float())
     probs = scaled.softmax(dim=-1)
     q = -torch.log(uniform_noise(seeds, offsets, logits.shape[-1]))
     sampled = (probs / q).argmax(dim=-1)
