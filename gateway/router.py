@@ -297,14 +297,10 @@ class Router(Backend):
         await self.usage.close()
 
 
-class _FallbackStream(ChoiceStream):
-    """The local stream, replaced by a remote one when the first local output is a failure."""
+class _WrappedStream(ChoiceStream):
+    """A stream around another one: it reports where the inner stream was served."""
 
-    def __init__(self, router: Router, gen: GenerationRequest, local: ChoiceStream):
-        self._router = router
-        self._gen = gen
-        self._inner = local
-        self._first = True
+    _inner: ChoiceStream
 
     @property
     def backend(self) -> str:  # type: ignore[override]
@@ -317,6 +313,17 @@ class _FallbackStream(ChoiceStream):
     @property
     def provider(self) -> Any:
         return getattr(self._inner, "provider", None)
+
+
+class _FallbackStream(_WrappedStream):
+    """The local stream, replaced by a remote one when the first local output is a failure."""
+
+    def __init__(self, router: Router, gen: GenerationRequest, local: ChoiceStream):
+        self._router = router
+        self._gen = gen
+        self._inner = local
+        self._first = True
+
 
     @staticmethod
     def _failed(out: Any) -> bool:
@@ -342,7 +349,7 @@ class _FallbackStream(ChoiceStream):
         await self._inner.aclose()
 
 
-class _AccountedStream(ChoiceStream):
+class _AccountedStream(_WrappedStream):
     """Passes outputs through; measures TTFT, inter-token time and end-to-end latency; on close
     records the request's usage and cost exactly as the response reports them."""
 
@@ -360,13 +367,6 @@ class _AccountedStream(ChoiceStream):
         self._errored_early = False
         self._closed = False
 
-    @property
-    def backend(self) -> str:  # type: ignore[override]
-        return getattr(self._inner, "backend", "local")
-
-    @property
-    def prompt_tokens(self) -> int | None:  # type: ignore[override]
-        return getattr(self._inner, "prompt_tokens", None)
 
     async def __anext__(self) -> ChoiceOutput:
         try:

@@ -226,12 +226,7 @@ class RemoteStream(ChoiceStream):
             await self._release()
 
     async def _release(self) -> None:
-        if self._resp is not None:
-            resp, self._resp = self._resp, None
-            try:
-                await resp.aclose()
-            except Exception:
-                pass
+        await self._release_resp()
         if self.provider is not None and self._holding:
             self._holding = False
             self.provider.in_flight -= 1
