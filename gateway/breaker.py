@@ -61,6 +61,12 @@ class CircuitBreaker:
             self.opened_at = self.clock()
         self.probing = False
 
+    def trip(self) -> None:
+        """Open now, whatever the count (a configuration error: more tries cannot succeed)."""
+        self.consecutive = max(self.consecutive + 1, self.threshold)
+        self.opened_at = self.clock()
+        self.probing = False
+
     def release(self) -> None:
         """The pass was not used for a verdict (e.g. the client left): free the probe slot."""
         self.probing = False

@@ -21,11 +21,16 @@ order = 0                    # lower is tried first
 from __future__ import annotations
 
 import os
+from typing import Any
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ProviderSettings(BaseModel):
+    # A bad base_url may hold a password: errors name the field and the reason, never the value.
+    model_config = ConfigDict(hide_input_in_errors=True)
+
     name: str
     base_url: str
     api_key_env: str | None = None  # the env var holding the key; None: the provider needs no key
@@ -38,10 +43,56 @@ class ProviderSettings(BaseModel):
     order: int = 0  # lower is tried first (ties broken by weight, then name)
     weight: float = Field(1.0, gt=0)  # among equal `order`: higher is tried first more often
 
+    @model_validator(mode="before")
+    @classmethod
+    def _redact_password(cls, data: Any) -> Any:
+        """A password in base_url is refused below; blank it first so no error message repeats it."""
+        if isinstance(data, dict) and isinstance(data.get("base_url"), str) and "@" in data["base_url"]:
+            url = data["base_url"]
+            scheme, sep, rest = url.partition("://")
+            netloc, slash, path = (rest if sep else url).partition("/")
+            if "@" in netloc:
+                user, _, host = netloc.rpartition("@")
+                user = user.split(":", 1)[0] + (":***" if ":" in user else "")
+                redacted = f"{user}@{host}{slash}{path}"
+                data = {**data, "base_url": f"{scheme}{sep}{redacted}" if sep else redacted}
+        return data
+
     @field_validator("base_url")
     @classmethod
-    def _strip(cls, v: str) -> str:
-        return v.rstrip("/")
+    def _check_url(cls, v: str) -> str:
+        """An http(s) URL with a host and nothing the SDK would mangle or that would leak a secret:
+        credentials belong in the environment variable named by `api_key_env`."""
+        v = v.strip().rstrip("/")
+        try:
+            u = urlsplit(v)
+            port = u.port  # raises on a non-numeric or out-of-range port
+        except ValueError as e:
+            raise ValueError(f"base_url is not a valid URL ({e})") from None
+        if u.scheme not in ("http", "https"):
+            raise ValueError("base_url must start with http:// or https:// (e.g. https://api.openai.com/v1)")
+        if "@" in u.netloc:
+            raise ValueError("base_url must not contain credentials (user:password@); put the provider's key "
+                             "in the environment variable named by api_key_env")
+        if not u.hostname:
+            raise ValueError("base_url has no host")
+        if u.query or u.fragment:
+            raise ValueError("base_url must not have a query string or fragment")
+        del port
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("a provider needs a name")
+        return v
+
+    def key_problem(self) -> str | None:
+        """Why requests will carry no API key (an unset or empty `api_key_env`), or None."""
+        if self.api_key_env and not os.environ.get(self.api_key_env):
+            return f"the environment variable {self.api_key_env} (api_key_env) is not set or empty"
+        return None
 
     def api_key(self) -> str:
         if not self.api_key_env:

@@ -8,12 +8,18 @@ Routing, local first:
     `tiers.<tier>.max_queue_wait_ms` (`queue_wait`) or the tier's queue is full (`queue_full`);
   * a local failure before the first token is retried remotely (`local_failed`).
 The estimate: a request waits for the completions that free a slot for it, so
-    wait = (ahead + 1 - free_slots) / completion_rate   (0 when that count is <= 0)
+    wait = need / completion_rate,   need = ahead + 1 - free_slots   (0 when need <= 0)
 where `ahead` is what is queued in tiers of the same or a higher priority, `free_slots` the engine's
 unused capacity and `completion_rate` the local completions per second over the last
-`routing.completion_window_s`. `pro` has nothing of `standard` ahead of it and a larger target, so it
-stays local longest. Each decision is counted (`sluice_route_decisions_total`) and logged (remote ones
-at INFO), and every response carries `x-sluice-backend: local|remote:<provider>`.
+`routing.completion_window_s`. When completions are scarce (fewer than `MIN_COMPLETIONS` in the
+window: a cold start, or long requests holding every slot) the rate comes from the engine instead:
+    wait = need * tokens_per_request * step_seconds / capacity
+with `step_seconds` measured from the worker's step counter (and busy time), `tokens_per_request` the
+average completion of past local requests (else the `max_tokens` of those running now). With neither
+known and no free slot the wait is unknown (infinite: overflow). `pro` has nothing of `standard`
+ahead of it and a larger target, so it stays local longest. Each decision is counted
+(`sluice_route_decisions_total`) and logged (remote ones at INFO), and every response carries
+`x-sluice-backend: local|remote:<provider>`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from gateway.usage import ANON, UsageStore
 log = logging.getLogger("sluice.router")
 
 BACKEND_HEADER = "x-sluice-backend"
+MIN_COMPLETIONS = 3  # fewer local completions in the window: estimate from the engine's step rate
 LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
@@ -72,6 +79,11 @@ class Router(Backend):
         self.limiter = limiter or make_limiter(limit_settings, queue_redis)
         self.usage = usage or UsageStore(limit_settings.redis_url or queue_redis)
         self._completions: deque[float] = deque()
+        self._tokens_per_request: float | None = None  # EWMA of local completions' completion tokens
+        self._local_max_tokens: dict[str, int] = {}  # local requests in flight: their max_tokens
+        self._step_sample: tuple[float, float, float | None] | None = None  # (time, steps, busy s)
+        self._step_s: float | None = None  # seconds per engine step (decaying average)
+        self._step_sums = (0.0, 0.0)  # decaying (seconds, steps) behind it
         self._started = time.monotonic()
         self._workers_cache: tuple[float, list[dict[str, Any]] | None] = (0.0, None)
         self._busy_last: tuple[float, float] | None = None
@@ -119,6 +131,50 @@ class Router(Backend):
         ms = getattr(t, "max_queue_wait_ms", None) if t is not None else None
         return None if ms is None else ms / 1000
 
+    async def _engine_counters(self) -> tuple[float, float | None, int] | None:
+        """(steps, busy seconds or None, capacity) summed over the engine workers, or None."""
+        st = self.state
+        if st.worker is not None:
+            s = st.worker.stats()
+            if "steps" not in s:
+                return None
+            busy = s.get("busy_seconds")
+            return float(s["steps"]), None if busy is None else float(busy), int(s.get("capacity", 0))
+        ws = [w for w in (await self._workers() or []) if "steps" in w]  # heartbeats that carry it
+        if not ws:
+            return None
+        busy = [float(w["busy_seconds"]) for w in ws if "busy_seconds" in w]
+        return (sum(float(w["steps"]) for w in ws), sum(busy) if len(busy) == len(ws) else None,
+                sum(int(w.get("capacity", 0)) for w in ws))
+
+    async def _sample_steps(self) -> None:
+        """Update the seconds-per-step estimate from the step counter (and busy time when known)."""
+        c = await self._engine_counters()
+        if c is None:
+            return
+        steps, busy, _ = c
+        now = time.monotonic()
+        last = self._step_sample
+        if last is not None and now - last[0] < 0.2:
+            return
+        self._step_sample = (now, steps, busy)
+        if last is None or steps <= last[1]:
+            return  # idle (or a restarted worker): keep the last estimate
+        d_steps = steps - last[1]
+        if busy is not None and last[2] is not None and busy > last[2]:
+            d_time = busy - last[2]
+        else:  # wall time: an upper bound when the engine idled part of the interval
+            d_time = now - last[0]
+        # Decaying sums weighted by steps: an interval with a few steps after an idle spell (whose wall
+        # time overstates the step time) moves the estimate little; a busy interval moves it most.
+        t_sum, s_sum = self._step_sums
+        self._step_sums = (0.5 * t_sum + d_time, 0.5 * s_sum + d_steps)
+        self._step_s = self._step_sums[0] / self._step_sums[1]
+
+    def step_seconds(self) -> float | None:
+        """The measured seconds per engine step (None until the engine has stepped while sampled)."""
+        return self._step_s
+
     async def estimate_wait(self, tier: str) -> float:
         tiers = self.state.settings.tiers
         q = self.state.queue
@@ -132,10 +188,25 @@ class Router(Backend):
         need = ahead + 1 - await self._free_slots()
         if need <= 0:
             return 0.0
+        await self._sample_steps()
         rate = self.completion_rate()
-        if rate <= 0:
-            return 0.0 if ahead == 0 else math.inf
-        return need / rate
+        if len(self._completions) >= MIN_COMPLETIONS and rate > 0:
+            return need / rate
+        est = await self._wait_from_steps(need)  # completions are scarce: the engine's step rate
+        if est is not None:
+            return est
+        return need / rate if rate > 0 else math.inf  # nothing known and no free slot
+
+    async def _wait_from_steps(self, need: int) -> float | None:
+        step_s = self._step_s
+        tokens = self._tokens_per_request
+        if tokens is None and self._local_max_tokens:
+            tokens = sum(self._local_max_tokens.values()) / len(self._local_max_tokens)
+        c = await self._engine_counters()
+        if step_s is None or tokens is None or c is None:
+            return None
+        capacity = max(1, c[2])
+        return need * max(1.0, tokens) * step_s / capacity
 
     # ------------------------------------------------------------ submit
 
@@ -174,8 +245,9 @@ class Router(Backend):
                            code="not_ready", retry_after=1)
         stream = await self.remote.submit(gen)
         if est is not None:
-            log.info("route %s tier=%s -> remote (%s: estimated wait %.0f ms > target)", gen.request_id,
-                     gen.tier, reason, est * 1000 if math.isfinite(est) else -1)
+            log.info("route %s tier=%s -> remote (%s: estimated wait %s > target)", gen.request_id,
+                     gen.tier, reason, f"{est * 1000:.0f} ms" if math.isfinite(est)
+                     else "unknown (no free slot, no completion or step rate yet)")
         else:  # a remote-only model is not news; a fallback from local is
             log.log(logging.DEBUG if reason == "remote_only" else logging.INFO, "route %s tier=%s -> remote (%s)",
                     gen.request_id, gen.tier, reason)
@@ -184,6 +256,8 @@ class Router(Backend):
     def _account(self, stream: ChoiceStream, gen: GenerationRequest, t0: float, kind: str,
                  reason: str) -> ChoiceStream:
         self.metrics.decisions.labels(gen.tier, kind, reason).inc()
+        if kind == "local":
+            self._local_max_tokens[gen.request_id] = int(gen.sampling.max_tokens or 0) * max(1, gen.n)
         return _AccountedStream(self, gen, stream, t0)
 
     # ------------------------------------------------------------ accounting
@@ -199,6 +273,8 @@ class Router(Backend):
                      completion: int) -> None:
         if backend == "local":
             self._completions.append(time.monotonic())
+            t = self._tokens_per_request
+            self._tokens_per_request = completion if t is None else 0.8 * t + 0.2 * completion
         cost = self.cost(backend, stream, prompt, cached, completion)
         key = gen.key or ANON
         m = self.metrics
@@ -237,6 +313,10 @@ class Router(Backend):
     async def _sample_once(self) -> None:
         st = self.state
         m = self.metrics
+        try:
+            await self._sample_steps()
+        except Exception:
+            log.debug("step sampling failed", exc_info=True)
         if st.queue is not None:
             for tier in st.settings.tiers:
                 try:
@@ -404,6 +484,7 @@ class _AccountedStream(_WrappedStream):
         if self._closed:
             return
         self._closed = True
+        self._router._local_max_tokens.pop(self._gen.request_id, None)
         try:
             await self._inner.aclose()
         finally:

@@ -8,11 +8,15 @@ still does the connection pool, auth header and the mapping of error statuses to
 
 Tries are rounds over the provider chain (order, then weight), driven by tenacity:
   * in a round each provider whose breaker is closed (or half-open and free for a probe), that is not
-    at `max_concurrent` and not inside a Retry-After it gave us, gets one try; a retryable failure
-    (429, 5xx, timeout, connection error, a stream cut before its first text) moves on to the next
-    provider at once: a 429 with a healthy fallback does not sleep out its Retry-After;
-  * 400/413/422 are the caller's fault and answered as they are; 401/403/404 say this provider is
-    misconfigured and move on without retrying it;
+    at `max_concurrent` and not inside a Retry-After it gave us, gets one try; a failure (5xx, timeout,
+    connection error, a stream cut before its first text, a 200 whose body is not JSON/SSE, any error
+    no rule knows) counts against its breaker and moves on to the next provider at once;
+  * a 429 is back-pressure, not a fault: it never counts against the breaker; the provider is skipped
+    for its Retry-After (a healthy fallback serves at once). A request that finds every provider
+    inside a Retry-After window answers 429 with that Retry-After at once;
+  * 400/413/422 are the caller's fault and answered as they are; 401/403 are a configuration error
+    (the provider refuses our key): no retry, its breaker opens at once, the next provider serves, and
+    the log and `/ready` say why; a 404 (the model mapping) moves on without retrying it;
   * when a round fails, tenacity waits (the soonest Retry-After, else exponential backoff with full
     jitter) and tries again, at most `max_attempts` rounds, and never past the request's deadline;
   * then the client gets 429 (every provider rate-limited us) or 503, with Retry-After.
@@ -39,14 +43,14 @@ from engine.request import RequestOutput
 from gateway.backends.base import Backend, ChoiceOutput, ChoiceStream, GenerationRequest
 from gateway.breaker import CircuitBreaker
 from gateway.errors import APIError
+from gateway.queue.base import ErrorOutput
 from gateway.remote_config import ProviderSettings, RoutingSettings
 
 log = logging.getLogger("sluice.remote")
 
 # Fields of Sluice's request models that providers do not know (extras of vLLM and Sluice).
-SLUICE_ONLY_FIELDS = frozenset({"top_k", "stop_token_ids", "ignore_eos", "prompt_truncation"})
+SLUICE_ONLY_FIELDS = frozenset({"top_k", "stop_token_ids", "ignore_eos", "prompt_truncation", "cache_salt"})
 RAW_STREAM = {"X-Stainless-Raw-Response": "stream"}
-RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 520, 521, 522, 523, 524, 529})
 CLIENT_FAULT_STATUS = frozenset({400, 413, 422})
 
 
@@ -57,6 +61,12 @@ class Provider:
         self.breaker = CircuitBreaker(routing.breaker_failures, routing.breaker_cooldown_s)
         self.in_flight = 0
         self.not_before = 0.0  # monotonic time before which its Retry-After asks us not to call
+        self.not_before_reason = "retry_after"  # "rate_limited" when that Retry-After came with a 429
+        # A configuration problem (an unset key, credentials refused): shown in /ready until it answers.
+        self.config_error: str | None = settings.key_problem()
+        if self.config_error:
+            log.warning("provider %s: %s; it will be called without an API key and will likely refuse "
+                        "(HTTP 401)", self.name, self.config_error)
         limits = httpx2.Limits(max_connections=settings.max_concurrent,
                                max_keepalive_connections=settings.max_concurrent)
         # The SDK's aiohttp transport: aiohttp's C parser and connector instead of httpcore's pure-Python
@@ -67,8 +77,31 @@ class Provider:
                                          max_retries=0, timeout=settings.timeout_s, http_client=self.http)
 
     def usable(self, now: float) -> bool:
-        return (self.breaker.available() and self.in_flight < self.settings.max_concurrent
-                and now >= self.not_before)
+        return self.unavailable(now) is None
+
+    def unavailable(self, now: float) -> str | None:
+        """Why this provider cannot be tried now, or None."""
+        if not self.breaker.available():
+            return "misconfigured" if self.config_error else "circuit_open"
+        if self.in_flight >= self.settings.max_concurrent:
+            return "busy"
+        if now < self.not_before:
+            return self.not_before_reason
+        return None
+
+    def hold(self, seconds: float, reason: str) -> None:
+        """Not called for `seconds` (a Retry-After it gave us)."""
+        self.not_before = max(self.not_before, time.monotonic() + seconds)
+        self.not_before_reason = reason
+
+    def status(self) -> dict[str, Any]:
+        """For /ready."""
+        now = time.monotonic()
+        out: dict[str, Any] = {"circuit": self.breaker.state, "in_flight": self.in_flight,
+                               "error": self.config_error}
+        if now < self.not_before:
+            out["retry_after_s"] = round(self.not_before - now, 3)
+        return out
 
     def wait_hint(self, now: float) -> float:
         """Seconds until this provider could be tried again."""
@@ -81,17 +114,20 @@ class Provider:
 @dataclass
 class _Failure:
     provider: str
-    kind: str  # "rate_limited" | "server_error" | "timeout" | "connection" | "misconfigured" | "dropped"
+    # "rate_limited" | "server_error" | "timeout" | "connection" | "misconfigured" | "dropped" |
+    # "bad_response" (a body that is not JSON/SSE) | "error" (anything else)
+    kind: str
     message: str
     status: int | None = None
     retry_after: float | None = None
 
 
 class RoundFailed(Exception):
-    def __init__(self, failures: list[_Failure], wait_hint: float | None):
+    def __init__(self, failures: list[_Failure], wait_hint: float | None, final: bool = False):
         super().__init__("; ".join(f"{f.provider}: {f.message}" for f in failures) or "no provider available")
         self.failures = failures
         self.wait_hint = wait_hint
+        self.final = final  # no later round can do better: answer now
 
 
 def _retry_after(headers: Any) -> float | None:
@@ -145,11 +181,14 @@ def _classify(p: Provider, e: BaseException) -> _Failure | None:
             return None
         if st == 429:
             return _Failure(p.name, "rate_limited", msg, st, ra)
-        if st in (401, 403, 404):
-            return _Failure(p.name, "misconfigured", msg, st)
-        if st in RETRYABLE_STATUS or st >= 500:
-            return _Failure(p.name, "server_error", msg, st, ra)
-        return None
+        if st in (401, 403):
+            env = p.settings.api_key_env
+            hint = p.settings.key_problem() or (f"check the key in {env} (api_key_env)" if env
+                                                else "set api_key_env")
+            return _Failure(p.name, "misconfigured", f"{msg}: the provider refused our credentials; {hint}", st)
+        if st == 404:
+            return _Failure(p.name, "misconfigured", f"{msg}: check the provider's model name and base_url", st)
+        return _Failure(p.name, "server_error", msg, st, ra)  # 5xx, 408, 409, and any other status
     if isinstance(e, (openai.APITimeoutError, httpx2.TimeoutException, asyncio.TimeoutError, TimeoutError)):
         return _Failure(p.name, "timeout", "timed out")
     if isinstance(e, (openai.APIConnectionError, httpx2.TransportError, ConnectionError)):
@@ -157,12 +196,38 @@ def _classify(p: Provider, e: BaseException) -> _Failure | None:
     if isinstance(e, _Dropped):
         return _Failure(p.name, "dropped", "the stream ended early")
     if isinstance(e, _UpstreamStreamError):
-        return _Failure(p.name, "server_error", f"error event in the stream ({e})")
-    return None
+        return _Failure(p.name, "server_error", f"an error in a 200 answer ({e})"[:300])
+    if isinstance(e, _BadResponse):
+        return _Failure(p.name, "bad_response", str(e))
+    if isinstance(e, json.JSONDecodeError):
+        return _Failure(p.name, "bad_response", f"an answer that is not JSON ({e.msg})")
+    # Anything else (an SDK or transport error no rule above knows, a bug): a failure of this provider.
+    return _Failure(p.name, "error", f"{type(e).__name__}: {e}"[:300])
 
 
 class _Dropped(Exception):
     pass
+
+
+class _BadResponse(Exception):
+    """A 2xx answer that is not what an OpenAI-compatible API sends (an HTML page from a proxy, a body
+    that is not JSON, a stream line that is not JSON)."""
+
+
+def _json_body(r: httpx2.Response) -> dict[str, Any]:
+    """The parsed body of a JSON answer; anything else is the provider's failure, not the caller's."""
+    ctype = r.headers.get("content-type", "").split(";")[0] or "no content type"
+    try:
+        body = json.loads(r.content)
+    except ValueError:
+        raise _BadResponse(f"answered {r.status_code} with a body that is not JSON ({ctype})") from None
+    if not isinstance(body, dict):
+        raise _BadResponse(f"answered {r.status_code} with JSON that is not an object")
+    if not isinstance(body.get("choices"), list):
+        if isinstance(body.get("error"), (dict, str)):
+            raise _UpstreamStreamError(body["error"])
+        raise _BadResponse(f"answered {r.status_code} without `choices`")
+    return body
 
 
 def _client_error(e: openai.APIStatusError) -> APIError:
@@ -205,6 +270,9 @@ class RemoteStream(ChoiceStream):
         self.cached_tokens = 0
         self.completion_tokens: int | None = None
         self.failovers = 0
+        self._excluded: set[Provider] = set()  # refused our configuration: not retried for this request
+        self._last_kind: dict[str, str] = {}  # provider -> its last failure or reason it was skipped
+        self._failures: list[_Failure] = []  # every failed try of this request
         self._it = self._run()
         self._resp: httpx2.Response | None = None
         self._closed = False
@@ -246,17 +314,21 @@ class RemoteStream(ChoiceStream):
     # ---------------------------------------------------------------- one try
 
     async def _try(self, p: Provider, deadline: float) -> Any:
-        """One call to one provider. JSON: the parsed body. Stream: the buffered outputs up to and
+        """One call to one provider. JSON: its outputs (a list). Stream: the buffered outputs up to and
         including the first real text (the stream is then committed), plus the line iterator."""
         timeout = max(0.05, min(p.settings.timeout_s, deadline - time.monotonic()))
         path = "/chat/completions" if self._gen.endpoint == "chat" else "/completions"
         body = self._body(p)
         if not body.get("stream"):
             r = await p.client.post(path, cast_to=httpx2.Response, body=body, options={"timeout": timeout})
-            return json.loads(r.content)
+            return self._json_outputs(_json_body(r))
         resp = await p.client.post(path, cast_to=httpx2.Response, body=body, stream=True,
                                    options={"timeout": timeout, "headers": RAW_STREAM})
         self._resp = resp
+        ctype = resp.headers.get("content-type", "")
+        if "html" in ctype:  # a proxy's error page with a 2xx status
+            await self._release_resp()
+            raise _BadResponse(f"answered {resp.status_code} with {ctype.split(';')[0]}, not an event stream")
         lines = resp.aiter_lines()
         parsed = _Parsed()
         buffered: list[ChoiceOutput] = []
@@ -293,7 +365,12 @@ class RemoteStream(ChoiceStream):
             if data == "[DONE]":  # keep reading to the end of the body: the connection then goes back
                 done = True          # to the pool instead of being closed
                 continue
-            chunk = json.loads(data)
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                raise _BadResponse(f"a stream line that is not JSON ({data[:60]!r})") from None
+            if not isinstance(chunk, dict):
+                raise _BadResponse(f"a stream line that is not a JSON object ({data[:60]!r})")
             if "error" in chunk and not chunk.get("choices"):
                 raise _UpstreamStreamError(chunk["error"])
             _usage_into(parsed, chunk.get("usage"))
@@ -354,14 +431,17 @@ class RemoteStream(ChoiceStream):
             e = rs.outcome.exception() if rs.outcome else None
             hint = e.wait_hint if isinstance(e, RoundFailed) else None
             if hint:
-                return hint
+                return hint + 0.005  # just past the Retry-After (or cool-down) it waits out
             cap = min(r.backoff_max_s, r.backoff_base_s * 2 ** (rs.attempt_number - 1))
             return random.uniform(0, cap)
 
         def past_deadline(rs: RetryCallState) -> bool:
             e = rs.outcome.exception() if rs.outcome else None
-            if isinstance(e, RoundFailed) and e.wait_hint is not None and e.wait_hint > r.max_retry_after_s:
-                return True
+            if isinstance(e, RoundFailed):
+                if e.final:
+                    return True
+                if e.wait_hint is not None and e.wait_hint > r.max_retry_after_s:
+                    return True
             return time.monotonic() + rs.upcoming_sleep >= deadline
 
         last: RoundFailed | None = None
@@ -374,16 +454,28 @@ class RemoteStream(ChoiceStream):
         except RoundFailed as e:
             last = e
         assert last is not None
-        raise self._give_up(last, deadline)
+        raise self._give_up(last)
+
+    def _live(self) -> list[Provider]:
+        """Providers this request may still wait for: not excluded by a configuration error."""
+        return [p for p in self._chain if p not in self._excluded
+                and not (p.config_error and not p.breaker.available())]
 
     async def _round(self, deadline: float) -> tuple[Provider, Any]:
         failures: list[_Failure] = []
-        now = time.monotonic()
+        tried = 0
         for p in self._backend.order(self._chain):
             if time.monotonic() >= deadline:
                 break
-            if not p.usable(time.monotonic()) or not p.breaker.allow():
+            if p in self._excluded:
                 continue
+            why = p.unavailable(time.monotonic())
+            if why is None and not p.breaker.allow():
+                why = "circuit_open"
+            if why is not None:
+                self._last_kind[p.name] = why
+                continue
+            tried += 1
             p.in_flight += 1
             self.provider, self._holding = p, True
             b = self._backend
@@ -403,36 +495,79 @@ class RemoteStream(ChoiceStream):
                     if isinstance(e, openai.APIStatusError):
                         raise _client_error(e) from None
                     raise
-                if f.kind == "misconfigured":
-                    p.breaker.release()
-                else:
-                    p.breaker.failure()
-                if f.retry_after:
-                    p.not_before = time.monotonic() + f.retry_after
+                self._failed(p, f, e)
                 failures.append(f)
+                self._failures.append(f)
                 b.on_attempt(p, f.kind, time.monotonic() - t0)
-                log.warning("provider %s failed for %s: %s; %s", p.name, self._gen.request_id, f.message,
-                            "failing over" if p is not self._chain[-1] else "no more providers this round")
                 self.failovers += 1
                 continue
             p.breaker.success()
+            p.config_error = None
             b.on_attempt(p, "ok", time.monotonic() - t0)
             return p, result
         now = time.monotonic()
-        hints = [p.wait_hint(now) for p in self._chain]
+        live = self._live()
+        hints = [p.wait_hint(now) for p in live]
         hint = min(hints) if hints else None
-        raise RoundFailed(failures, hint if hint and hint > 0 else None)
+        # Nothing left to wait for (every provider refused our configuration), or nothing tried because
+        # every provider is inside a 429's Retry-After: answer now rather than wait.
+        final = not live or (tried == 0 and all(self._last_kind.get(p.name) == "rate_limited" for p in live))
+        raise RoundFailed(failures, hint if hint and hint > 0 else None, final)
 
-    def _give_up(self, e: RoundFailed, deadline: float) -> APIError:
+    def _failed(self, p: Provider, f: _Failure, e: BaseException) -> None:
+        """Book one failed try: the breaker, the provider's Retry-After, the log."""
+        self._last_kind[p.name] = f.kind
+        more = "failing over" if any(q is not p and q.usable(time.monotonic()) for q in self._live()) \
+            else "no other provider now"
+        rid = self._gen.request_id
+        if f.kind == "rate_limited":  # back-pressure, not a fault: the breaker does not count it
+            p.breaker.release()
+            if f.retry_after:
+                p.hold(f.retry_after, "rate_limited")
+            log.info("provider %s rate limited %s (%s%s); %s", p.name, rid, f.message,
+                     f", Retry-After {f.retry_after:g} s" if f.retry_after else "", more)
+            return
+        if f.kind == "misconfigured":
+            self._excluded.add(p)  # never retried for this request
+            if f.status in (401, 403):
+                p.config_error = f.message
+                p.breaker.trip()
+                log.error("provider %s: %s; its circuit is open for %g s (%s, request %s)", p.name, f.message,
+                          p.breaker.cooldown_s, more, rid)
+            else:
+                p.breaker.release()
+                log.warning("provider %s failed for %s: %s; %s", p.name, rid, f.message, more)
+            return
+        p.breaker.failure()
+        if f.retry_after:
+            p.hold(f.retry_after, "retry_after")
+        log.warning("provider %s failed for %s: %s; %s", p.name, rid, f.message, more,
+                    exc_info=e if f.kind == "error" else None)
+
+    def _give_up(self, e: RoundFailed) -> APIError:
+        now = time.monotonic()
         names = ", ".join(p.name for p in self._chain)
-        kinds = {f.kind for f in e.failures}
+        live = self._live()
+        model = self._gen.model
+        if not live:  # every provider refused our configuration: say so, not "overloaded"
+            last = {f.provider: f.message for f in self._failures}
+            errors = "; ".join(f"{p.name}: {p.config_error or last.get(p.name) or 'misconfigured'}"
+                               for p in self._chain)
+            waits = [p.breaker.retry_in() for p in self._chain if p.breaker.retry_in() > 0]
+            return APIError(503, f"No provider could serve `{model}`: a configuration error ({errors}).",
+                            type="server_error", code="upstream_misconfigured",
+                            retry_after=min(waits) if waits else None)
+        if all(self._last_kind.get(p.name) == "rate_limited" for p in live):
+            windows = [p.not_before - now for p in live if p.not_before > now]
+            retry_after = min(windows) if windows else (e.wait_hint or 1.0)
+            return APIError(429, f"Every provider for `{model}` is rate limiting ({names}); retry later.",
+                            code="upstream_rate_limited", retry_after=max(retry_after, 1.0))
         retry_after = e.wait_hint if e.wait_hint else max(1.0, self._backend.routing.backoff_max_s / 5)
-        if kinds == {"rate_limited"}:
-            return APIError(429, f"Every provider for `{self._gen.model}` is rate limiting ({names}); "
-                                 "retry later.", code="upstream_rate_limited", retry_after=retry_after)
-        detail = "; ".join(f"{f.provider}: {f.message}" for f in e.failures[-4:]) or \
-            "every provider's circuit is open or at its concurrency limit"
-        return APIError(503, f"No provider could serve `{self._gen.model}` ({detail}).", type="overloaded_error",
+        detail = "; ".join(f"{f.provider}: {f.message}" for f in self._failures[-4:])
+        if not detail:
+            detail = "; ".join(f"{p.name}: {_SKIPPED.get(self._last_kind.get(p.name, ''), 'unavailable')}"
+                               for p in live)
+        return APIError(503, f"No provider could serve `{model}` ({detail}).", type="overloaded_error",
                         code="upstream_unavailable", retry_after=retry_after)
 
     # ---------------------------------------------------------------- the stream
@@ -440,9 +575,9 @@ class RemoteStream(ChoiceStream):
     async def _run(self) -> AsyncIterator[ChoiceOutput]:
         p, result = await self._open()
         self.backend = f"remote:{p.name}"
-        if isinstance(result, dict):
+        if isinstance(result, list):  # a JSON answer, already turned into outputs
             try:
-                for out in self._json_outputs(result):
+                for out in result:
                     yield out
             finally:
                 await self._release()
@@ -459,18 +594,24 @@ class RemoteStream(ChoiceStream):
                 async for out in self._outputs(lines, parsed):
                     yield out
             except (Exception, _Dropped) as e:  # committed: end with an error event, never silently
-                kind = _classify(p, e)
-                log.warning("provider %s failed mid-stream for %s: %s", p.name, self._gen.request_id,
-                            kind.message if kind else type(e).__name__)
+                f = _classify(p, e)
+                what = f.message if f else type(e).__name__
+                log.warning("provider %s failed mid-stream for %s: %s", p.name, self._gen.request_id, what)
                 self.prompt_tokens = parsed.prompt_tokens
                 self.completion_tokens = parsed.completion_tokens or parsed.text_chunks
-                yield ChoiceOutput(0, RequestOutput(
+                # The usage the client is told is the usage billed: the tokens relayed so far.
+                yield ChoiceOutput(0, ErrorOutput(
                     request_id=self._gen.request_id, finished=True, finish_reason="error",
-                    error=f"The upstream provider failed mid-stream ({kind.message if kind else type(e).__name__});"
-                          " the answer is incomplete.",
-                    completion_tokens=self.completion_tokens or 0, prompt_tokens=parsed.prompt_tokens or 0))
+                    error=f"The provider `{p.name}` failed mid-stream ({what}); the answer is incomplete.",
+                    completion_tokens=self.completion_tokens or 0, prompt_tokens=parsed.prompt_tokens or 0,
+                    cached_tokens=parsed.cached_tokens, error_code="provider_error", error_status=502))
         finally:
             await self._release()
+
+
+_SKIPPED = {"circuit_open": "circuit open", "busy": "at its concurrency limit",
+            "rate_limited": "inside its Retry-After", "retry_after": "inside its Retry-After",
+            "misconfigured": "misconfigured"}
 
 
 class _UpstreamStreamError(Exception):
@@ -483,8 +624,20 @@ class RemoteBackend(Backend):
 
     def __init__(self, providers: list[ProviderSettings], routing: RoutingSettings, metrics: Any = None):
         self.routing = routing
+        names = [s.name for s in providers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate provider names: {', '.join(dupes)} (each [[providers]] needs its own name)")
+        for s in providers:
+            if not s.models:
+                log.warning("provider %s serves no models (its `models` table is empty): it is never called",
+                            s.name)
         self.providers = [Provider(s, routing) for s in providers]
         self.metrics = metrics
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """Each provider's circuit, in-flight count and configuration error, for /ready."""
+        return {p.name: p.status() for p in self.providers}
 
     def chain(self, model: str) -> list[Provider]:
         return [p for p in self.providers if model in p.settings.models]

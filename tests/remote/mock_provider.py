@@ -10,6 +10,9 @@ the prompt, and `cached_tokens` is configurable. Faults are consumed one per req
   ("drop_before_first",)            stream: send headers and a role-only chunk, then cut the connection
   ("drop_after", k)                 stream: send k content chunks, then cut the connection
   ("reset",)                        close the connection without an answer
+  ("html"[, code])                  answer `code` (200) with an HTML error page, as a proxy in front would
+  ("bad_json",)                     JSON: a 200 whose body is cut mid-object; stream: a role-only chunk,
+                                    then a `data:` line that is not JSON (before any text)
 
 Run standalone: `python -m tests.remote.mock_provider --port 9100 [--tokens 16] [--itl-ms 0]`.
 """
@@ -92,6 +95,11 @@ class MockProvider:
             assert request.transport is not None
             request.transport.close()
             return web.Response()
+        if kind == "html":
+            code = fault[1] if len(fault) > 1 else 200
+            return web.Response(status=code, content_type="text/html",
+                                text="<html><head><title>502 Bad Gateway</title></head>"
+                                     "<body><h1>Bad Gateway</h1><hr>nginx</body></html>")
         chat = request.path.endswith("/chat/completions")
         n_tokens = min(self.tokens, body.get("max_tokens") or body.get("max_completion_tokens") or self.tokens)
         prompt = _words(body)
@@ -104,6 +112,8 @@ class MockProvider:
         if self.ttft_s:
             await asyncio.sleep(self.ttft_s)
         if not body.get("stream"):
+            if kind == "bad_json":
+                return web.Response(content_type="application/json", text='{"id": "%s", "object": "chat.comp' % rid)
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
                           "finish_reason": "length" if n_tokens < self.tokens else "stop"}
@@ -128,6 +138,11 @@ class MockProvider:
 
         if chat:
             await resp.write(chunk({"role": "assistant", "content": ""}, None, None))
+        if kind == "bad_json":
+            await resp.write(b"data: {\"id\": \"" + rid.encode() + b"\", \"choices\": [{\"ind\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         if kind == "drop_before_first":
             assert request.transport is not None
             request.transport.close()
