@@ -2,11 +2,23 @@
 
 With no keys at all the gateway serves anonymously, but only on a loopback address (the CLI refuses
 to start otherwise); once a key exists every /v1 request needs one. Keys are never logged.
+
+Key mode is sticky (see gateway/keys.py): a keys file that is deleted, emptied, corrupted or left with
+no keys while the gateway runs never opens it; every authenticated route answers 503
+`keys_unavailable` (and the error is logged, rate-limited) until the file is fixed.
+
+`/health` and `/ready` are public. `/metrics` is public only while no keys exist; in key mode it
+needs an admin key (`sluice keys create --admin`). Revoking a key stops its running requests: each
+keyed request is registered while it runs, and a watcher re-reads the keys file every
+`REVOKE_POLL_S` while any is in flight; a revoked key's non-streamed requests end with 401
+`key_revoked`, its streams with an error event of the same code (and no `[DONE]`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import json
 import logging
 from typing import Awaitable, Callable
 
@@ -14,12 +26,23 @@ from aiohttp import web
 
 from gateway.errors import APIError
 from gateway.keys import KeyStore
+from gateway.ratelog import RateLimitedLog
 
 log = logging.getLogger("sluice.gateway")
+_ratelog = RateLimitedLog(log)
 
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/ready"})
+ADMIN_PATHS = frozenset({"/metrics"})  # public without keys; an admin key once keys exist
+REVOKE_POLL_S = 0.5
 TIER_KEY: web.RequestKey[str] = web.RequestKey("sluice_tier", str)
 KEY_NAME: web.RequestKey[str] = web.RequestKey("sluice_key_name", str)
+# The response once prepared (headers sent), for the access log's status and a revoked stream's error.
+RESPONSE: web.RequestKey[web.StreamResponse] = web.RequestKey("sluice_response", web.StreamResponse)
+
+
+async def remember_response(request: web.Request, response: web.StreamResponse) -> None:
+    """An `on_response_prepare` signal handler: keeps the response that is being sent."""
+    request[RESPONSE] = response
 
 
 def is_loopback(host: str) -> bool:
@@ -55,14 +78,94 @@ def _bearer(request: web.Request) -> str | None:
     return token.strip()
 
 
+def _route_path(request: web.Request) -> str:
+    """The route the request matched (so no spelling of a path reaches /metrics as a /v1 route)."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else request.path
+
+
+def _keys_unavailable(keys: KeyStore) -> APIError:
+    _ratelog.error("keys-unavailable", "refusing API requests: %s", keys.problem)
+    return APIError(503, "API keys cannot be checked on this gateway right now (its keys file is missing or "
+                         "unreadable); the request was refused. Retry later.",
+                    type="server_error", code="keys_unavailable", retry_after=5)
+
+
+class _InFlight:
+    """Keyed requests while they run, so revoking a key stops them."""
+
+    def __init__(self, keys: KeyStore):
+        self.keys = keys
+        self.by_key: dict[str, set[asyncio.Task]] = {}
+        self.revoked: set[asyncio.Task] = set()
+        self._watcher: asyncio.Task | None = None
+
+    async def run(self, request: web.Request, handler, key_hash: str) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self.by_key.setdefault(key_hash, set()).add(task)
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch())
+        try:
+            return await handler(request)
+        except asyncio.CancelledError:
+            if task not in self.revoked or task.uncancel() > 0:
+                raise  # the client went away, or the server is stopping
+            return await self._revoked(request)
+        finally:
+            tasks = self.by_key.get(key_hash)
+            if tasks is not None:
+                tasks.discard(task)
+                if not tasks:
+                    del self.by_key[key_hash]
+            self.revoked.discard(task)
+
+    async def _watch(self) -> None:
+        while self.by_key:
+            await asyncio.sleep(REVOKE_POLL_S)
+            try:
+                self.keys.reload_if_changed()
+            except Exception:  # never let bookkeeping kill the watcher
+                log.exception("re-reading the keys file failed")
+                continue
+            for key_hash, tasks in list(self.by_key.items()):
+                if not self.keys.is_revoked(key_hash):
+                    continue
+                for t in list(tasks):
+                    if t not in self.revoked and not t.done():
+                        self.revoked.add(t)
+                        t.cancel("sluice: API key revoked")
+                        log.info("stopping a running request: its API key was revoked")
+
+    @staticmethod
+    async def _revoked(request: web.Request) -> web.StreamResponse:
+        err = APIError(401, "The API key was revoked.", type="authentication_error", code="key_revoked")
+        resp = request.get(RESPONSE)
+        if resp is None or not resp.prepared:
+            raise err
+        try:  # a stream already under way: end it with an error event (no [DONE])
+            data = json.dumps(err.body(), separators=(",", ":")).encode()
+            await resp.write(b"data: " + data + b"\n\n")
+            await resp.write_eof()
+        except (RuntimeError, ConnectionError):  # already finished, or the client left
+            pass
+        return resp
+
+
 def make_auth_middleware(keys: KeyStore, anonymous_tier: str):
+    inflight = _InFlight(keys)
+
     @web.middleware
     async def auth_middleware(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        if request.path in PUBLIC_PATHS:
+        path = _route_path(request)
+        if path in PUBLIC_PATHS:
             return await handler(request)
-        if not keys.has_keys():
+        keys.reload_if_changed()
+        if keys.problem is not None:
+            raise _keys_unavailable(keys)
+        if not keys.key_mode:
             request[TIER_KEY] = anonymous_tier
             return await handler(request)
         token = _bearer(request)
@@ -73,8 +176,13 @@ def make_auth_middleware(keys: KeyStore, anonymous_tier: str):
         if record is None:
             raise APIError(401, "Incorrect API key provided.", type="authentication_error",
                            code="invalid_api_key")
+        if path in ADMIN_PATHS:
+            if not record.admin:
+                raise APIError(403, f"{path} needs an admin key (`sluice keys create --admin`).",
+                               type="permission_error", code="admin_key_required")
+            return await handler(request)
         request[TIER_KEY] = record.tier
         request[KEY_NAME] = record.name
-        return await handler(request)
+        return await inflight.run(request, handler, record.key_hash)
 
     return auth_middleware

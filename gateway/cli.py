@@ -42,23 +42,19 @@ def _stop_event() -> asyncio.Event:
 
 
 async def _serve(settings, engine: Any = None, no_engine: bool = False) -> None:
-    from aiohttp import web
-
     from gateway.app import STATE, create_app
     from gateway.auth import check_bind_allowed
     from gateway.keys import KeyStore
+    from gateway.serving import serve
 
-    keys = KeyStore(settings.auth.keys_file)
+    keys = KeyStore(settings.auth.keys_file, strict=True)  # a corrupt keys file: refuse to start
     auth_mode = check_bind_allowed(settings.server.host, keys)
     if not keys.has_keys():
         log.warning("no API keys in %s: serving WITHOUT authentication (loopback only); "
                     "create one with `sluice keys create`", keys.path)
     app = create_app(settings, engine=engine, keys=keys, no_engine=no_engine)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=settings.server.shutdown_grace_s)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.server.host, settings.server.port)
-    await site.start()
+    # Header/body timeouts, idle keep-alive timeout and the connection limit (gateway/serving.py).
+    runner, site = await serve(app, settings)
     state = app[STATE]
     # Wait for the engine to give the one informative start line (capacity needs the engine).
     stop = _stop_event()
@@ -81,6 +77,7 @@ async def _serve(settings, engine: Any = None, no_engine: bool = False) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.auth import InsecureBindError
+    from gateway.keys import KeyStoreError
 
     overrides: dict[str, Any] = {}
     server: dict[str, Any] = {}
@@ -102,6 +99,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         asyncio.run(_serve(settings, no_engine=args.no_engine))
     except InsecureBindError as e:
         print(f"sluice: {e}", file=sys.stderr)
+        return 2
+    except KeyStoreError as e:
+        print(f"sluice: {e}; refusing to start (fix or restore the keys file; remove it only to serve "
+              "without keys on loopback)", file=sys.stderr)
         return 2
     return 0
 
@@ -154,35 +155,48 @@ def _keystore(args: argparse.Namespace):
     from gateway.keys import KeyStore
 
     path = args.keys_file or _settings(args).auth.keys_file
-    return KeyStore(path)
+    return KeyStore(path, strict=True)
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
     from gateway.keys import KeyStoreError
 
     settings = _settings(args)
-    if args.tier not in settings.tiers:
-        print(f"sluice: unknown tier {args.tier!r}; configured: {', '.join(settings.tiers)}", file=sys.stderr)
+    tier = args.tier
+    if tier is None:
+        if not args.admin:
+            print("sluice: --tier is required (only an --admin key may leave it out)", file=sys.stderr)
+            return 2
+        tier = max(settings.tiers, key=lambda t: settings.tiers[t].priority)  # the lowest priority
+    if tier not in settings.tiers:
+        print(f"sluice: unknown tier {tier!r}; configured: {', '.join(settings.tiers)}", file=sys.stderr)
         return 2
-    store = _keystore(args)
     try:
-        key = store.create(args.name, args.tier)
+        store = _keystore(args)
+        key = store.create(args.name, tier, admin=args.admin)
     except KeyStoreError as e:
         print(f"sluice: {e}", file=sys.stderr)
         return 1
     print(key)
-    print(f"# key {args.name!r} (tier {args.tier}) stored in {store.path}; it is shown only this once.",
+    role = ", admin: may read /metrics" if args.admin else ""
+    print(f"# key {args.name!r} (tier {tier}{role}) stored in {store.path}; it is shown only this once.",
           file=sys.stderr)
     return 0
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
-    store = _keystore(args)
-    rows = [("NAME", "TIER", "ID", "CREATED", "REVOKED")]
+    from gateway.keys import KeyStoreError
+
+    try:
+        store = _keystore(args)
+    except KeyStoreError as e:
+        print(f"sluice: {e}", file=sys.stderr)
+        return 1
+    rows = [("NAME", "TIER", "ID", "CREATED", "REVOKED", "ADMIN")]
     for r in store.records:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created))
-        rows.append((r.name, r.tier, r.short_id, created, "yes" if r.revoked else "no"))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        rows.append((r.name, r.tier, r.short_id, created, "yes" if r.revoked else "no", "yes" if r.admin else "no"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     return 0
@@ -191,8 +205,8 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
     from gateway.keys import KeyStoreError
 
-    store = _keystore(args)
     try:
+        store = _keystore(args)
         rec = store.revoke(args.name_or_id)
     except KeyStoreError as e:
         print(f"sluice: {e}", file=sys.stderr)
@@ -232,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
         kp.set_defaults(func=func)
         if name == "create":
             kp.add_argument("--name", required=True)
-            kp.add_argument("--tier", required=True)
+            kp.add_argument("--tier", help="required, except for --admin keys (default: the lowest tier)")
+            kp.add_argument("--admin", action="store_true",
+                            help="an admin key: may read /metrics, which needs one once any key exists")
         elif name == "revoke":
             kp.add_argument("name_or_id")
 

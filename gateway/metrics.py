@@ -3,19 +3,57 @@
 They register into the gateway's registry (`GatewayState.registry`), next to the request counters
 that `app.py` already exports, so `/metrics` serves them all. Gauges that describe the local side
 (queue depth per tier, the engine's busy ratio) are refreshed by a sampler task once a second.
+
+Metrics labelled by API key never show the key's name by default: the `key` label is the key's short
+id (the first 8 hex digits of its hash, as `sluice keys list` shows), or its name only when
+`metrics.key_labels = "name"` is configured ("none": one label for every key).
 """
 
 from __future__ import annotations
 
+import hashlib
+from typing import Any, Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gateway.usage import ANON
+
+
+def hashed_key_label(name: str) -> str:
+    """The label of a key name when no key store is at hand: a short hash, not the name."""
+    return name if name == ANON else "n" + hashlib.sha256(name.encode("utf-8")).hexdigest()[:7]
+
+
+def make_key_label(keys: Any, mode: str) -> Callable[[str], str]:
+    """`mode` "id": the key's short id from the store; "name": the key's name; "none": "key" for all."""
+    if mode == "name":
+        return lambda name: name
+    if mode == "none":
+        return lambda name: name if name == ANON else "key"
+    return lambda name: name if name == ANON else keys.label_for(name)
+
+
+class _KeyLabelled:
+    """A metric whose first label is a key name, turned into the configured label on the way in."""
+
+    def __init__(self, metric: Any, owner: "Metrics"):
+        self._metric = metric
+        self._owner = owner
+
+    def labels(self, key: str, *rest: str) -> Any:
+        return self._metric.labels(self._owner.key_label(key), *rest)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._metric, name)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, key_label: Callable[[str], str] | None = None):
         r = registry
+        self.key_label: Callable[[str], str] = key_label or hashed_key_label
         self.queue_time = Histogram("sluice_queue_seconds", "Time a local request waited in the queue",
                                     ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("sluice_ttft_seconds", "Time to first token", ["tier", "backend"],
@@ -42,14 +80,17 @@ class Metrics:
                                          registry=r)
         self.breaker = Gauge("sluice_provider_circuit_open", "1 when the provider's circuit is open",
                              ["provider"], registry=r)
-        self.rate_limited = Counter("sluice_rate_limited_total", "Requests refused by per-key limits",
-                                    ["key", "reason"], registry=r)
-        self.usage_requests = Counter("sluice_usage_requests_total", "Completed requests",
-                                      ["key", "model", "backend"], registry=r)
-        self.usage_tokens = Counter("sluice_usage_tokens_total", "Tokens by kind (prompt, cached, completion)",
-                                    ["key", "model", "backend", "kind"], registry=r)
-        self.usage_cost = Counter("sluice_usage_cost_total", "Cost in the configured currency",
-                                  ["key", "model", "backend"], registry=r)
+        # Labelled by API key: the label is `key_label(name)` (a short id unless configured otherwise).
+        self.rate_limited = _KeyLabelled(Counter(
+            "sluice_rate_limited_total", "Requests refused by per-key limits", ["key", "reason"], registry=r), self)
+        self.usage_requests = _KeyLabelled(Counter(
+            "sluice_usage_requests_total", "Completed requests", ["key", "model", "backend"], registry=r), self)
+        self.usage_tokens = _KeyLabelled(Counter(
+            "sluice_usage_tokens_total", "Tokens by kind (prompt, cached, completion)",
+            ["key", "model", "backend", "kind"], registry=r), self)
+        self.usage_cost = _KeyLabelled(Counter(
+            "sluice_usage_cost_total", "Cost in the configured currency", ["key", "model", "backend"],
+            registry=r), self)
 
     def remote_attempt(self, provider: str, outcome: str, seconds: float) -> None:
         self.attempts.labels(provider, outcome).inc()

@@ -49,6 +49,35 @@ def test_create_list_revoke(tmp_path, capsys, monkeypatch):
     assert "yes" in out
 
 
+def test_admin_keys(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SLUICE_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    kf = str(tmp_path / "keys.json")
+    rc, out, err = run(capsys, "keys", "create", "--keys-file", kf, "--name", "ops", "--admin")
+    assert rc == 0 and "admin" in err
+    rec = KeyStore(kf).lookup(out.strip())
+    assert rec.admin and rec.tier == "standard"  # no --tier: the lowest-priority tier
+    rc, out, err = run(capsys, "keys", "create", "--keys-file", kf, "--name", "user")
+    assert rc == 2 and "--tier" in err
+    rc, out, _ = run(capsys, "keys", "create", "--keys-file", kf, "--name", "user", "--tier", "pro")
+    assert rc == 0 and not KeyStore(kf).lookup(out.strip()).admin
+    rc, out, _ = run(capsys, "keys", "list", "--keys-file", kf)
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert out.splitlines()[0].split()[-1] == "ADMIN"
+    assert rows["ops"][-1] == "yes" and rows["user"][-1] == "no"
+
+
+def test_keys_commands_refuse_a_corrupt_keys_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SLUICE_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    kf = tmp_path / "keys.json"
+    kf.write_text("{not json")
+    for argv in (("create", "--name", "a", "--tier", "pro"), ("list",), ("revoke", "a")):
+        rc, _, err = run(capsys, "keys", argv[0], "--keys-file", str(kf), *argv[1:])
+        assert rc == 1 and "corrupt" in err, (argv, err)
+    assert kf.read_text() == "{not json"  # left for the operator to fix
+
+
 def test_lookup_rejects_wrong_keys(tmp_path):
     store = KeyStore(tmp_path / "keys.json")
     assert not store.has_keys()

@@ -69,12 +69,14 @@ output_price_per_m = 1.5
     env = {**env, "SLUICE_CONFIG": str(cfg), "SLUICE_TEST_MOCK_KEY": "sk-upstream-secret"}
     key = subprocess.run([sys.executable, "-m", "gateway.cli", "keys", "create", "--name", "t", "--tier", "pro"],
                          cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    admin = subprocess.run([sys.executable, "-m", "gateway.cli", "keys", "create", "--name", "ops", "--admin"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip()
     glog = tmp / "gateway.log"
     gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve"], cwd=ROOT, env=env,
                           stdout=open(glog, "w"), stderr=subprocess.STDOUT)
     try:
         _wait(f"http://127.0.0.1:{gport}/ready", gw, glog)
-        yield f"http://127.0.0.1:{gport}", key, glog
+        yield f"http://127.0.0.1:{gport}", key, glog, admin
     finally:
         for p in (gw, mock):
             p.terminate()
@@ -87,7 +89,7 @@ output_price_per_m = 1.5
 def test_real_gateway_routes_counts_and_never_logs_secrets(stack):
     from openai import OpenAI
 
-    base, key, glog = stack
+    base, key, glog, admin = stack
     client = OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
     raw = client.chat.completions.with_raw_response.create(
         model="remote-model", messages=[{"role": "user", "content": "one two three"}])
@@ -122,7 +124,8 @@ def test_real_gateway_routes_counts_and_never_logs_secrets(stack):
     assert remote["cost"] == pytest.approx((remote["prompt_tokens"] * 0.5 + remote["completion_tokens"] * 1.5) / 1e6)
 
     time.sleep(2.2)  # the sampler refreshes engine and queue gauges every second
-    with urllib.request.urlopen(base + "/metrics") as m:
+    with urllib.request.urlopen(urllib.request.Request(base + "/metrics",  # needs an admin key
+                                                       headers={"Authorization": f"Bearer {admin}"})) as m:
         metrics = m.read().decode()
     busy = [line for line in metrics.splitlines() if line.startswith("sluice_engine_busy_seconds ")]
     assert busy and float(busy[0].split()[1]) > 0
@@ -130,4 +133,4 @@ def test_real_gateway_routes_counts_and_never_logs_secrets(stack):
     assert 'sluice_ttft_seconds_count{backend="remote:mock",tier="pro"} 2.0' in metrics
     assert 'sluice_route_decisions_total{backend="local",reason="local",tier="pro"}' not in metrics  # local-only model
     log = glog.read_text()
-    assert "sk-upstream-secret" not in log and key not in log
+    assert "sk-upstream-secret" not in log and key not in log and admin not in log

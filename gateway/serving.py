@@ -1,0 +1,300 @@
+"""Serving the app on a socket without letting slow or idle clients exhaust it (issue 9).
+
+aiohttp has no header-read timeout and no connection limit: a client that opens a connection and
+sends nothing, or half a request line, holds a socket and a file descriptor until its keep-alive
+timer (an hour by default) fires. Here every connection goes through `GuardedRequestHandler`:
+
+- headers: a connection must complete a request's headers within `server.header_timeout_s` of opening
+  (or of the first byte of a later request on a keep-alive connection); otherwise it is closed (with a
+  408 when it had sent part of a request);
+- body: `body_timeout_middleware` reads the body within `server.body_timeout_s` after the headers, or
+  answers 408 and closes;
+- idle keep-alive connections close after `server.keepalive_timeout_s`;
+- at most `server.max_connections` are open: a new one beyond it closes the oldest connection that has
+  no request under way (an idle or half-sent one: this is what keeps /health answering through a
+  flood of half-open connections), and when every connection has a request under way the new one is
+  answered 503 `too_many_connections` and closed.
+
+`accept()` failures (out of file descriptors) and refusals are logged rate-limited
+(`gateway.ratelog`), never once per event. `serve(app, settings)` is what `sluice serve` runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import resource
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from gateway.errors import APIError
+from gateway.ratelog import RateLimitedLog
+
+log = logging.getLogger("sluice.server")
+_ratelog = RateLimitedLog(log)
+
+_REFUSED_LINGER_S = 1.0  # a refused connection is kept this long so the client reads the 503, not a reset
+_MAX_LINGERING = 256  # beyond this many refused connections lingering at once, close at once
+
+
+def _raw_response(status: str, code: str, message: str, retry_after: int | None = None) -> bytes:
+    err = APIError(int(status.split()[0]), message, code=code)
+    body = json.dumps(err.body(), separators=(",", ":")).encode()
+    head = [f"HTTP/1.1 {status}", "Content-Type: application/json", f"Content-Length: {len(body)}",
+            "Connection: close"]
+    if retry_after is not None:
+        head.append(f"Retry-After: {retry_after}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+class ConnectionGuard:
+    """Limits and bookkeeping shared by every connection of one server."""
+
+    def __init__(self, header_timeout_s: float, max_connections: int):
+        self.header_timeout_s = header_timeout_s
+        self.max_connections = max_connections
+        self.open: dict[GuardedRequestHandler, None] = {}  # accepted and counted, oldest first
+        self.lingering = 0
+        self.refused = 0
+        self.evicted = 0
+        self.header_timeouts = 0
+
+    def make_room(self) -> bool:
+        """Close the oldest connection without a request under way; False when every one has one."""
+        for conn in self.open:
+            if conn.idle:
+                self.open.pop(conn, None)
+                self.evicted += 1
+                _ratelog.warning("evict", "connection limit (%d) reached: closing the oldest idle connection "
+                                 "(%d closed so far)", self.max_connections, self.evicted)
+                conn.force_close()
+                return True
+        return False
+
+
+class GuardedRequestHandler(RequestHandler):
+    """aiohttp's protocol with a header-read deadline and the guard's connection limit."""
+
+    __slots__ = ("_guard", "_hdr_handle", "_hdr_count", "_hdr_partial", "_refused")
+
+    def __init__(self, manager: Any, *, guard: ConnectionGuard, **kwargs: Any):
+        super().__init__(manager, **kwargs)
+        self._guard = guard
+        self._hdr_handle: asyncio.TimerHandle | None = None
+        self._hdr_count = 0
+        self._hdr_partial = False
+        self._refused = False
+
+    @property
+    def idle(self) -> bool:
+        """No request under way: waiting for (the rest of) a request's headers, or between requests."""
+        return not (self._request_in_progress or self._messages or self._force_close)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        g = self._guard
+        if len(g.open) >= g.max_connections and not g.make_room():
+            self._refuse(transport)
+            return
+        super().connection_made(transport)
+        g.open[self] = None
+        self._arm_header_timer(partial=False)
+
+    def _refuse(self, transport: asyncio.BaseTransport) -> None:
+        g = self._guard
+        self._refused = True
+        self.transport = transport  # type: ignore[assignment]
+        g.refused += 1
+        _ratelog.warning("refuse", "connection limit (%d) reached with every connection busy: answering 503 "
+                         "(%d refused so far)", g.max_connections, g.refused)
+        t: Any = transport
+        t.write(_raw_response("503 Service Unavailable", "too_many_connections",
+                              f"Too many open connections (limit {g.max_connections}); retry shortly.",
+                              retry_after=1))
+        if g.lingering >= _MAX_LINGERING or not t.can_write_eof():
+            t.close()
+            return
+        t.write_eof()  # half-close: the client reads the answer; what it still sends is discarded
+        g.lingering += 1
+        self._hdr_handle = self._loop.call_later(_REFUSED_LINGER_S, t.close)
+
+    def _arm_header_timer(self, partial: bool) -> None:
+        self._hdr_partial = partial
+        if self._hdr_handle is None:
+            self._hdr_count = self._request_count
+            self._hdr_handle = self._loop.call_later(self._guard.header_timeout_s, self._header_timeout)
+
+    def _disarm_header_timer(self) -> None:
+        if self._hdr_handle is not None:
+            self._hdr_handle.cancel()
+            self._hdr_handle = None
+
+    def _header_timeout(self) -> None:
+        self._hdr_handle = None
+        if self._request_count != self._hdr_count or not self.idle or self.transport is None:
+            return  # headers arrived (or a request is under way): nothing to do
+        g = self._guard
+        g.header_timeouts += 1
+        _ratelog.info("header-timeout", "closing a connection that sent no complete request headers within "
+                      "%.0fs (%d so far)", g.header_timeout_s, g.header_timeouts)
+        if self._hdr_partial:
+            self.transport.write(_raw_response("408 Request Timeout", "header_timeout",
+                                               f"Request headers not received within {g.header_timeout_s:g}s."))
+        self.force_close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        count = self._request_count
+        super().data_received(data)
+        if self._request_count != count:
+            self._disarm_header_timer()  # a request's headers are complete
+        elif self.idle:
+            self._arm_header_timer(partial=True)  # the first bytes of a request (or more of them)
+        # else: body bytes of the request under way (body_timeout_middleware times those)
+
+    def eof_received(self) -> None:
+        return None  # the transport closes
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm_header_timer()
+        if self._refused:
+            self._guard.lingering = max(0, self._guard.lingering - 1)
+            self.transport = None  # type: ignore[assignment]
+            return
+        self._guard.open.pop(self, None)
+        super().connection_lost(exc)
+
+
+class GuardedServer(web.Server):
+    guard: ConnectionGuard
+
+    def __call__(self) -> RequestHandler:
+        return GuardedRequestHandler(self, guard=self.guard, loop=self._loop, **self._kwargs)
+
+
+class GuardedAppRunner(web.AppRunner):
+    """`web.AppRunner` whose connections are `GuardedRequestHandler`s sharing `guard`."""
+
+    def __init__(self, app: web.Application, *, guard: ConnectionGuard, **kwargs: Any):
+        super().__init__(app, **kwargs)
+        self.guard = guard
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = GuardedServer  # same object and state; only the protocol factory differs
+        server.guard = self.guard  # type: ignore[attr-defined]
+        return server
+
+
+# ---------------------------------------------------------------- the body timeout
+
+
+@web.middleware
+async def body_timeout_middleware(request: web.Request, handler):
+    """Reads a request's body within `server.body_timeout_s` (handlers then get it from the cache)."""
+    if request.body_exists and request.method in ("POST", "PUT", "PATCH"):
+        from gateway.app import STATE
+
+        timeout = request.app[STATE].settings.server.body_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                await request.read()  # 413 beyond client_max_size, as before
+        except TimeoutError:
+            _ratelog.info("body-timeout", "closing a connection whose request body did not arrive within %.0fs",
+                          timeout)
+            resp = APIError(408, f"The request body did not arrive within {timeout:g}s.",
+                            code="body_timeout").to_response()
+            resp.force_close()
+            await resp.prepare(request)
+            await resp.write_eof()
+            request.protocol.force_close()  # no lingering read of the rest: the answer goes out, then close
+            return resp
+    return await handler(request)
+
+
+def install(app: web.Application) -> None:
+    """What the app needs from this module: the body timeout, the prepared response kept on the request
+    (the access log's status, a revoked stream's error event), and per-key metric labels."""
+    from gateway.auth import remember_response
+
+    app.middlewares.append(body_timeout_middleware)
+    app.on_response_prepare.append(remember_response)
+    app.on_startup.append(_set_key_labels)  # after cleanup contexts: the router exists by then
+
+
+async def _set_key_labels(app: web.Application) -> None:
+    from gateway.app import STATE
+    from gateway.metrics import make_key_label
+
+    state = app[STATE]
+    router = getattr(state, "router", None)
+    if router is not None and getattr(router, "metrics", None) is not None:
+        mode = getattr(getattr(state.settings, "metrics", None), "key_labels", "id")
+        router.metrics.key_label = make_key_label(state.keys, mode)
+
+
+# ---------------------------------------------------------------- running it
+
+
+_ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+
+def install_accept_error_logging(loop: asyncio.AbstractEventLoop) -> None:
+    """asyncio reports each failed accept() (e.g. out of file descriptors) through the loop's exception
+    handler, with a traceback each time; log those rate-limited instead."""
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        message = str(context.get("message", ""))
+        if (isinstance(exc, OSError) and exc.errno in _ACCEPT_ERRNOS) or message.startswith("socket.accept()"):
+            _ratelog.error("accept", "cannot accept connections: %s (%s); lower server.max_connections or raise "
+                           "the open-files limit (ulimit -n)", message or "accept failed", exc)
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+def effective_max_connections(wanted: int) -> int:
+    """Raise the open-files limit toward what `wanted` connections need; if it stays lower, use fewer
+    connections (with a warning) so the limit is reached before the process runs out of descriptors."""
+    reserve = 128  # the engine, logs, the keys file, Redis and provider connections
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = wanted + reserve
+        if soft != resource.RLIM_INFINITY and soft < need:
+            target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+            if target > soft:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+        if soft != resource.RLIM_INFINITY and soft < need:
+            lowered = max(1, soft - reserve)
+            log.warning("server.max_connections=%d needs %d open files but the limit is %d (ulimit -n): "
+                        "serving at most %d connections", wanted, need, soft, lowered)
+            return lowered
+    except (ValueError, OSError) as e:
+        log.warning("could not check the open-files limit: %s", e)
+    return wanted
+
+
+async def serve(app: web.Application, settings: Any, *, host: str | None = None,
+                port: int | None = None) -> tuple[GuardedAppRunner, web.TCPSite]:
+    """Start the app on host:port (defaults: settings.server) with the connection guard; returns the
+    runner (cleanup() stops it) and the site (its port is the bound one)."""
+    s = settings.server
+    install_accept_error_logging(asyncio.get_running_loop())
+    guard = ConnectionGuard(s.header_timeout_s, effective_max_connections(s.max_connections))
+    runner = GuardedAppRunner(app, guard=guard, handler_cancellation=True, access_log=None,
+                              shutdown_timeout=s.shutdown_grace_s, keepalive_timeout=s.keepalive_timeout_s)
+    await runner.setup()
+    site = web.TCPSite(runner, host if host is not None else s.host, port if port is not None else s.port)
+    await site.start()
+    return runner, site
