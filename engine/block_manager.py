@@ -4,21 +4,55 @@ A full block is identified by the hash of (parent block's hash, its token ids), 
 sequences sharing a prefix share the blocks of that prefix. A block whose last reference goes away
 keeps its K/V and its hash: it sits at the end of the free list and is reused by a later request with
 the same prefix, or evicted least-recently-used when memory is needed.
+
+The hash is SHA-256 keyed with a random per-process seed (not Python's `hash`, whose collisions can be
+crafted: vLLM's GHSA-rm76-4mrf-v9r8), and a hit is trusted only when the cached block's parent hash and
+token ids equal the request's, so even a collision cannot serve another prompt's K/V. The parent of a
+sequence's first block is a digest of its `cache_salt`: sequences with different salts (the gateway
+derives one per API key, tier or client salt) never share a block.
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from .sequence import Sequence
+
+# Keys every block hash of this process: digests cannot be predicted or precomputed from outside.
+_SEED = secrets.token_bytes(32)
+_SEEDED = hashlib.sha256(_SEED)
+
+
+def root_hash(salt: str | None) -> bytes:
+    """The 'parent' of a sequence's first block: one digest per cache salt (None: the unsalted root)."""
+    h = _SEEDED.copy()
+    if salt is None:
+        h.update(b"\x00")
+    else:
+        h.update(b"\x01" + salt.encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+def block_hash(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
+    """sha256(seed || parent digest || token ids as int64): the identity of a full block."""
+    h = _SEEDED.copy()
+    h.update(parent)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
+    # What the hash stands for, compared on every hit (set together with `hash`).
+    parent: bytes | None = None
+    tokens: tuple[int, ...] | None = None
 
 
 class BlockManager:
@@ -28,7 +62,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
-        self.cached: dict[int, int] = {}  # block hash -> block id (full blocks with valid K/V)
+        self.cached: dict[bytes, int] = {}  # block hash -> block id (full blocks with valid K/V)
         self.hit_tokens_total = 0
         self.queried_tokens_total = 0
 
@@ -45,8 +79,8 @@ class BlockManager:
         return need <= len(self.free)
 
     @staticmethod
-    def _hash(parent: int | None, tokens: list[int]) -> int:
-        return hash((parent, tuple(tokens)))
+    def _hash(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
+        return block_hash(parent, tokens)
 
     # -- prefix cache ------------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -56,12 +90,16 @@ class BlockManager:
         tokens = seq.token_ids()
         usable = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
-        parent = None
+        parent = root_hash(seq.cache_salt)
         for b in range(usable):
-            h = self._hash(parent, tokens[b * self.block_size:(b + 1) * self.block_size])
+            chunk = tuple(tokens[b * self.block_size:(b + 1) * self.block_size])
+            h = self._hash(parent, chunk)
             block_id = self.cached.get(h)
             if block_id is None:
                 break
+            block = self.blocks[block_id]
+            if block.parent != parent or block.tokens != chunk:
+                break  # a hash collision: never serve another prefix's K/V
             hits.append(block_id)
             parent = h
         return hits
@@ -87,7 +125,7 @@ class BlockManager:
         if block.hash is not None:
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
-            block.hash = None
+            block.hash = block.parent = block.tokens = None
         block.ref_count = 1
         return block_id
 
@@ -109,12 +147,13 @@ class BlockManager:
             b = len(seq.block_hashes)
             if tokens is None:
                 tokens = seq.token_ids()
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = self._hash(parent, tokens[b * self.block_size:(b + 1) * self.block_size])
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.cache_salt)
+            chunk = tuple(tokens[b * self.block_size:(b + 1) * self.block_size])
+            h = self._hash(parent, chunk)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[b]]
             if block.hash is None and h not in self.cached:
-                block.hash = h
+                block.hash, block.parent, block.tokens = h, parent, chunk
                 self.cached[h] = block.block_id
 
     def free_sequence(self, seq: Sequence) -> None:
@@ -134,6 +173,7 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         for h, block_id in list(self.cached.items()):
-            if self.blocks[block_id].ref_count == 0:
-                self.blocks[block_id].hash = None
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                block.hash = block.parent = block.tokens = None
                 del self.cached[h]

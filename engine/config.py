@@ -27,6 +27,11 @@ class EngineConfig:
     # reads and runs ~2.5x faster; float32 matches the reference implementation to ~1e-4).
     weight_dtype: str = "auto"
     seed: int = 0
+    # Outputs independent of batch composition, prefill chunking and prefix-cache state: batch-invariant
+    # matmuls and attention (engine/batch_invariant.py), no CUDA graphs, and `auto` dtypes resolve to
+    # float32 (an explicit bfloat16 weight_dtype stays invariant too, and is faster). Off by default:
+    # it is slower. See README, "Determinism".
+    deterministic: bool = False
 
     # Scheduling limits (SGLang names).
     max_running_requests: int = 64

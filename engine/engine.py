@@ -72,6 +72,9 @@ class LLMEngine:
             req.sampling.validate()
         except ValueError as e:
             raise RequestRejected(str(e)) from e
+        bad = [t for t in req.sampling.stop_token_ids if not 0 <= t < self.tokenizer.vocab_size]
+        if bad:
+            raise RequestRejected(f"stop token id {bad[0]} is outside the vocabulary", param="stop_token_ids")
         room = self.max_model_len - prompt_len
         if self.config.req_max_output_len is not None:
             room = min(room, self.config.req_max_output_len)
@@ -112,9 +115,14 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         t0 = time.perf_counter()
-        sampled = self.runner.execute(sched.scheduled)
-        self.stats.record_step(sched, time.perf_counter() - t0)
+        computed = {seq: seq.num_computed_tokens for seq in sched.scheduled}
         outputs: list[RequestOutput] = []
+        try:
+            sampled = self.runner.execute(sched.scheduled)
+        except Exception:
+            log.exception("a step of %d requests failed; retrying each alone", len(sched.scheduled))
+            sampled = self._isolate_failure(sched.scheduled, computed, outputs)
+        self.stats.record_step(sched, time.perf_counter() - t0)
         for seq in sched.scheduled:
             self.block_manager.commit(seq)
         for seq, token in sampled.items():
@@ -126,6 +134,25 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _isolate_failure(self, scheduled: dict[Sequence, int], computed: dict[Sequence, int],
+                         outputs: list[RequestOutput]) -> dict[Sequence, int]:
+        """After a failed step: run each sequence's part of it alone; the ones that fail again are
+        finished with an error, so one bad request never takes the rest of the batch down with it.
+        Rewriting a sequence's K/V slots with the same tokens is harmless, so the retry is exact."""
+        sampled: dict[Sequence, int] = {}
+        for seq, n in scheduled.items():
+            seq.num_computed_tokens = computed[seq]
+            try:
+                sampled.update(self.runner.execute({seq: n}))
+            except Exception as e:
+                log.exception("request %s fails a step on its own; finishing it with an error", seq.request_id)
+                self.abort(seq.request_id)
+                outputs.append(RequestOutput(
+                    request_id=seq.request_id, finished=True, finish_reason="error",
+                    error=f"this request failed inside the engine ({type(e).__name__}); other requests were not affected",
+                    prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids)))
+        return sampled
 
     # -- convenience -------------------------------------------------------------------------------
     def prompt_logits(self, token_ids: list[int]):

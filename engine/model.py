@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata, fused_add_rms_norm, paged_attention, rms_norm, rotary_inplace, silu_and_mul
+from . import batch_invariant
 from .loader import ModelArgs
 
 
@@ -46,12 +47,17 @@ class Linear:
     """y = x W^T (+ b), with W stored in its own dtype (bf16 halves the bytes a CPU decode step reads);
     the activations stay in the model's dtype, so the residual stream and the norms keep full precision."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: torch.dtype,
+                 invariant: bool = False):
         self.weight = weight.to(weight_dtype).contiguous()
         self.bias = bias
+        self.invariant = invariant  # fixed-shape matmuls: a row's result ignores the rest of the batch
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        if self.invariant:
+            y = batch_invariant.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        else:
+            y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         return y + self.bias if self.bias is not None else y
 
 
@@ -67,11 +73,14 @@ class LayerWeights:
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, weight_dtype: torch.dtype | None = None):
+                 device: torch.device, weight_dtype: torch.dtype | None = None, deterministic: bool = False):
         super().__init__()
         self.args = args
         wdt = weight_dtype or dtype
         self.dtype = dtype
+        # EngineConfig.deterministic: batch-invariant matmuls and attention (engine/batch_invariant.py).
+        self.deterministic = det = deterministic
+        self.attention = batch_invariant.paged_attention if det else paged_attention
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
@@ -83,8 +92,9 @@ class LlamaModel(nn.Module):
         # bf16 too, and each row's top candidates are then recomputed at full precision, so near-ties
         # between the likeliest tokens (all that greedy, top-k and top-p look at) are decided exactly;
         # bf16 alone flips such ties.
-        self.lm_head = Linear(lm_head, None, dtype)
-        self.lm_head_fast = Linear(lm_head, None, wdt) if wdt != dtype else None
+        self.lm_head = Linear(lm_head, None, dtype, det)
+        # (Not in deterministic mode: the output layer stays one full-precision batch-invariant matmul.)
+        self.lm_head_fast = Linear(lm_head, None, wdt) if wdt != dtype and not det else None
         self.layers: list[LayerWeights] = []
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
@@ -95,10 +105,10 @@ class LlamaModel(nn.Module):
             self.layers.append(LayerWeights(
                 attn_norm=w(p + "input_layernorm.weight"),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                qkv=Linear(qkv, qkv_bias, wdt),
-                o=Linear(w(p + "self_attn.o_proj.weight"), None, wdt),
-                gate_up=Linear(gate_up, None, wdt),
-                down=Linear(w(p + "mlp.down_proj.weight"), None, wdt),
+                qkv=Linear(qkv, qkv_bias, wdt, det),
+                o=Linear(w(p + "self_attn.o_proj.weight"), None, wdt, det),
+                gate_up=Linear(gate_up, None, wdt, det),
+                down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det),
             ))
         self.cos, self.sin = rope_tables(args, device)
 
@@ -130,7 +140,7 @@ class LlamaModel(nn.Module):
             k = qkv[:, q_size:q_size + kv_size].unflatten(-1, (a.num_kv_heads, a.head_dim))
             v = qkv[:, q_size + kv_size:].unflatten(-1, (a.num_kv_heads, a.head_dim))
             rotary_inplace(q, k, self.cos, self.sin, positions)
-            attn = paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta)
+            attn = self.attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta)
             x = layer.o(attn.reshape(-1, q_size))
             x, residual = fused_add_rms_norm(x, residual, layer.mlp_norm, a.rms_norm_eps)
             x = layer.down(silu_and_mul(layer.gate_up(x)))

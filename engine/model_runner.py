@@ -28,12 +28,16 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto" and config.deterministic:
+        return torch.float32
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[config.dtype]
 
 
 def pick_weight_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    if config.weight_dtype == "auto" and config.deterministic:
+        return torch.float32
     if config.weight_dtype == "auto":
         return torch.bfloat16
     return _DTYPES[config.weight_dtype]
@@ -46,7 +50,12 @@ class ModelRunner:
         self.dtype = pick_dtype(config, self.device)
         args = loaded.args
         self.weight_dtype = pick_weight_dtype(config, self.dtype)
-        self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, self.weight_dtype)
+        self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, self.weight_dtype,
+                                deterministic=config.deterministic)
+        if config.deterministic:
+            log.info("deterministic: batch-invariant matmuls and attention, no CUDA graphs, weights %s, "
+                     "activations %s (outputs do not depend on batching, chunking or prefix-cache hits)",
+                     str(self.weight_dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))
         self.block_size = config.block_size
         kv_bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * torch.finfo(self.dtype).bits // 8
         if num_blocks is None:
@@ -59,7 +68,7 @@ class ModelRunner:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
+        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and not config.deterministic:
             max_len = config.max_model_len or args.max_position_embeddings
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, -(-max_len // self.block_size),
                                        self.scratch_block, min(config.cuda_graph_max_batch, config.max_running_requests),

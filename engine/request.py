@@ -32,6 +32,13 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        # Everything below reaches int64 tensors or torch.Generator: out of range would fail a whole step.
+        if not -(2**31) <= self.top_k < 2**31:
+            raise ValueError("top_k must fit in 32 bits (0 or -1: off)")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError("seed must fit in 64 bits")
+        if any(not 0 <= t < 2**31 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids")
 
 
 @dataclass
@@ -44,6 +51,9 @@ class EngineRequest:
     # Tokens this request already produced elsewhere (a retried request resumes after them; they
     # count against max_tokens and are never re-emitted).
     resume_token_ids: list[int] = field(default_factory=list)
+    # Prefix-cache isolation: requests share cached prompt blocks only with requests of the same salt
+    # (an opaque string; the gateway derives it from the API key, tier or a client's `cache_salt`).
+    cache_salt: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

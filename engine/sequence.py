@@ -34,7 +34,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache on first admission
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks, in order
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks, in order
+    cache_salt: str | None = None  # prefix-cache isolation: only sequences with the same salt share blocks
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
@@ -47,7 +48,8 @@ class Sequence:
     def from_request(cls, req: EngineRequest, max_tokens: int, vocab_size: int = 0) -> "Sequence":
         seq = cls(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), sampling=req.sampling,
                   priority=req.priority, arrival_time=req.arrival_time, max_tokens=max_tokens,
-                  output_token_ids=list(req.resume_token_ids), num_resumed_tokens=len(req.resume_token_ids))
+                  output_token_ids=list(req.resume_token_ids), num_resumed_tokens=len(req.resume_token_ids),
+                  cache_salt=req.cache_salt)
         if req.sampling.seed is not None:
             seq.noise_seed = req.sampling.seed & (2**62 - 1)
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)

@@ -76,9 +76,22 @@ class Tokenizer:
         self.eos_token_ids = list(model.eos_token_ids)
         self.bos_token = self._tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         self.eos_token = self._tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-        env.globals["raise_exception"] = _raise_template_error
-        self._template = env.from_string(model.chat_template) if model.chat_template else None
+        self._template_source = model.chat_template
+        self._template = _compile_template(model.chat_template)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (a compiled jinja template is not), so a helper process can tokenize long prompts."""
+        state = dict(self.__dict__)
+        state["_tok"], state["_plain"] = self._tok.to_str(), self._plain.to_str()
+        state["_template"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._tok = HFTokenizer.from_str(state["_tok"])
+        self._plain = HFTokenizer.from_str(state["_plain"])
+        self._plain.encode_special_tokens = True
+        self._template = _compile_template(self._template_source)
 
     def _clone_plain(self) -> HFTokenizer:
         plain = HFTokenizer.from_str(self._tok.to_str())
@@ -125,17 +138,25 @@ class Tokenizer:
             messages=safe_messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token, eos_token=self.eos_token)
         ids: list[int] = []
-        rest = rendered
-        while rest:
-            pos = rest.find(marker)
+        start = 0  # positions into `rendered`, never slices of the rest: linear in the conversation's size
+        while start < len(rendered):
+            pos = rendered.find(marker, start)
             if pos < 0:
-                ids += self._encode_trusted(rest)
+                ids += self._encode_trusted(rendered[start:])
                 break
-            end = rest.index("\x00", pos + len(marker)) + 1
-            ids += self._encode_trusted(rest[:pos])
-            ids += self.encode(placeholders[rest[pos:end]])
-            rest = rest[end:]
+            end = rendered.index("\x00", pos + len(marker)) + 1
+            ids += self._encode_trusted(rendered[start:pos])
+            ids += self.encode(placeholders[rendered[pos:end]])
+            start = end
         return ids
+
+
+def _compile_template(source: str | None) -> jinja2.Template | None:
+    if not source:
+        return None
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    env.globals["raise_exception"] = _raise_template_error
+    return env.from_string(source)
 
 
 def _raise_template_error(message: str) -> None:
