@@ -23,12 +23,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.request import SamplingParams
 from gateway import router as remote_router
-from gateway.auth import KEY_NAME, TIER_KEY, make_auth_middleware
+from gateway import serving
+from gateway.auth import KEY_NAME, RESPONSE, TIER_KEY, make_auth_middleware
 from gateway.backends.base import Backend, ChoiceStream, GenerationRequest
 from gateway.backends.local import LocalBackend
-from gateway.config import Settings
+from gateway.config import Settings, cache_salt
 from gateway.errors import APIError, error_middleware
 from gateway.keys import KeyStore
+from gateway.offload import Offloader, RequestLimits
 from gateway.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -75,6 +77,7 @@ class GatewayState:
     workers: list[dict[str, Any]] | None = None  # live remote workers of this model (Redis queue)
     created: int = field(default_factory=lambda: int(time.time()))
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    offload: Offloader = field(default_factory=lambda: Offloader(RequestLimits()))
 
     def __post_init__(self) -> None:
         self.m_requests = Counter("sluice_requests_total", "HTTP requests", ["endpoint", "status"],
@@ -207,20 +210,16 @@ async def _lifecycle(app: web.Application):
     if state.worker is not None:
         await state.worker.stop(grace_s=state.settings.server.shutdown_grace_s)
     await state.queue.close()
+    state.offload.close()
 
 
 # ---------------------------------------------------------------- shared handler helpers
 
 
 async def _read_json(request: web.Request, model: type) -> Any:
+    """The validated request; a large body is parsed in the helper process (see gateway/offload.py)."""
     body = await request.read()  # raises 413 beyond client_max_size
-    if not body:
-        raise APIError(400, "Request body is empty; send a JSON object.", code="invalid_json")
-    try:
-        json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"Malformed JSON body: {e}", code="invalid_json") from None
-    return model.model_validate_json(body)
+    return await request.app[STATE].offload.parse(body, model)
 
 
 def _require_ready(state: GatewayState) -> None:
@@ -309,14 +308,15 @@ def _fit_prompt(state: GatewayState, ids: list[int], requested_max_tokens: int |
     reserve = requested_max_tokens if requested_max_tokens is not None else min(256, limit // 4)
     budget = limit - reserve
     if mode != "middle" or len(ids) <= budget:
-        return ids
+        # A long prompt arrives as an array; one over the context is refused by length right after this.
+        return ids if len(ids) >= limit else list(ids)
     marker = state.engine.tokenizer.encode(TRUNCATION_MARKER)
     keep = budget - len(marker)
     if keep < 2:
         raise APIError(400, f"max_tokens {reserve} leaves no room for the prompt in the {limit}-token context.",
                        param="max_tokens", code="context_length_exceeded")
     head = keep // 2
-    return ids[:head] + marker + ids[len(ids) - (keep - head):]
+    return list(ids[:head]) + marker + list(ids[len(ids) - (keep - head):])
 
 
 async def _submit(state: GatewayState, gen: GenerationRequest) -> ChoiceStream:
@@ -411,6 +411,7 @@ async def _stream_sse(request: web.Request, state: GatewayState, stream: ChoiceS
                         break
                 out = ch.output
                 if out.finish_reason in ("error", "abort") or out.error:
+                    _accumulate(accs[ch.index], out)  # the usage chunk reports the tokens billed so far
                     try:
                         _raise_for_output(out)
                     except APIError as e:
@@ -438,13 +439,20 @@ async def _submit_generation(request: web.Request, state: GatewayState, req: Cha
                              prompt_ids: list[int], max_tokens: int, id_prefix: str) -> tuple[str, ChoiceStream]:
     """Builds the backend request (tier, priority, deadline, sampling) and submits it; returns its id and stream."""
     tier = request.get(TIER_KEY, state.settings.auth.anonymous_tier)
+    n = req.n or 1
+    if state.queue is not None and n > state.queue.depth_limit(tier):
+        raise APIError(400, f"n={n} choices cannot be queued: the {tier} tier queues at most "
+                            f"{state.queue.depth_limit(tier)} requests at once. Lower n.", param="n",
+                       code="invalid_value")
     rid = f"{id_prefix}-{uuid.uuid4().hex}"
     sampling = _sampling(req, max_tokens, getattr(state.engine, "generation_defaults", None))
     gen = GenerationRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
                             n=req.n or 1, tier=tier, priority=_tier_priority(state, tier),
                             deadline=_deadline(state, request, tier), model=req.model, api=req,
                             endpoint="chat" if isinstance(req, ChatCompletionRequest) else "completion",
-                            key=request.get(KEY_NAME))
+                            key=request.get(KEY_NAME),
+                            cache_salt=cache_salt(state.settings.auth.prefix_cache_scope, request.get(KEY_NAME),
+                                                  tier, req.cache_salt))
     return rid, await _submit(state, gen)
 
 
@@ -463,10 +471,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await _read_json(request, ChatCompletionRequest)
     if _route_local(state, req.model):
-        try:
-            prompt_ids = state.engine.tokenizer.apply_chat_template(req.template_messages())
-        except ValueError as e:  # the model's chat template refuses this conversation
-            raise APIError(400, str(e), param="messages", code="invalid_messages") from None
+        prompt_ids = await state.offload.chat_prompt(state.engine.tokenizer, req.template_messages())
         prompt_ids = _fit_prompt(state, prompt_ids, req.requested_max_tokens(), req.prompt_truncation)
         max_tokens = _resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens(), None)
     else:  # remote providers only: they tokenize, and their usage is what counts
@@ -523,7 +528,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = await _read_json(request, CompletionRequest)
     if _route_local(state, req.model):
         prompt = req.prompt_text_or_ids()
-        prompt_ids = state.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        prompt_ids = await state.offload.encode(state.engine.tokenizer, prompt) if isinstance(prompt, str) else prompt
         if not prompt_ids:
             raise APIError(400, "The prompt is empty.", param="prompt", code="invalid_value")
         prompt_ids = _fit_prompt(state, prompt_ids, req.max_tokens, req.prompt_truncation)
@@ -617,6 +622,8 @@ async def ready(request: web.Request) -> web.Response:
         body["draining"] = True
     if state.queue is not None:
         body["queue_depth"] = {t: await state.queue.depth(t) for t in state.settings.tiers}
+    if state.router is not None and state.router.remote is not None:  # circuits and configuration errors
+        body["providers"] = state.router.remote.status()
     return web.json_response(body, status=200 if state.ready else 503)
 
 
@@ -639,7 +646,11 @@ async def _access_log(request: web.Request, handler):
         status = resp.status
         return resp
     except asyncio.CancelledError:
-        status = 499
+        # The handler was cancelled (client gone, or a revoked key's request stopped). Once the headers
+        # went out, the status the client got is the response's (a stream whose client closes right
+        # after [DONE] is a 200); 499 only when nothing was sent.
+        sent = request.get(RESPONSE)
+        status = sent.status if sent is not None and sent.prepared else 499
         raise
     finally:
         if request.path.startswith("/v1/"):
@@ -659,7 +670,9 @@ def create_app(settings: Settings, engine: Any = None, *, queue: RequestQueue | 
     keys = keys or KeyStore(settings.auth.keys_file)
     if no_engine and not settings.redis_url and queue is None:
         raise ValueError("a gateway without an engine needs the Redis queue (set redis_url / SLUICE_REDIS_URL)")
-    state = GatewayState(settings=settings, keys=keys, engine=engine, queue=queue, no_engine=no_engine)
+    state = GatewayState(settings=settings, keys=keys, engine=engine, queue=queue, no_engine=no_engine,
+                         offload=Offloader(RequestLimits(max_messages=settings.server.max_messages,
+                                                         max_prompt_chars=settings.server.max_prompt_chars)))
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
         middlewares=[_access_log, error_middleware, make_auth_middleware(keys, settings.auth.anonymous_tier)],
@@ -675,4 +688,5 @@ def create_app(settings: Settings, engine: Any = None, *, queue: RequestQueue | 
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     remote_router.install(app)  # routing to remote providers, per-key limits, usage (GET /v1/usage)
+    serving.install(app)  # body read timeout, the prepared response on the request, per-key metric labels
     return app

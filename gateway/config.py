@@ -8,9 +8,11 @@ not have to mirror every engine knob (the engine validates them at start).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -30,6 +32,18 @@ class ServerSettings(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     shutdown_grace_s: float = Field(10.0, ge=0)  # on SIGTERM: open streams / in-flight requests get this long
+    # Connections (slow or idle clients must not hold sockets and file descriptors): a connection must send a
+    # request's complete headers within header_timeout_s of opening (or of its first byte), the body within
+    # body_timeout_s after its headers (else 408); an idle keep-alive connection closes after keepalive_timeout_s.
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    keepalive_timeout_s: float = Field(30.0, gt=0)
+    # Open connections at most: beyond it the oldest connection that has no request under way is closed to
+    # make room, and when every one has a request under way the new one gets 503 `too_many_connections`.
+    max_connections: int = Field(2048, ge=1)
+    # One request's size: more messages or prompt characters than this is a 400 before any templating.
+    max_messages: int = Field(2048, ge=1)
+    max_prompt_chars: int = Field(1_000_000, ge=1)
 
 
 class ModelSettings(BaseModel):
@@ -53,6 +67,17 @@ class QueueSettings(BaseModel):
 class AuthSettings(BaseModel):
     keys_file: str = "var/keys.json"
     anonymous_tier: str = "standard"  # the tier of requests when no keys exist (loopback only)
+    # Who shares the local engine's prefix cache (with [engine] enable_prefix_caching on). A cache hit
+    # shows in `cached_tokens` and TTFT, so a shared cache tells one tenant whether another already sent
+    # a prompt prefix. "key": a key's requests share blocks with each other only (anonymous requests form
+    # one tenant); "tier": with the keys of the same tier; "global": everyone.
+    prefix_cache_scope: Literal["key", "tier", "global"] = "key"
+
+
+class MetricsSettings(BaseModel):
+    # The `key` label of per-key metrics: "id" the key's short id (as `sluice keys list` shows it),
+    # "name" the key's name, "none" one label for every key. /metrics needs an admin key once keys exist.
+    key_labels: Literal["id", "name", "none"] = "id"
 
 
 class TierSettings(BaseModel):
@@ -76,6 +101,7 @@ class Settings(BaseSettings):
     engine: dict[str, Any] = Field(default_factory=dict)
     queue: QueueSettings = Field(default_factory=QueueSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     tiers: dict[str, TierSettings] = Field(default_factory=_default_tiers)
     # None: the in-process queue (one process). Set (env SLUICE_REDIS_URL): the Redis queue, shared by
     # every gateway and `sluice worker` of a deployment.
@@ -117,6 +143,23 @@ class Settings(BaseSettings):
         if toml_file:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
         return tuple(sources)
+
+
+def cache_salt(scope: str, key: str | None, tier: str, client_salt: str | None) -> str | None:
+    """The engine's prefix-cache salt for one request: requests share cached blocks only when it is equal.
+
+    The scope part (the key's name, or the tier) always goes in, so a client's own `cache_salt` can only
+    narrow the sharing, never reach another tenant's blocks. None (scope "global", no client salt): the
+    engine's unsalted cache, shared by everyone."""
+    if scope == "key":
+        part: str | None = key  # None: no keys exist, every (loopback) request is one anonymous tenant
+    elif scope == "tier":
+        part = tier
+    else:
+        part = None
+        if client_salt is None:
+            return None
+    return hashlib.sha256(json.dumps([scope, part, client_salt]).encode()).hexdigest()
 
 
 def resolve_config_path(config_path: str | os.PathLike[str] | None = None) -> Path | None:

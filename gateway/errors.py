@@ -71,6 +71,9 @@ def validation_error(exc: ValidationError) -> APIError:
     msg = err.get("msg", "invalid request")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+    if err.get("type") == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}. Sluice does not implement it; "
+                             "remove it.", param=param, code="unsupported_parameter")
     message = f"{param}: {msg}" if param else msg
     return APIError(400, message, param=param, code="invalid_value" if loc else None)
 

@@ -1,8 +1,11 @@
 """OpenAI request and response shapes (the subset Sluice serves), validated at the boundary.
 
-Requests are parsed strictly from JSON (`"1"` is not a number), unknown fields are ignored because
-the SDK sends some we do not use, and every range follows OpenAI's spec (openapi-subset.json).
-Only text is supported: a non-text content part is a 400, never silently dropped.
+Requests are parsed strictly from JSON (`"1"` is not a number) and every range follows OpenAI's spec
+(openapi-subset.json). Nothing a client sends is silently dropped: a field is either applied or refused
+with a 400 that names it. Fields of OpenAI's API that Sluice does not implement yet are declared here
+only so that their harmless values (null, the documented default) pass; any other value is refused, and
+so is any field that is not part of the API at all. Only text is supported: a non-text content part is
+a 400 too.
 """
 
 from __future__ import annotations
@@ -14,25 +17,36 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_N = 16
 MAX_STOP = 4
+MAX_STOP_CHARS = 1024  # one stop string; the output processor holds back this much text
+MAX_STOP_TOKEN_IDS = 64
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def _refuse_unless(value: Any, allowed: tuple[Any, ...], field: str, why: str = "") -> Any:
+    """For OpenAI fields Sluice does not implement: only values that change nothing pass."""
+    if value is not None and value not in allowed:
+        raise ValueError(f"`{field}` is not supported by Sluice{why}; remove it"
+                         + (f" or send one of {list(allowed)}" if allowed else ""))
+    return value
 
 
 class TextPart(_Request):
     type: str
-    text: str | None = None
+    text: str
 
-    @model_validator(mode="after")
-    def _text_only(self) -> "TextPart":
-        if self.type != "text":
-            raise ValueError(f"content part type {self.type!r} is not supported; only 'text' parts are")
-        if self.text is None:
-            raise ValueError("a text content part needs a 'text' string")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") != "text":
+            raise ValueError(f"content part type {data.get('type')!r} is not supported; only 'text' parts are")
+        return data
 
 
 class ChatMessage(_Request):
@@ -54,9 +68,13 @@ class ChatMessage(_Request):
         return "\n".join(p.text or "" for p in self.content)
 
     def to_template(self) -> dict[str, str]:
-        """The plain {role, content} dict the chat template takes; developer is the new name for system."""
+        """The {role, content[, name]} dict the chat template takes; developer is the new name for system.
+        The template decides what `name` means (many ignore it, as OpenAI's own models may)."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+        out = {"role": role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class StreamOptions(_Request):
@@ -69,21 +87,38 @@ class _SamplingFields(_Request):
     model: str
     temperature: Number | None = Field(None, ge=0.0, le=2.0)
     top_p: Number | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None  # vLLM's extra; 0 or less: off
-    stop_token_ids: list[int] | None = None  # vLLM's extra: finish (reason "stop") on any of these ids
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # vLLM's extra; 0 or -1: off; above the vocabulary: off
+    # vLLM's extra: finish (reason "stop") on any of these ids (checked against the vocabulary later)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool | None = False  # vLLM's extra: keep generating past the end-of-sequence token
     # Sluice's extra: what to do with a prompt longer than the context. "error" (default): 400
     # context_length_exceeded. "middle": cut the middle, insert a marker, keep the head and the tail.
     prompt_truncation: Literal["error", "middle"] | None = "error"
     n: int | None = Field(1, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Number | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
-    frequency_penalty: Number | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
-    user: str | None = None
+    # Not applied by the local engine yet: only 0 (no penalty) passes.
+    presence_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Any] | None = None
+    # An end-user id (OpenAI uses it for abuse monitoring): written to the access log, nothing else.
+    user: str | None = Field(None, max_length=256)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM's extra: share prefix-cache blocks only with requests of the same salt (within the key's scope)
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v: float | None, info: Any) -> float | None:
+        return _refuse_unless(v, (0.0,), info.field_name, " yet (penalties are not applied by the local engine)")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v:
+            raise ValueError("`logit_bias` is not supported by Sluice yet; remove it")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -93,6 +128,9 @@ class _SamplingFields(_Request):
                 raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
             if any(s == "" for s in v):
                 raise ValueError("stop sequences must not be empty")
+        for one in [v] if isinstance(v, str) else v or []:
+            if len(one) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
         return v
 
     @model_validator(mode="after")
@@ -112,17 +150,64 @@ class _SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+# Chat fields of OpenAI's API that Sluice does not implement yet: the values that change nothing, and why.
+_NOT_IMPLEMENTED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
+    "logprobs": ((False,), " yet"),
+    "top_logprobs": ((0,), " yet"),
+    "response_format": (({"type": "text"},), " yet"),
+    "tools": (([],), " yet"),
+    "tool_choice": (("none",), " yet"),
+    "parallel_tool_calls": ((), " without tools"),
+    "functions": (([],), ""),
+    "function_call": (("none",), ""),
+    "audio": ((), ""),
+    "modalities": ((["text"],), " beyond text"),
+    "prediction": ((), ""),
+    "reasoning_effort": ((), ""),
+    "verbosity": ((), ""),
+    "web_search_options": ((), ""),
+    "store": ((False,), " (completions are never stored)"),
+    "metadata": (({},), " (it goes with `store`)"),
+    "service_tier": (("auto", "default"), " (the tier comes from the API key)"),
+    "prompt_cache_key": ((), " (prefix caching is automatic; see `cache_salt`)"),
+    "prompt_cache_retention": ((), ""),
+    "prompt_cache_options": ((), ""),
+    "moderation": ((), ""),
+}
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # In _NOT_IMPLEMENTED_CHAT: null or a value that changes nothing passes, anything else is a 400.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    moderation: Any = None
+    safety_identifier: str | None = Field(None, max_length=256)  # like `user`: logged, nothing else
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> "ChatCompletionRequest":
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
-        return self
+    @field_validator(*_NOT_IMPLEMENTED_CHAT)
+    @classmethod
+    def _not_implemented(cls, v: Any, info: Any) -> Any:
+        allowed, why = _NOT_IMPLEMENTED_CHAT[info.field_name]
+        return _refuse_unless(v, allowed, info.field_name, why)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -156,13 +241,13 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _unsupported(self) -> "CompletionRequest":
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise ValueError("`echo` is not supported by Sluice; remove it")
         if self.logprobs is not None:
-            raise ValueError("logprobs are not supported")
+            raise ValueError("`logprobs` is not supported by Sluice yet; remove it")
         if self.best_of is not None and self.best_of != (self.n or 1):
-            raise ValueError("best_of is not supported")
+            raise ValueError("`best_of` is not supported by Sluice; remove it")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise ValueError("`suffix` is not supported by Sluice; remove it")
         return self
 
     def prompt_text_or_ids(self) -> str | list[int]:
@@ -178,6 +263,9 @@ class CompletionRequest(_SamplingFields):
 
 
 # ---------------------------------------------------------------- responses
+
+# OpenAI's field for "the backend configuration that answered"; its schema wants a string, never null.
+SYSTEM_FINGERPRINT = "fp_sluice"
 
 
 class PromptTokensDetails(BaseModel):
@@ -211,7 +299,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class ChatDelta(BaseModel):
@@ -233,7 +321,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class CompletionChoice(BaseModel):
@@ -252,7 +340,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class ModelCard(BaseModel):

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from typing import Any
 
 from engine.request import RequestOutput, RequestRejected
-from gateway.queue.base import ErrorOutput, QueueItem, RequestQueue
+from gateway.queue.base import ErrorOutput, QueueItem, RequestQueue, queue_timeout_output
 
 log = logging.getLogger("sluice.worker")
 
@@ -190,10 +190,7 @@ class EngineWorker:
             now = time.time()
             for item in items:
                 if item.deadline is not None and now > item.deadline:
-                    await self.queue.publish_batch([ErrorOutput(
-                        request_id=item.request_id, finished=True, finish_reason="error",
-                        error="the request waited in the queue past its deadline", error_code="queue_timeout",
-                        error_status=504)])
+                    await self.queue.publish_batch([queue_timeout_output(item.request_id)])
                     continue
                 self._in_flight.add(item.request_id)
                 self._send("add", item)

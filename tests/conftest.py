@@ -13,3 +13,5 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.servers import real_gateway, redis_server  # noqa: E402,F401  (session fixtures for every folder)

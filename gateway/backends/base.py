@@ -26,6 +26,9 @@ class GenerationRequest:
     endpoint: str = "chat"  # "chat" (/v1/chat/completions) or "completion" (/v1/completions)
     api: Any = None  # the validated OpenAI request (ChatCompletionRequest / CompletionRequest)
     key: str | None = None  # the API key's name (never the key), for limits and usage
+    # Prefix-cache isolation: the engine shares cached prompt blocks only between requests with the
+    # same salt (derived from the key, tier and client `cache_salt`; see gateway.config.cache_salt).
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 from engine.request import EngineRequest
 from gateway.backends.base import Backend, ChoiceOutput, ChoiceStream, GenerationRequest
@@ -17,13 +18,21 @@ from gateway.queue.base import QueueItem, RequestQueue, Subscription
 
 
 class _LocalStream(ChoiceStream):
-    def __init__(self, queue: RequestQueue, subs: list[Subscription]):
+    def __init__(self, queue: RequestQueue, subs: list[Subscription], deadline: float | None = None):
         self._queue = queue
         self._subs = subs
         self._unfinished = {s.request_id for s in subs}
         self._merged: asyncio.Queue[ChoiceOutput | BaseException] = asyncio.Queue()
         self._readers = [asyncio.create_task(self._read(i, s)) for i, s in enumerate(subs)]
         self._closed = False
+        self._expiry = asyncio.create_task(self._expire_at(deadline)) if deadline is not None else None
+
+    async def _expire_at(self, deadline: float) -> None:
+        """At the deadline, sub-requests no worker took yet end with a 504 (the queue publishes it), on
+        time whatever the queue: waiting for a worker to pull them could take as long as a slot frees."""
+        await asyncio.sleep(max(0.0, deadline - time.time()))
+        for rid in list(self._unfinished):
+            await self._queue.expire_if_queued(rid)
 
     async def _read(self, index: int, sub: Subscription) -> None:
         try:
@@ -51,7 +60,7 @@ class _LocalStream(ChoiceStream):
         if self._closed:
             return
         self._closed = True
-        for t in self._readers:
+        for t in self._readers + ([self._expiry] if self._expiry is not None else []):
             t.cancel()
         pending = list(self._unfinished)
         # Shielded: a second cancellation of the handler must not skip the engine abort.
@@ -79,10 +88,10 @@ class LocalBackend(Backend):
             rid = req.request_id if req.n == 1 else f"{req.request_id}-{i}"
             sampling = dataclasses.replace(req.sampling, stop=list(req.sampling.stop),
                                            stop_token_ids=list(req.sampling.stop_token_ids))
-            if sampling.seed is not None:
-                sampling.seed = sampling.seed + i
+            if sampling.seed is not None:  # choice i: seed + i, wrapped into int64 (seed 2**63 - 1 with n=2)
+                sampling.seed = (sampling.seed + i + 2**63) % 2**64 - 2**63
             out.append(EngineRequest(request_id=rid, prompt_token_ids=list(req.prompt_token_ids),
-                                     sampling=sampling, priority=req.priority))
+                                     sampling=sampling, priority=req.priority, cache_salt=req.cache_salt))
         return out
 
     async def submit(self, req: GenerationRequest) -> ChoiceStream:
@@ -96,7 +105,7 @@ class LocalBackend(Backend):
             for er in engine_reqs:
                 await self.queue.put(QueueItem(request=er, tier=req.tier, deadline=req.deadline))
                 queued.append(er.request_id)
-            stream = _LocalStream(self.queue, subs)
+            stream = _LocalStream(self.queue, subs, req.deadline)
             ok = True
             return stream
         finally:

@@ -43,6 +43,13 @@ class ErrorOutput(RequestOutput):
     error_status: int = 500
 
 
+def queue_timeout_output(request_id: str) -> ErrorOutput:
+    """The result of a request that waited in the queue past its deadline."""
+    return ErrorOutput(request_id=request_id, finished=True, finish_reason="error",
+                       error="the request waited in the queue past its deadline", error_code="queue_timeout",
+                       error_status=504)
+
+
 def output_to_dict(out: RequestOutput) -> dict[str, Any]:
     d = asdict(out)
     d["_kind"] = "error" if isinstance(out, ErrorOutput) else "output"
@@ -164,6 +171,11 @@ class RequestQueue(ABC):
     @abstractmethod
     async def cancel(self, request_id: str) -> None:
         """The client is gone: drop the item if still queued, else tell the workers to abort it."""
+
+    @abstractmethod
+    async def expire_if_queued(self, request_id: str) -> bool:
+        """The request's deadline passed: if no worker took it yet, drop it and publish its
+        `queue_timeout` result (504). False when it already runs (or finished): it goes on."""
 
     @abstractmethod
     async def next_cancellations(self, timeout: float | None = None) -> list[str]:

@@ -8,7 +8,8 @@ import time
 from collections import deque
 
 from engine.request import RequestOutput
-from gateway.queue.base import CancellationInbox, QueueFull, QueueItem, RequestQueue, Subscription
+from gateway.queue.base import (CancellationInbox, QueueFull, QueueItem, RequestQueue, Subscription,
+                                queue_timeout_output)
 
 
 class _MemorySubscription(Subscription):
@@ -116,6 +117,12 @@ class MemoryQueue(RequestQueue):
                     self._tier_depth[item.tier] -= 1
                     return True
         return False
+
+    async def expire_if_queued(self, request_id: str) -> bool:
+        if not self._remove_queued(request_id):
+            return False
+        await self.publish(queue_timeout_output(request_id))
+        return True
 
     async def cancel(self, request_id: str) -> None:
         if self._remove_queued(request_id):

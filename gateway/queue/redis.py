@@ -44,6 +44,7 @@ from typing import Any
 
 from engine.request import RequestOutput
 from gateway.queue.base import CancellationInbox, ErrorOutput, QueueFull, QueueItem, RequestQueue, Subscription, output_from_dict, \
+    queue_timeout_output, \
     output_to_dict
 
 log = logging.getLogger("sluice.queue.redis")
@@ -229,14 +230,8 @@ for i = 3, #ARGV do n = n + requeue(ARGV[1], ARGV[i], ARGV[2]) end
 return n
 """
 
-# ARGV: prefix, limit, final_ttl_s -> {reclaimed, expired}
-_REAP = _NOW + _REQUEUE + """
-local p, limit, final_ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local reclaimed, expired = 0, 0
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. ':leased', '-inf', now, 'LIMIT', 0, limit)) do
-  reclaimed = reclaimed + requeue(p, id, '')
-end
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. ':deadlines', '-inf', now, 'LIMIT', 0, limit)) do
+_EXPIRE_FN = """
+local function expire(p, id, final_ttl)
   redis.call('ZREM', p .. ':deadlines', id)
   local ik = p .. ':item:' .. id
   local f = redis.call('HMGET', ik, 'owner', 'prio', 'tier')
@@ -246,10 +241,28 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. ':deadlines', '-inf', now, 
     local rk = p .. ':res:' .. id
     redis.call('XADD', rk, '*', 'seq', 0, 'fin', '1', 'tok', '', 'err', 'queue_timeout')
     redis.call('EXPIRE', rk, final_ttl)
-    expired = expired + 1
+    return 1
   end
+  return 0
+end
+"""
+
+# ARGV: prefix, limit, final_ttl_s -> {reclaimed, expired}
+_REAP = _NOW + _REQUEUE + _EXPIRE_FN + """
+local p, limit, final_ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local reclaimed, expired = 0, 0
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. ':leased', '-inf', now, 'LIMIT', 0, limit)) do
+  reclaimed = reclaimed + requeue(p, id, '')
+end
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. ':deadlines', '-inf', now, 'LIMIT', 0, limit)) do
+  expired = expired + expire(p, id, final_ttl)
 end
 return {reclaimed, expired}
+"""
+
+# ARGV: prefix, id, final_ttl_s -> 1 when the item was still queued (now dropped with a queue_timeout result)
+_EXPIRE = _EXPIRE_FN + """
+return expire(ARGV[1], ARGV[2], tonumber(ARGV[3]))
 """
 
 # ARGV: prefix, id -> 'queued' | 'running' | 'unknown'
@@ -330,10 +343,7 @@ class _RedisSubscription(Subscription):
             self.duplicates_dropped += 1
             return
         if "err" in fields:
-            out: RequestOutput = ErrorOutput(
-                request_id=self.request_id, finished=True, finish_reason="error",
-                error="the request waited in the queue past its deadline", error_code="queue_timeout",
-                error_status=504)
+            out: RequestOutput = queue_timeout_output(self.request_id)
         else:
             out = output_from_dict(json.loads(fields["data"]))
         self._last_seq = max(self._last_seq, seq)
@@ -396,7 +406,7 @@ class RedisQueue(RequestQueue):
         s = client.register_script
         self._put, self._pull, self._publish = s(_PUT), s(_PULL), s(_PUBLISH)
         self._renew, self._release, self._reap = s(_RENEW), s(_RELEASE), s(_REAP)
-        self._cancel, self._depth = s(_CANCEL), s(_DEPTH)
+        self._cancel, self._depth, self._expire = s(_CANCEL), s(_DEPTH), s(_EXPIRE)
         self._cancelled = CancellationInbox()
         self._cancel_task: asyncio.Task | None = None
         self._reaper_task: asyncio.Task | None = None
@@ -551,6 +561,11 @@ class RedisQueue(RequestQueue):
         return int(await self._release(args=[self.prefix, self.consumer_id, *request_ids]))
 
     # ------------------------------------------------------------ cancellation
+
+    async def expire_if_queued(self, request_id: str) -> bool:
+        expired = bool(int(await self._expire(args=[self.prefix, request_id, self.final_ttl_s])))
+        self.expired += expired
+        return expired
 
     async def cancel(self, request_id: str) -> None:
         await self._cancel(args=[self.prefix, request_id])

@@ -1,4 +1,5 @@
-"""Gateway fixtures: an in-process app on a fake engine (fast), and one real gateway per session."""
+"""Gateway fixtures: an in-process app on a fake engine (fast). The real gateway and redis-server
+session fixtures live in tests/servers.py (registered by tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import contextlib  # noqa: E402
-import json  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -22,8 +17,7 @@ from gateway.app import STATE, create_app  # noqa: E402
 from gateway.config import Settings  # noqa: E402
 from gateway.keys import KeyStore  # noqa: E402
 from tests.gateway.fake_engine import FakeEngine  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.servers import ROOT, RealGateway, RedisServer, _have_redis_server, free_port  # noqa: E402,F401
 
 
 @contextlib.asynccontextmanager
@@ -48,132 +42,3 @@ async def fake_gateway(tmp_path: Path, engine: FakeEngine | None = None, **setti
         await server.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RealGateway:
-    def __init__(self, base: str, key: str, keys_file: Path, proc: subprocess.Popen, log_path: Path):
-        self.base = base
-        self.key = key
-        self.keys_file = keys_file
-        self.proc = proc
-        self.log_path = log_path
-
-    def ready(self) -> dict:
-        try:
-            with urllib.request.urlopen(self.base + "/ready", timeout=5) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return json.loads(e.read())
-
-
-@pytest.fixture(scope="session")
-def real_gateway(tmp_path_factory) -> RealGateway:
-    """`sluice serve` with the real engine and model, one per session, with one pro API key."""
-    tmp = tmp_path_factory.mktemp("gateway")
-    keys_file = tmp / "keys.json"
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "SLUICE_AUTH__KEYS_FILE": str(keys_file),
-           "SLUICE_ENGINE__KV_CACHE_TOKENS": "16384",  # smaller pool: faster start, less memory
-           # fp32 weights: the 32-concurrent test compares each answer with the same request run alone,
-           # which bf16 rounding (batch-shape dependent) would make flaky; bf16 is checked in tests/engine.
-           "SLUICE_ENGINE__WEIGHT_DTYPE": "float32",
-           "SLUICE_ENGINE__MAX_MODEL_LEN": "2048",  # over-long prompts stay cheap to build and to cut
-           "PYTHONPATH": str(ROOT)}
-    env.pop("SLUICE_CONFIG", None)
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", "keys", "create", "--name", "tests",
-                          "--tier", "pro"], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
-    key = out.stdout.strip()
-    port = free_port()
-    log_path = tmp / "gateway.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)],
-                            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    gw = RealGateway(f"http://127.0.0.1:{port}", key, keys_file, proc, log_path)
-    deadline = time.time() + 300  # engine load is seconds, but the CI box is shared
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"gateway exited:\n{log_path.read_text()[-4000:]}")
-        try:
-            if gw.ready().get("status") == "ready":
-                break
-        except OSError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"gateway not ready in time:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.2)
-    yield gw
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-
-
-# ---------------------------------------------------------------- a real redis-server
-
-
-class RedisServer:
-    """A redis-server on a free port, data in its own folder (AOF on), restartable with its data."""
-
-    def __init__(self, workdir: Path):
-        self.workdir = workdir
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.workdir)],
-            stdout=open(self.workdir / "redis.log", "a"), stderr=subprocess.STDOUT)
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start:\n{(self.workdir / 'redis.log').read_text()[-2000:]}")
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc is None:
-            return
-        if kill:
-            self.proc.kill()
-        else:
-            self.proc.terminate()  # SIGTERM: redis-server flushes the AOF and exits
-        self.proc.wait(timeout=10)
-        self.proc = None
-
-    def restart(self, down_s: float = 0.0) -> None:
-        self.stop()
-        time.sleep(down_s)
-        self.start()
-
-
-def _have_redis_server() -> bool:
-    import shutil
-
-    return shutil.which("redis-server") is not None
-
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    if not _have_redis_server():
-        pytest.skip("redis-server is not installed (make test installs it: apt-get install redis-server)")
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()

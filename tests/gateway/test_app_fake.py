@@ -111,12 +111,16 @@ async def test_validation_errors(tmp_path, body, param):
         assert e.value.body["param"] == param, e.value.body
 
 
-async def test_text_parts_flattened_and_extras_ignored(tmp_path):
+async def test_text_parts_flattened_and_unknown_fields_refused(tmp_path):
     async with fake_gateway(tmp_path) as (base, app, engine):
         r = await client(base).chat.completions.create(
-            model="fake-model", max_tokens=3, extra_body={"whatever": 1, "top_k": 5},
+            model="fake-model", max_tokens=3, extra_body={"top_k": 5},
             messages=[{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
         assert r.choices[0].message.content == "sys"
+        with pytest.raises(openai.BadRequestError) as e:
+            await client(base).chat.completions.create(model="fake-model", max_tokens=3, messages=MSG,
+                                                       extra_body={"whatever": 1})
+        assert e.value.body["param"] == "whatever" and e.value.body["code"] == "unsupported_parameter"
 
 
 async def test_raw_http_errors(tmp_path):

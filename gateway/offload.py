@@ -1,0 +1,205 @@
+"""Request preparation that may take long (parsing a big body, templating and tokenizing a long prompt)
+runs in a helper process, so one large request never stalls the event loop for other clients.
+
+JSON decoding, pydantic validation and the tokenizer all hold the GIL for their whole call (a 4 MB
+prompt takes seconds to tokenize), so a thread would not help: the loop thread could not run until the
+call returned. Small requests, the common case, are prepared inline, where a hop to another process
+would cost more than the work. Results cross the process boundary as plain values: a request model, or
+token ids packed as `array('i')` bytes (a million ids unpickle as one memcpy, not a million ints).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import pickle
+from array import array
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from gateway.errors import APIError, validation_error
+
+log = logging.getLogger("sluice.gateway")
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on one request's size, checked before any templating or tokenization."""
+
+    max_messages: int = 2048
+    max_prompt_chars: int = 1_000_000
+
+
+def parse_request(body: bytes, model: type[M], limits: RequestLimits) -> M:
+    """Bytes -> validated request model, or an APIError (400) that says what is wrong."""
+    if not body:
+        raise APIError(400, "Request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        req = model.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        if first.get("type") == "json_invalid":
+            msg = str(first.get("msg", "invalid JSON"))
+            if "recursion" in msg.lower():
+                raise APIError(400, "Malformed JSON body: nested too deeply.", code="invalid_json") from None
+            raise APIError(400, f"Malformed JSON body: {msg}", code="invalid_json") from None
+        raise validation_error(e) from None
+    except RecursionError:
+        raise APIError(400, "Malformed JSON body: nested too deeply.", code="invalid_json") from None
+    check_limits(req, limits)
+    return req
+
+
+def check_limits(req: Any, limits: RequestLimits) -> None:
+    messages = getattr(req, "messages", None)
+    if messages is not None:
+        if len(messages) > limits.max_messages:
+            raise APIError(400, f"Too many messages: {len(messages)}; at most {limits.max_messages} are allowed "
+                                "per request.", param="messages", code="too_many_messages")
+        chars = sum(len(m.text()) for m in messages)
+        param = "messages"
+    else:
+        prompt = getattr(req, "prompt", None)
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt or [] if isinstance(p, str))
+        param = "prompt"
+    if chars > limits.max_prompt_chars:
+        raise APIError(400, f"The prompt has {chars} characters; at most {limits.max_prompt_chars} are allowed "
+                            "per request.", param=param, code="prompt_too_long")
+
+
+# ---------------------------------------------------------------- the helper process's side
+
+_TOKENIZER: Any = None
+
+
+def _init_child(tokenizer_bytes: bytes | None) -> None:
+    global _TOKENIZER
+    _TOKENIZER = pickle.loads(tokenizer_bytes) if tokenizer_bytes else None
+
+
+def _error_tuple(e: APIError) -> tuple[str, int, str, str | None, str | None]:
+    return ("error", e.status, e.message, e.param, e.code)
+
+
+def _child_parse(body: bytes, model: type[BaseModel], limits: RequestLimits) -> tuple[Any, ...]:
+    try:
+        return ("ok", parse_request(body, model, limits))
+    except APIError as e:  # exceptions with custom constructors do not pickle: send the fields
+        return _error_tuple(e)
+
+
+def _child_tokenize(kind: str, payload: Any) -> tuple[Any, ...]:
+    try:
+        ids = _TOKENIZER.apply_chat_template(payload) if kind == "chat" else _TOKENIZER.encode(payload)
+    except ValueError as e:
+        return ("error", 400, str(e), "messages", "invalid_messages")
+    return ("ok", array("i", ids).tobytes())
+
+
+def _unwrap(result: tuple[Any, ...]) -> Any:
+    if result[0] == "error":
+        _, status, message, param, code = result
+        raise APIError(status, message, param=param, code=code)
+    return result[1]
+
+
+# ---------------------------------------------------------------- the event loop's side
+
+
+class Offloader:
+    """Prepares requests inline when they are small and in one helper process when they are large.
+
+    At most `max_pending` large requests are in the helper at once; more wait (without using CPU) for a
+    turn. The process starts on first use, so gateways that never see a large request never pay for it.
+    """
+
+    def __init__(self, limits: RequestLimits, *, inline_body_bytes: int = 64 * 1024,
+                 inline_prompt_chars: int = 16 * 1024, max_pending: int = 4):
+        self.limits = limits
+        self.inline_body_bytes = inline_body_bytes
+        self.inline_prompt_chars = inline_prompt_chars
+        self._tokenizer: Any = None
+        self._tokenizer_bytes: bytes | None = None
+        self._pool: ProcessPoolExecutor | None = None
+        self._slots = asyncio.Semaphore(max_pending)
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """The engine's tokenizer, once loaded. One that cannot be pickled is used on a thread instead."""
+        self._tokenizer = tokenizer
+        try:
+            self._tokenizer_bytes = pickle.dumps(tokenizer)
+        except Exception as e:
+            log.info("tokenizer %s cannot go to a helper process (%s); long prompts tokenize on a thread",
+                     type(tokenizer).__name__, e)
+            self._tokenizer_bytes = None
+        self._restart_pool()
+
+    def _restart_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _get_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_init_child, initargs=(self._tokenizer_bytes,))
+        return self._pool
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        async with self._slots:
+            loop = asyncio.get_running_loop()
+            try:
+                return _unwrap(await loop.run_in_executor(self._get_pool(), fn, *args))
+            except BrokenProcessPool:  # the helper died (killed, out of memory): start a new one next time
+                log.error("the request-preparation helper process died; restarting it")
+                self._restart_pool()
+                raise APIError(503, "The server could not prepare this request; retry.", code="helper_failed",
+                               retry_after=1) from None
+
+    async def parse(self, body: bytes, model: type[M]) -> M:
+        if len(body) <= self.inline_body_bytes:
+            return parse_request(body, model, self.limits)
+        return await self._run(_child_parse, body, model, self.limits)
+
+    async def chat_prompt(self, tokenizer: Any, messages: list[dict[str, Any]]) -> Any:
+        """Token ids of the templated conversation (a list, or an `array('i')` when it was long)."""
+        chars = sum(len(str(m.get("content") or "")) for m in messages)
+        if chars <= self.inline_prompt_chars:
+            return _apply_template(tokenizer, messages)
+        return await self._tokenize(tokenizer, "chat", messages)
+
+    async def encode(self, tokenizer: Any, text: str) -> Any:
+        if len(text) <= self.inline_prompt_chars:
+            return tokenizer.encode(text)
+        return await self._tokenize(tokenizer, "text", text)
+
+    async def _tokenize(self, tokenizer: Any, kind: str, payload: Any) -> Any:
+        if tokenizer is not self._tokenizer:
+            self.set_tokenizer(tokenizer)
+        if self._tokenizer_bytes is None:
+            async with self._slots:
+                return await asyncio.to_thread(
+                    lambda: _apply_template(tokenizer, payload) if kind == "chat" else tokenizer.encode(payload))
+        ids = array("i")
+        ids.frombytes(await self._run(_child_tokenize, kind, payload))
+        return ids
+
+    def close(self) -> None:
+        self._restart_pool()
+
+
+def _apply_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    try:
+        return tokenizer.apply_chat_template(messages)
+    except ValueError as e:  # the model's chat template refuses this conversation
+        raise APIError(400, str(e), param="messages", code="invalid_messages") from None
+
+
+__all__ = ["Offloader", "RequestLimits", "check_limits", "parse_request"]
