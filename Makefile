@@ -18,7 +18,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 endif
 
-.PHONY: serve test install install-test redis-server bench clean
+.PHONY: serve test lint install install-test redis-server bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,7 +48,12 @@ redis-server:
 serve: install
 	$(BIN)/sluice serve
 
-test: install-test redis-server
+# Lint and type gate: ruff (style, unused code and imports) and mypy (engine/, kernels/, gateway/).
+lint: install-test
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint redis-server
 	$(BIN)/python -m pytest -q -ra
 
 bench: install
