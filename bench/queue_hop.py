@@ -32,8 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import pct  # noqa: E402
 from engine.request import EngineRequest, SamplingParams  # noqa: E402
-from gateway.queue import MemoryQueue, QueueItem  # noqa: E402
-from gateway.worker import EngineWorker  # noqa: E402
+from gateway.messages import QueueItem  # noqa: E402
+from gateway.queue.memory import MemoryQueue  # noqa: E402
+from gateway.worker.worker import EngineWorker  # noqa: E402
 from tests.gateway.fake_engine import FakeEngine  # noqa: E402
 
 

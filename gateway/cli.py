@@ -22,12 +22,18 @@ log = logging.getLogger("sluice")
 
 
 def _settings(args: argparse.Namespace, **overrides: Any):
-    from gateway.config import load_settings
+    from gateway.settings import load_settings
 
     return load_settings(getattr(args, "config", None), **overrides)
 
 
 # ---------------------------------------------------------------- serve
+
+
+async def _serve(settings: Any, no_engine: bool = False) -> None:
+    from gateway.http.server import run_server
+
+    await run_server(settings, _stop_event(), no_engine=no_engine)
 
 
 def _stop_event() -> asyncio.Event:
@@ -41,43 +47,9 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
-async def _serve(settings, engine: Any = None, no_engine: bool = False) -> None:
-    from gateway.app import STATE, create_app
-    from gateway.auth import check_bind_allowed
-    from gateway.keys import KeyStore
-    from gateway.serving import serve
-
-    keys = KeyStore(settings.auth.keys_file, strict=True)  # a corrupt keys file: refuse to start
-    auth_mode = check_bind_allowed(settings.server.host, keys)
-    if not keys.has_keys():
-        log.warning("no API keys in %s: serving WITHOUT authentication (loopback only); "
-                    "create one with `sluice keys create`", keys.path)
-    app = create_app(settings, engine=engine, keys=keys, no_engine=no_engine)
-    # Header/body timeouts, idle keep-alive timeout and the connection limit (gateway/serving.py).
-    runner, site = await serve(app, settings)
-    state = app[STATE]
-    # Wait for the engine to give the one informative start line (capacity needs the engine).
-    stop = _stop_event()
-    while state.load_error is None and not stop.is_set() and (
-            state.worker is None if not no_engine else state.model_name is None):
-        await asyncio.sleep(0.05)
-    capacity = state.worker.capacity if state.worker else 0
-    log.info("sluice serving on http://%s:%d model=%s max_model_len=%d capacity=%d running "
-             "(+%s queued per tier) auth=%s queue=%s%s", settings.server.host, settings.server.port,
-             state.model_name, state.max_model_len, capacity, dict(settings.queue.max_depth), auth_mode,
-             "redis" if settings.redis_url else "in-process", " (no engine: workers run elsewhere)" if no_engine else "")
-    await stop.wait()
-    # Graceful: refuse new requests (503 + Retry-After), stop listening, let open streams finish
-    # within shutdown_grace_s, then hand the local engine's unfinished requests back (Redis) and exit.
-    log.info("shutting down: draining open requests for up to %.0fs", settings.server.shutdown_grace_s)
-    state.draining = True
-    await runner.cleanup()
-    log.info("stopped")
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    from gateway.auth import InsecureBindError
-    from gateway.keys import KeyStoreError
+    from gateway.admission.auth import InsecureBindError
+    from gateway.admission.keys import KeyStoreError
 
     overrides: dict[str, Any] = {}
     server: dict[str, Any] = {}
@@ -110,28 +82,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- worker
 
 
-async def _worker(settings) -> None:
-    from gateway.app import load_engine, make_queue
-    from gateway.worker import EngineWorker
+async def _worker(settings: Any) -> None:
+    from gateway.worker.main import run_worker
 
-    queue = make_queue(settings)
-    queue.start_reaper()
-    stop = _stop_event()
-    engine = await asyncio.to_thread(load_engine, settings)
-    model = settings.model.served_model_name or engine.model_name
-    q = settings.queue
-    worker = EngineWorker(engine, queue, max_batch=q.max_batch, heartbeat_s=q.heartbeat_s, model_name=model)
-    await worker.start()
-    log.info("sluice worker %s: model=%s capacity=%d, draining %s", getattr(queue, "consumer_id", "?"), model,
-             worker.capacity, settings.redis_url)
-    await stop.wait()
-    # Graceful: stop pulling, let in-flight requests finish within the grace period, hand the rest
-    # back to the queue with the tokens already sent (another worker continues them), exit.
-    log.info("worker shutting down: finishing %d in-flight requests for up to %.0fs",
-             worker.stats()["in_flight"], settings.server.shutdown_grace_s)
-    await worker.stop(grace_s=settings.server.shutdown_grace_s, handback=True)
-    await queue.close()
-    log.info("worker stopped")
+    await run_worker(settings, _stop_event())
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -152,14 +106,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _keystore(args: argparse.Namespace):
-    from gateway.keys import KeyStore
+    from gateway.admission.keys import KeyStore
 
     path = args.keys_file or _settings(args).auth.keys_file
     return KeyStore(path, strict=True)
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    from gateway.keys import KeyStoreError
+    from gateway.admission.keys import KeyStoreError
 
     settings = _settings(args)
     tier = args.tier
@@ -185,7 +139,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
-    from gateway.keys import KeyStoreError
+    from gateway.admission.keys import KeyStoreError
 
     try:
         store = _keystore(args)
@@ -203,7 +157,7 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    from gateway.keys import KeyStoreError
+    from gateway.admission.keys import KeyStoreError
 
     try:
         store = _keystore(args)

@@ -1,6 +1,2 @@
-"""Backends the router chooses from: the local engine (through the queue) now, remote providers later."""
-
-from gateway.backends.base import Backend, ChoiceOutput, ChoiceStream, GenerationRequest
-from gateway.backends.local import LocalBackend
-
-__all__ = ["Backend", "ChoiceOutput", "ChoiceStream", "GenerationRequest", "LocalBackend"]
+"""4. Where a request is served: the local engine through the queue (`local`), or a chain of remote
+OpenAI-compatible providers (`remote/`)."""

@@ -13,8 +13,9 @@ import dataclasses
 import time
 
 from engine.request import EngineRequest
-from gateway.backends.base import Backend, ChoiceOutput, ChoiceStream, GenerationRequest
-from gateway.queue.base import QueueItem, RequestQueue, Subscription
+from gateway.backends.base import Backend, ChoiceStream
+from gateway.messages import ChoiceOutput, GenerationRequest, QueueItem
+from gateway.queue.base import RequestQueue, Subscription
 
 
 class _LocalStream(ChoiceStream):

@@ -6,18 +6,16 @@ on request ids:
     bounded per tier, fill- and time-based batching;
   * results: `subscribe` (gateway, BEFORE `put`, so no output is missed) / `publish` (worker);
   * cancellation: `cancel` (gateway) / `next_cancellations` (worker, which then aborts in the engine).
-All methods are async so that a Redis implementation can keep the same interface.
+All methods are async: the Redis implementation talks to a server on every call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
-from engine.request import EngineRequest, RequestOutput
+from engine.request import RequestOutput
+from gateway.messages import QueueItem, WorkerStats
 
 
 class QueueFull(Exception):
@@ -28,38 +26,6 @@ class QueueFull(Exception):
         self.tier = tier
         self.depth = depth
         self.retry_after = retry_after
-
-
-class QueueClosed(Exception):
-    pass
-
-
-@dataclass
-class ErrorOutput(RequestOutput):
-    """A finished output that carries an HTTP-mappable error (the engine's RequestOutput has only text)."""
-
-    error_code: str | None = None
-    error_param: str | None = None
-    error_status: int = 500
-
-
-def queue_timeout_output(request_id: str) -> ErrorOutput:
-    """The result of a request that waited in the queue past its deadline."""
-    return ErrorOutput(request_id=request_id, finished=True, finish_reason="error",
-                       error="the request waited in the queue past its deadline", error_code="queue_timeout",
-                       error_status=504)
-
-
-def output_to_dict(out: RequestOutput) -> dict[str, Any]:
-    d = asdict(out)
-    d["_kind"] = "error" if isinstance(out, ErrorOutput) else "output"
-    return d
-
-
-def output_from_dict(d: dict[str, Any]) -> RequestOutput:
-    d = dict(d)
-    kind = d.pop("_kind", "output")
-    return ErrorOutput(**d) if kind == "error" else RequestOutput(**d)
 
 
 class CancellationInbox:
@@ -83,31 +49,6 @@ class CancellationInbox:
         ids, self._ids = self._ids, []
         self._event.clear()
         return ids
-
-
-@dataclass
-class QueueItem:
-    request: EngineRequest
-    tier: str
-    enqueued_at: float = field(default_factory=time.time)
-    deadline: float | None = None  # wall-clock time after which the request is no longer wanted
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def priority(self) -> int:
-        return self.request.priority
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"request": self.request.to_dict(), "tier": self.tier, "enqueued_at": self.enqueued_at,
-                "deadline": self.deadline}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "QueueItem":
-        return cls(request=EngineRequest.from_dict(d["request"]), tier=d["tier"],
-                   enqueued_at=d["enqueued_at"], deadline=d.get("deadline"))
 
 
 class Subscription(ABC):
@@ -202,13 +143,13 @@ class RequestQueue(ABC):
         back; 0 means the queue cannot take them back (the worker then fails them)."""
         return 0
 
-    async def heartbeat(self, info: dict[str, Any]) -> None:
+    async def heartbeat(self, info: WorkerStats) -> None:
         """Announce a live worker and how busy it is (no-op in-process)."""
 
     async def unregister(self) -> None:
         """The worker is leaving."""
 
-    async def workers(self) -> list[dict[str, Any]] | None:
+    async def workers(self) -> list[WorkerStats] | None:
         """Live workers with their stats; None when the queue has no notion of remote workers."""
         return None
 

@@ -8,8 +8,8 @@ import time
 from collections import deque
 
 from engine.request import RequestOutput
-from gateway.queue.base import (CancellationInbox, QueueFull, QueueItem, RequestQueue, Subscription,
-                                queue_timeout_output)
+from gateway.messages import QueueItem, queue_timeout_output
+from gateway.queue.base import CancellationInbox, QueueFull, RequestQueue, Subscription
 
 
 class _MemorySubscription(Subscription):

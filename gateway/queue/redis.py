@@ -43,9 +43,8 @@ from collections import deque
 from typing import Any
 
 from engine.request import RequestOutput
-from gateway.queue.base import CancellationInbox, ErrorOutput, QueueFull, QueueItem, RequestQueue, Subscription, output_from_dict, \
-    queue_timeout_output, \
-    output_to_dict
+from gateway.messages import QueueItem, WorkerStats, output_from_dict, output_to_dict, queue_timeout_output
+from gateway.queue.base import CancellationInbox, QueueFull, RequestQueue, Subscription
 
 log = logging.getLogger("sluice.queue.redis")
 
@@ -604,11 +603,11 @@ class RedisQueue(RequestQueue):
 
     # ------------------------------------------------------------ workers
 
-    async def heartbeat(self, info: dict[str, Any]) -> None:
+    async def heartbeat(self, info: WorkerStats) -> None:
         key = self._k("worker", self.consumer_id)
         ttl_ms = int(self.heartbeat_ttl_s * 1000)
         async with self._r.pipeline(transaction=True) as pipe:
-            pipe.set(key, json.dumps({**info, "id": self.consumer_id, "at": _now()}), px=ttl_ms)
+            pipe.set(key, json.dumps({**info.to_dict(), "worker_id": self.consumer_id}), px=ttl_ms)
             pipe.zadd(self._k("workers"), {self.consumer_id: _now()})
             await pipe.execute()
 
@@ -616,7 +615,7 @@ class RedisQueue(RequestQueue):
         await self._r.delete(self._k("worker", self.consumer_id))
         await self._r.zrem(self._k("workers"), self.consumer_id)
 
-    async def workers(self) -> list[dict[str, Any]]:
+    async def workers(self) -> list[WorkerStats]:
         """Live workers (heartbeat key not expired), with their stats."""
         ids = await self._r.zrange(self._k("workers"), 0, -1)
         if not ids:
@@ -624,7 +623,10 @@ class RedisQueue(RequestQueue):
         values = await self._r.mget([self._k("worker", i) for i in ids])
         alive, dead = [], []
         for wid, v in zip(ids, values):
-            (alive if v else dead).append(json.loads(v) if v else wid)
+            if v:
+                alive.append(WorkerStats.from_dict(json.loads(v)))
+            else:
+                dead.append(wid)
         if dead:
             await self._r.zrem(self._k("workers"), *dead)
         return alive

@@ -13,9 +13,10 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from aiohttp.test_utils import TestServer  # noqa: E402
 
-from gateway.app import STATE, create_app  # noqa: E402
-from gateway.config import Settings  # noqa: E402
-from gateway.keys import KeyStore  # noqa: E402
+from gateway.http.app import create_app
+from gateway.state import STATE  # noqa: E402
+from gateway.settings import Settings  # noqa: E402
+from gateway.admission.keys import KeyStore  # noqa: E402
 from tests.gateway.fake_engine import FakeEngine  # noqa: E402
 from tests.servers import ROOT, RealGateway, RedisServer, _have_redis_server, free_port  # noqa: E402,F401
 

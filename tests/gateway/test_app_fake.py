@@ -9,8 +9,8 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.app import STATE
-from gateway.keys import KeyStore
+from gateway.state import STATE
+from gateway.admission.keys import KeyStore
 from tests.gateway.conftest import fake_gateway
 from tests.gateway.fake_engine import FakeEngine
 
@@ -233,12 +233,12 @@ async def test_disconnect_mid_stream_aborts(tmp_path):
             assert resp.status == 200
             await resp.content.readline()
             resp.close()  # drop the connection mid-stream
-        worker = app[STATE].worker
+        worker = app[STATE].local_worker
         for _ in range(200):
-            if worker.stats()["in_flight"] == 0 and not engine.has_unfinished():
+            if worker.stats().in_flight == 0 and not engine.has_unfinished():
                 break
             await asyncio.sleep(0.02)
-        assert worker.stats()["in_flight"] == 0 and engine.aborted
+        assert worker.stats().in_flight == 0 and engine.aborted
         r = await client(base).chat.completions.create(model="fake-model", messages=MSG, max_tokens=2)
         assert r.choices[0].finish_reason == "length"
 

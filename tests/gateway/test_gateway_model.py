@@ -229,7 +229,7 @@ def test_disconnect_mid_stream_then_healthy(gw, sdk):
     deadline = time.time() + 30
     while True:
         w = gw.ready()["worker"]
-        if w["in_flight"] == 0 and w.get("engine_num_running", 0) == 0 and w.get("engine_num_waiting", 0) == 0:
+        if w["in_flight"] == 0 and w["running"] == 0 and w["waiting"] == 0:
             break
         assert time.time() < deadline, w
         time.sleep(0.1)

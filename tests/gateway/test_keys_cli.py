@@ -7,7 +7,7 @@ import os
 import stat
 
 from gateway.cli import main
-from gateway.keys import KeyStore, hash_key
+from gateway.admission.keys import KeyStore, hash_key
 
 
 def run(capsys, *argv):
@@ -95,7 +95,7 @@ def test_serve_refuses_public_bind_without_keys(tmp_path, capsys, monkeypatch):
 
 
 def test_settings_layers(tmp_path, monkeypatch):
-    from gateway.config import load_settings
+    from gateway.settings import load_settings
 
     cfg = tmp_path / "s.toml"
     cfg.write_text('[server]\nport = 7000\nhost = "0.0.0.0"\n[queue]\nmax_batch = 8\n[engine]\nmax_running_requests = 3\n')
@@ -110,7 +110,7 @@ def test_settings_layers(tmp_path, monkeypatch):
 def test_repo_config_mirrors_defaults(monkeypatch):
     from pathlib import Path
 
-    from gateway.config import Settings, load_settings
+    from gateway.settings import Settings, load_settings
 
     for k in list(os.environ):
         if k.startswith("SLUICE_"):

@@ -10,7 +10,9 @@ import uuid
 import pytest
 
 from engine.request import EngineRequest, RequestOutput
-from gateway.queue import MemoryQueue, QueueFull, QueueItem
+from gateway.messages import QueueItem
+from gateway.queue.base import QueueFull
+from gateway.queue.memory import MemoryQueue
 
 PRIO = {"pro": 0, "standard": 1}
 

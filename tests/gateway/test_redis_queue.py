@@ -12,10 +12,9 @@ import uuid
 import pytest
 
 from engine.request import EngineRequest, RequestOutput, SamplingParams
-from gateway.queue import QueueItem
-from gateway.queue.base import ErrorOutput
+from gateway.messages import ErrorOutput, QueueItem
 from gateway.queue.redis import RedisQueue
-from gateway.worker import EngineWorker
+from gateway.worker.worker import EngineWorker
 from tests.gateway.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.redis
@@ -144,7 +143,7 @@ async def test_subscription_drops_repeated_sequence_numbers(cluster):
     key = f"{gw.prefix}:res:d1"
     import json
 
-    from gateway.queue.base import output_to_dict
+    from gateway.messages import output_to_dict
     for seq, text, fin in [(1, "a", "0"), (2, "b", "0"), (2, "b", "0"), (1, "a", "0"), (3, "c", "1"), (3, "c", "1")]:
         out = RequestOutput(request_id="d1", text=text, completion_tokens=seq, finished=fin == "1")
         await gw._r.xadd(key, {"seq": seq, "fin": fin, "tok": "", "data": json.dumps(output_to_dict(out))})
@@ -166,10 +165,10 @@ async def test_cancel_running_reaches_worker_and_frees_it(cluster):
         assert time.monotonic() - t0 < 2
         await asyncio.sleep(0.01)
     for _ in range(100):
-        if w.stats()["in_flight"] == 0:
+        if w.stats().in_flight == 0:
             break
         await asyncio.sleep(0.02)
-    assert w.stats()["in_flight"] == 0 and not engine.has_unfinished()
+    assert w.stats().in_flight == 0 and not engine.has_unfinished()
     assert not await gw._r.exists(f"{gw.prefix}:item:c1") and await gw._r.zcard(f"{gw.prefix}:leased") == 0
     await sub.close()
 
@@ -228,8 +227,9 @@ async def test_heartbeats_list_live_workers(cluster):
     w = await cluster.worker(engine, heartbeat_ttl_s=0.5)
     await asyncio.sleep(0.3)
     [info] = await gw.workers()
-    assert info["capacity"] == 3 and info["model"] == "fake-model" and info["in_flight"] == 0
-    assert info["busy_seconds"] == 1.25  # the router's busy ratio across workers
+    assert info.capacity == 3 and info.model == "fake-model" and info.in_flight == 0
+    assert info.busy_seconds == 1.25  # the router's busy ratio across workers
+    assert info.worker_id == w.queue.consumer_id
     await w.stop()
     assert await gw.workers() == []
 

@@ -8,8 +8,9 @@ import threading
 import pytest
 
 from engine.request import EngineRequest, SamplingParams
-from gateway.queue import ErrorOutput, MemoryQueue, QueueItem
-from gateway.worker import EngineWorker
+from gateway.messages import ErrorOutput, Failure, QueueItem
+from gateway.queue.memory import MemoryQueue
+from gateway.worker.worker import EngineWorker
 from tests.gateway.fake_engine import FakeEngine
 
 
@@ -48,7 +49,7 @@ async def test_generates_and_uses_one_thread(setup):
         assert "".join(o.text for o in outs) == "abca"
         assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 4
     assert len(engine.threads) == 1 and threading.get_ident() not in engine.threads
-    assert worker.stats()["in_flight"] == 0
+    assert worker.stats().in_flight == 0
 
 
 async def test_pulls_only_up_to_capacity(setup):
@@ -58,7 +59,7 @@ async def test_pulls_only_up_to_capacity(setup):
     for i in range(5):
         await queue.put(qitem(f"c{i}"))
     await asyncio.sleep(0.3)
-    assert worker.stats()["in_flight"] == 2
+    assert worker.stats().in_flight == 2
     assert await queue.depth("standard") == 3
     engine.gate.set()
     for s in subs:
@@ -79,10 +80,10 @@ async def test_cancel_aborts_in_engine(setup):
     assert "long" in engine.aborted
     assert not engine.has_unfinished()
     for _ in range(50):
-        if worker.stats()["in_flight"] == 0:
+        if worker.stats().in_flight == 0:
             break
         await asyncio.sleep(0.02)
-    assert worker.stats()["in_flight"] == 0
+    assert worker.stats().in_flight == 0
 
 
 async def test_rejected_request_gets_error_output(setup):
@@ -90,7 +91,7 @@ async def test_rejected_request_gets_error_output(setup):
     outs = await run_one(queue, "bad", max_tokens=999_999)
     assert len(outs) == 1 and isinstance(outs[0], ErrorOutput)
     assert outs[0].finish_reason == "error" and outs[0].error_code == "fake_rejection"
-    assert outs[0].error_status == 400
+    assert outs[0].failure is Failure.INVALID_REQUEST
     outs = await run_one(queue, "good")  # the worker lives on
     assert outs[-1].finish_reason == "length"
 
@@ -105,7 +106,7 @@ async def test_step_failure_fails_in_flight_and_worker_survives(setup):
     engine.gate.set()
     out = await sub.get(timeout=5)
     assert out.finished and out.finish_reason == "error" and isinstance(out, ErrorOutput)
-    assert out.error_status == 500
+    assert out.failure is Failure.ENGINE
     assert worker.running
     outs = await run_one(queue, "after")
     assert outs[-1].finish_reason == "length"

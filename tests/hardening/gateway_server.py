@@ -1,4 +1,4 @@
-"""A gateway on a fake engine served the way `sluice serve` serves it (gateway.serving: connection
+"""A gateway on a fake engine served the way `sluice serve` serves it (gateway.http.server: connection
 guard, timeouts), on a real port, for the hardening tests of auth, connections and metrics."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.app import STATE, create_app
-from gateway.auth import check_bind_allowed
-from gateway.config import Settings
-from gateway.keys import KeyStore
-from gateway.serving import ConnectionGuard, serve
+from gateway.http.app import create_app
+from gateway.state import STATE
+from gateway.admission.auth import check_bind_allowed
+from gateway.settings import Settings
+from gateway.admission.keys import KeyStore
+from gateway.http.server import ConnectionGuard, serve
 from tests.gateway.fake_engine import FakeEngine
 
 

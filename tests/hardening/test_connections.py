@@ -14,7 +14,7 @@ import time
 
 import aiohttp
 
-from gateway.serving import install_accept_error_logging
+from gateway.http.server import install_accept_error_logging
 from tests.hardening.gateway_server import served_gateway
 
 

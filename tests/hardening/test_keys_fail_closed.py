@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from gateway.cli import main
-from gateway.keys import KeyStore
+from gateway.admission.keys import KeyStore
 from tests.hardening.gateway_server import served_gateway
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -11,8 +11,8 @@ import time
 import aiohttp
 import pytest
 
-from gateway.app import STATE
-from gateway.keys import KeyStore
+from gateway.state import STATE
+from gateway.admission.keys import KeyStore
 from tests.gateway.fake_engine import FakeEngine
 from tests.hardening.gateway_server import served_gateway
 
@@ -46,7 +46,7 @@ async def test_stream_closed_right_after_done_counts_as_200(tmp_path):
     async with served_gateway(tmp_path, engine=FakeEngine()) as gw:
         # Usage accounting after [DONE] takes a moment (Redis round trips in production): the window
         # in which a client that already read [DONE] hangs up.
-        usage = gw.app[STATE].router.usage
+        usage = gw.app[STATE].usage
         record = usage.record
 
         async def slow_record(*args, **kwargs):

@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from engine.request import EngineRequest
-from gateway.config import Settings, cache_salt
-from gateway.keys import KeyStore
-from gateway.protocol import ChatCompletionRequest
+from gateway.settings import Settings, cache_salt
+from gateway.admission.keys import KeyStore
+from gateway.http.openai_schema import ChatCompletionRequest
 from tests.gateway.conftest import fake_gateway
 from tests.gateway.fake_engine import FakeEngine
 

@@ -194,7 +194,7 @@ async def test_queued_request_gets_504_on_time_through_redis(tmp_path, redis_ser
     prefix = f"t{uuid.uuid4().hex[:8]}"
     async with fake_gateway(tmp_path, engine=engine, redis_url=redis_server.url,
                             queue={"key_prefix": prefix, "lease_s": 30.0}) as (base, app, _):
-        from gateway.app import STATE
+        from gateway.state import STATE
         assert isinstance(app[STATE].queue, RedisQueue)
         await _queued_request_times_out(base, engine)
 

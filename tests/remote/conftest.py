@@ -14,7 +14,7 @@ from typing import Any  # noqa: E402
 import aiohttp  # noqa: E402
 import pytest  # noqa: E402
 
-from gateway.keys import KeyStore  # noqa: E402
+from gateway.admission.keys import KeyStore  # noqa: E402
 from tests.gateway.conftest import fake_gateway, free_port, RedisServer  # noqa: E402,F401
 from tests.gateway.fake_engine import FakeEngine  # noqa: E402
 from tests.remote.mock_provider import MockProvider  # noqa: E402

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from pydantic import ValidationError
 
-from gateway.app import STATE
-from gateway.remote_config import ProviderSettings
+from gateway.state import STATE
+from gateway.settings import ProviderSettings
 from tests.gateway.fake_engine import FakeEngine
 from tests.remote.conftest import LOCAL_MODEL, chat, gateway, post, provider_cfg, stream_text
 
@@ -28,7 +28,7 @@ async def _get(base: str, path: str, key: str | None = None):
 
 
 def _attempts(app, provider: str, outcome: str) -> float:
-    v = app[STATE].router.metrics.attempts.labels(provider, outcome)._value.get()
+    v = app[STATE].metrics.attempts.labels(provider, outcome)._value.get()
     return v
 
 
@@ -48,7 +48,7 @@ async def test_unparseable_200_is_a_provider_failure(tmp_path, providers, caplog
         if stream:
             assert stream_text(body) == "w0 w1 w2 w3 w4 w5 w6 w7"
             assert not any("error" in e for e in body if isinstance(e, dict))
-        pa = app[STATE].router.remote.providers[0]
+        pa = app[STATE].remote.providers[0]
         assert pa.breaker.consecutive == 1  # counted against a
         assert _attempts(app, "a", "bad_response") == 1
         assert any("provider a failed" in r.getMessage() for r in caplog.records)
@@ -79,7 +79,7 @@ def test_bad_base_url_is_refused_at_start(url, words):
     msg = str(ei.value)
     assert words in msg
     assert "secret" not in msg  # the password is never echoed
-    from gateway.config import Settings
+    from gateway.settings import Settings
 
     with pytest.raises(ValidationError) as ei:  # as the gateway loads it: an error at start
         Settings(providers=[{"name": "p", "base_url": url, "models": {"m": "m"}}])
@@ -87,8 +87,8 @@ def test_bad_base_url_is_refused_at_start(url, words):
 
 
 def test_duplicate_provider_names_are_refused_at_start():
-    from gateway.backends.remote import RemoteBackend
-    from gateway.remote_config import RoutingSettings
+    from gateway.backends.remote.backend import RemoteBackend
+    from gateway.settings import RoutingSettings
 
     with pytest.raises(ValueError, match="duplicate"):
         RemoteBackend([ProviderSettings(name="p", base_url="http://x/v1", models={"m": "m"}),
@@ -100,7 +100,7 @@ async def test_unclassified_provider_error_fails_over(tmp_path, providers, caplo
     check bypassed) is a failure of that provider: the next one serves, it is counted and logged."""
     a, b = providers
     async with gateway(tmp_path, [provider_cfg(a), provider_cfg(b, order=1)]) as (base, app, *_):
-        pa = app[STATE].router.remote.providers[0]
+        pa = app[STATE].remote.providers[0]
         pa.client = pa.client.with_options(base_url=f"http://u:p@127.0.0.1:{a.port}/v1")
         with caplog.at_level(logging.WARNING, logger="sluice.remote"):
             st, h, body = await post(base, chat())
@@ -135,7 +135,7 @@ async def test_401_is_a_config_error_opens_the_breaker_and_fails_over(tmp_path, 
             st, h, _ = await post(base, chat())
         assert st == 200 and h["x-sluice-backend"] == "remote:b"
         assert a.count == 1
-        pa = app[STATE].router.remote.providers[0]
+        pa = app[STATE].remote.providers[0]
         assert pa.breaker.state == "open"
         st, h, _ = await post(base, chat())
         assert h["x-sluice-backend"] == "remote:b" and a.count == 1  # not called while open
@@ -194,15 +194,15 @@ async def test_overflow_estimate_without_recent_completions(tmp_path, providers)
     engine = FakeEngine(max_running_requests=1, max_model_len=1024, step_s=0.01)
     tiers = {"pro": {"priority": 0}, "standard": {"priority": 1, "max_queue_wait_ms": 300}}
     async with gateway(tmp_path, [provider_cfg(a)], engine=engine, tiers=tiers) as (base, app, *_):
-        router = app[STATE].router
+        estimator = app[STATE].router.estimator
         long = asyncio.create_task(post(base, chat(LOCAL_MODEL, max_tokens=300)))  # ~3 s
-        step_seconds = getattr(router, "step_seconds", lambda: None)
         for _ in range(40):  # the step rate is measured while it runs
             await asyncio.sleep(0.05)
-            if step_seconds() is not None:
+            estimator.sample_steps()
+            if estimator.step_seconds() is not None:
                 break
-        assert not long.done() and not router._completions
-        est = await router.estimate_wait("standard")
+        assert not long.done() and estimator.completion_rate() == 0
+        est = await estimator.estimate_wait("standard")
         assert math.isfinite(est) and est > 0.3
         t0 = time.monotonic()
         st, h, _ = await post(base, chat(LOCAL_MODEL, max_tokens=4))
@@ -216,8 +216,8 @@ async def test_infinite_estimate_is_not_logged_as_minus_one(tmp_path, providers,
     a, _ = providers
     async with gateway(tmp_path, [provider_cfg(a)]) as (base, app, *_):
         router = app[STATE].router
-        from gateway.backends.base import GenerationRequest
-        from gateway.protocol import ChatCompletionRequest
+        from gateway.messages import GenerationRequest
+        from gateway.http.openai_schema import ChatCompletionRequest
         from engine.request import SamplingParams
         req = ChatCompletionRequest(**chat(LOCAL_MODEL))
         gen = GenerationRequest(request_id="r1", prompt_token_ids=[1, 2], sampling=SamplingParams(max_tokens=4),
@@ -236,7 +236,7 @@ async def test_429s_do_not_open_the_breaker(tmp_path, providers):
     a, _ = providers
     a.default_fault = ("status", 429)
     async with gateway(tmp_path, [provider_cfg(a)], routing={"breaker_failures": 2}) as (base, app, *_):
-        pa = app[STATE].router.remote.providers[0]
+        pa = app[STATE].remote.providers[0]
         for _ in range(4):
             t0 = time.monotonic()
             st, h, body = await post(base, chat())
@@ -267,4 +267,4 @@ async def test_inside_a_retry_after_window_nothing_else_answers_429_at_once(tmp_
         assert a.count == 1
         st, h, _ = await first
         assert st == 200 and a.count == 2
-        assert app[STATE].router.remote.providers[0].breaker.consecutive == 0
+        assert app[STATE].remote.providers[0].breaker.consecutive == 0

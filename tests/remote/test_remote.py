@@ -9,7 +9,7 @@ import time
 import aiohttp
 import pytest
 
-from gateway.app import STATE
+from gateway.state import STATE
 from tests.gateway.fake_engine import FakeEngine
 from tests.remote.conftest import LOCAL_MODEL, REMOTE_MODEL, chat, gateway, post, provider_cfg, stream_text
 
@@ -80,8 +80,7 @@ async def test_500s_fail_over_and_open_the_breaker(tmp_path, providers):
             st, h, _ = await post(base, chat())
             assert st == 200 and h["x-sluice-backend"] == "remote:b"
         assert a.count == 2  # open after 2 failures: A is no longer called
-        router = app[STATE].router
-        pa = router.remote.providers[0]
+        pa = app[STATE].remote.providers[0]
         assert pa.breaker.state == "open"
         pa.breaker.opened_at -= 60  # cool-down over: one probe goes to A, which is healthy again
         a.default_fault = None
@@ -205,7 +204,7 @@ async def test_local_failure_before_first_token_retries_remotely(tmp_path, provi
 async def test_no_engine_worker_ready_goes_remote(tmp_path, providers):
     a, _ = providers
     async with gateway(tmp_path, [provider_cfg(a)]) as (base, app, *_):
-        await app[STATE].worker.stop()
+        await app[STATE].local_worker.stop()
         st, h, _ = await post(base, chat(LOCAL_MODEL, max_tokens=4))
         assert st == 200 and h["x-sluice-backend"] == "remote:a"
 
@@ -248,7 +247,7 @@ async def _metrics(base: str, tmp_path=None) -> str:
     import aiohttp
     headers = {}
     if tmp_path is not None:
-        from gateway.keys import KeyStore
+        from gateway.admission.keys import KeyStore
         headers["Authorization"] = "Bearer " + KeyStore(tmp_path / "keys.json").create("ops", "pro", admin=True)
     async with aiohttp.ClientSession() as s:
         async with s.get(base + "/metrics", headers=headers) as r:
@@ -262,7 +261,7 @@ async def test_rpm_limit_exact_with_retry_after(tmp_path, providers):
     a, _ = providers
     async with gateway(tmp_path, [provider_cfg(a)], keys={"k": "standard"},
                        limits={"keys": {"k": {"rpm": 30}}}) as (base, app, _, keys):
-        app[STATE].router.limiter.clock = lambda: 6000.0 + 12.5  # inside one window, 47.5 s before the next
+        app[STATE].limiter.clock = lambda: 6000.0 + 12.5  # inside one window, 47.5 s before the next
         res = await asyncio.gather(*[post(base, chat(max_tokens=1), keys["k"]) for _ in range(40)])
         ok = [r for r in res if r[0] == 200]
         limited = [r for r in res if r[0] == 429]
@@ -275,7 +274,7 @@ async def test_tpm_limit_within_a_few_percent(tmp_path, providers):
     a, _ = providers
     async with gateway(tmp_path, [provider_cfg(a)], keys={"k": "standard"},
                        limits={"tiers": {"standard": {"tpm": 1000}}}) as (base, app, _, keys):
-        app[STATE].router.limiter.clock = lambda: 6000.0
+        app[STATE].limiter.clock = lambda: 6000.0
         served = 0
         for _ in range(200):  # 2 prompt + 8 completion tokens each
             st, _, body = await post(base, chat(), keys["k"])

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.backends.remote import RemoteBackend, _retry_after
-from gateway.breaker import CircuitBreaker
-from gateway.limits import MemoryLimiter, RedisLimiter
-from gateway.remote_config import LimitSettings, ProviderSettings, RoutingSettings
+from gateway.backends.remote.backend import RemoteBackend
+from gateway.backends.remote.provider import retry_after_seconds
+from gateway.backends.remote.breaker import CircuitBreaker
+from gateway.admission.limits import MemoryLimiter, RedisLimiter
+from gateway.settings import LimitSettings, ProviderSettings, RoutingSettings
 
 
 class Clock:
@@ -88,10 +89,10 @@ async def test_redis_limiter_is_shared_and_atomic(redis_server):
 
 
 def test_retry_after_forms():
-    assert _retry_after({"retry-after": "3"}) == 3
-    assert _retry_after({"retry-after-ms": "250"}) == 0.25
-    assert _retry_after({}) is None
-    assert 0 <= _retry_after({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) == 0
+    assert retry_after_seconds({"retry-after": "3"}) == 3
+    assert retry_after_seconds({"retry-after-ms": "250"}) == 0.25
+    assert retry_after_seconds({}) is None
+    assert 0 <= retry_after_seconds({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) == 0
 
 
 async def test_provider_order_and_weights():
@@ -119,7 +120,7 @@ async def test_transport_errors_are_classified_like_httpx_did():
     import httpx2
     from aiohttp import web
 
-    from gateway.backends.remote import Provider, _classify
+    from gateway.backends.remote.provider import Provider, classify
 
     async def hang(request):
         await asyncio.sleep(5)
@@ -149,7 +150,7 @@ async def test_transport_errors_are_classified_like_httpx_did():
             try:
                 with pytest.raises(Exception) as ei:
                     await p.client.post("/chat/completions", cast_to=httpx2.Response, body={})
-                f = _classify(p, ei.value)
+                f = classify(p, ei.value)
                 assert f is not None and f.kind == kind, (base, f)
             finally:
                 await p.close()

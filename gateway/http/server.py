@@ -1,4 +1,4 @@
-"""Serving the app on a socket without letting slow or idle clients exhaust it (issue 9).
+"""Serving the app on a socket without letting slow or idle clients exhaust it.
 
 aiohttp has no header-read timeout and no connection limit: a client that opens a connection and
 sends nothing, or half a request line, holds a socket and a file descriptor until its keep-alive
@@ -7,8 +7,8 @@ timer (an hour by default) fires. Here every connection goes through `GuardedReq
 - headers: a connection must complete a request's headers within `server.header_timeout_s` of opening
   (or of the first byte of a later request on a keep-alive connection); otherwise it is closed (with a
   408 when it had sent part of a request);
-- body: `body_timeout_middleware` reads the body within `server.body_timeout_s` after the headers, or
-  answers 408 and closes;
+- body: the `body_timeout` middleware (http/middleware.py) reads the body within `server.body_timeout_s`
+  after the headers, or answers 408 and closes;
 - idle keep-alive connections close after `server.keepalive_timeout_s`;
 - at most `server.max_connections` are open: a new one beyond it closes the oldest connection that has
   no request under way (an idle or half-sent one: this is what keeps /health answering through a
@@ -16,7 +16,7 @@ timer (an hour by default) fires. Here every connection goes through `GuardedReq
   answered 503 `too_many_connections` and closed.
 
 `accept()` failures (out of file descriptors) and refusals are logged rate-limited
-(`gateway.ratelog`), never once per event. `serve(app, settings)` is what `sluice serve` runs.
+(`gateway.observability.ratelog`), never once per event. `serve(app, settings)` is what `sluice serve` runs.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from gateway.errors import APIError
-from gateway.ratelog import RateLimitedLog
+from gateway.http.errors import APIError
+from gateway.observability.ratelog import RateLimitedLog
+from gateway.settings import Settings
+from gateway.worker.engine_api import Engine
 
 log = logging.getLogger("sluice.server")
 _ratelog = RateLimitedLog(log)
@@ -190,53 +192,6 @@ class GuardedAppRunner(web.AppRunner):
         return server
 
 
-# ---------------------------------------------------------------- the body timeout
-
-
-@web.middleware
-async def body_timeout_middleware(request: web.Request, handler):
-    """Reads a request's body within `server.body_timeout_s` (handlers then get it from the cache)."""
-    if request.body_exists and request.method in ("POST", "PUT", "PATCH"):
-        from gateway.app import STATE
-
-        timeout = request.app[STATE].settings.server.body_timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                await request.read()  # 413 beyond client_max_size, as before
-        except TimeoutError:
-            _ratelog.info("body-timeout", "closing a connection whose request body did not arrive within %.0fs",
-                          timeout)
-            resp = APIError(408, f"The request body did not arrive within {timeout:g}s.",
-                            code="body_timeout").to_response()
-            resp.force_close()
-            await resp.prepare(request)
-            await resp.write_eof()
-            request.protocol.force_close()  # no lingering read of the rest: the answer goes out, then close
-            return resp
-    return await handler(request)
-
-
-def install(app: web.Application) -> None:
-    """What the app needs from this module: the body timeout, the prepared response kept on the request
-    (the access log's status, a revoked stream's error event), and per-key metric labels."""
-    from gateway.auth import remember_response
-
-    app.middlewares.append(body_timeout_middleware)
-    app.on_response_prepare.append(remember_response)
-    app.on_startup.append(_set_key_labels)  # after cleanup contexts: the router exists by then
-
-
-async def _set_key_labels(app: web.Application) -> None:
-    from gateway.app import STATE
-    from gateway.metrics import make_key_label
-
-    state = app[STATE]
-    router = getattr(state, "router", None)
-    if router is not None and getattr(router, "metrics", None) is not None:
-        mode = getattr(getattr(state.settings, "metrics", None), "key_labels", "id")
-        router.metrics.key_label = make_key_label(state.keys, mode)
-
-
 # ---------------------------------------------------------------- running it
 
 
@@ -298,3 +253,37 @@ async def serve(app: web.Application, settings: Any, *, host: str | None = None,
     site = web.TCPSite(runner, host if host is not None else s.host, port if port is not None else s.port)
     await site.start()
     return runner, site
+
+
+async def run_server(settings: Settings, stop: asyncio.Event, *, engine: Engine | None = None,
+                     no_engine: bool = False) -> None:
+    """`sluice serve`: check the keys and the bind address, serve until `stop`, then drain."""
+    from gateway.admission.auth import check_bind_allowed
+    from gateway.admission.keys import KeyStore
+    from gateway.http.app import create_app
+    from gateway.state import STATE
+
+    keys = KeyStore(settings.auth.keys_file, strict=True)  # a corrupt keys file: refuse to start
+    auth_mode = check_bind_allowed(settings.server.host, keys)
+    if not keys.has_keys():
+        log.warning("no API keys in %s: serving WITHOUT authentication (loopback only); "
+                    "create one with `sluice keys create`", keys.path)
+    app = create_app(settings, engine=engine, keys=keys, no_engine=no_engine)
+    runner, site = await serve(app, settings)
+    state = app[STATE]
+    # Wait for the engine to give the one informative start line (capacity needs the engine).
+    while state.load_error is None and not stop.is_set() and (
+            state.local_worker is None if not no_engine else state.model_name is None):
+        await asyncio.sleep(0.05)
+    capacity = state.local_worker.capacity if state.local_worker else 0
+    log.info("sluice serving on http://%s:%d model=%s max_model_len=%d capacity=%d running "
+             "(+%s queued per tier) auth=%s queue=%s%s", settings.server.host, settings.server.port,
+             state.model_name, state.max_model_len, capacity, dict(settings.queue.max_depth), auth_mode,
+             "redis" if settings.redis_url else "in-process", " (no engine: workers run elsewhere)" if no_engine else "")
+    await stop.wait()
+    # Graceful: refuse new requests (503 + Retry-After), stop listening, let open streams finish
+    # within shutdown_grace_s, then hand the local engine's unfinished requests back (Redis) and exit.
+    log.info("shutting down: draining open requests for up to %.0fs", settings.server.shutdown_grace_s)
+    state.draining = True
+    await runner.cleanup()
+    log.info("stopped")

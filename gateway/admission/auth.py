@@ -3,7 +3,7 @@
 With no keys at all the gateway serves anonymously, but only on a loopback address (the CLI refuses
 to start otherwise); once a key exists every /v1 request needs one. Keys are never logged.
 
-Key mode is sticky (see gateway/keys.py): a keys file that is deleted, emptied, corrupted or left with
+Key mode is sticky (see admission/keys.py): a keys file that is deleted, emptied, corrupted or left with
 no keys while the gateway runs never opens it; every authenticated route answers 503
 `keys_unavailable` (and the error is logged, rate-limited) until the file is fixed.
 
@@ -24,9 +24,9 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from gateway.errors import APIError
-from gateway.keys import KeyStore
-from gateway.ratelog import RateLimitedLog
+from gateway.http.errors import APIError
+from gateway.admission.keys import KeyStore
+from gateway.observability.ratelog import RateLimitedLog
 
 log = logging.getLogger("sluice.gateway")
 _ratelog = RateLimitedLog(log)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from gateway.remote_config import KeyLimits, LimitSettings
+from gateway.settings import KeyLimits, LimitSettings
 
 log = logging.getLogger("sluice.limits")
 

@@ -14,6 +14,9 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from pydantic import ValidationError
 
+from engine.request import RequestOutput
+from gateway.messages import ErrorOutput, Failure
+
 log = logging.getLogger("sluice.gateway")
 
 _TYPE_BY_STATUS = {
@@ -110,3 +113,28 @@ async def error_middleware(
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return APIError(500, "Internal server error", type="server_error").to_response()
+
+
+# ---------------------------------------------------------------- outputs that end a request badly
+
+_BY_FAILURE: dict[Failure, tuple[int, str, float | None]] = {
+    # failure: (status, default code, Retry-After)
+    Failure.INVALID_REQUEST: (400, "invalid_request", None),
+    Failure.TIMED_OUT: (504, "queue_timeout", None),
+    Failure.UNAVAILABLE: (503, "unavailable", 1.0),
+    Failure.ENGINE: (500, "engine_error", None),
+    Failure.PROVIDER: (502, "provider_error", None),
+}
+
+
+def error_for_output(out: RequestOutput) -> APIError | None:
+    """The HTTP error of an output that ends its request without an answer (None for a good one)."""
+    if isinstance(out, ErrorOutput):
+        status, code, retry_after = _BY_FAILURE[out.failure]
+        return APIError(status, out.error or "request failed", param=out.error_param,
+                        code=out.error_code or code, retry_after=retry_after)
+    if out.finish_reason == "error" or out.error:
+        return APIError(500, out.error or "engine error", type="server_error", code="engine_error")
+    if out.finish_reason == "abort":
+        return APIError(503, "The request was aborted (server shutting down).", code="aborted", retry_after=1)
+    return None

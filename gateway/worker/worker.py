@@ -2,7 +2,7 @@
 
 The engine is not thread-safe and `step()` blocks for tens of milliseconds, so every engine call
 happens on one thread that the event loop never waits for. The two sides talk through:
-  * an inbox (thread-safe SimpleQueue + Event) of ("add", item) / ("abort", id) commands, drained by
+  * an inbox (thread-safe SimpleQueue + Event) of `AddRequest` / `AbortRequest` messages, drained by
     the thread between steps, so a cancellation reaches `engine.abort` within one step;
   * `loop.call_soon_threadsafe` for outputs, which a publisher task forwards, in order, to the queue's
     result channels.
@@ -23,33 +23,30 @@ import queue as thread_queue
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
 
 from engine.request import RequestOutput, RequestRejected
-from gateway.queue.base import ErrorOutput, QueueItem, RequestQueue, queue_timeout_output
+from gateway.messages import (
+    AbortRequest,
+    AddRequest,
+    Failure,
+    InboxMessage,
+    QueueItem,
+    WorkerStats,
+    error_output,
+    queue_timeout_output,
+)
+from gateway.queue.base import RequestQueue
+from gateway.tasks import cancel_and_wait, cancel_requested, run_forever
+from gateway.worker.engine_api import Engine
 
 log = logging.getLogger("sluice.worker")
 
 
-def _cancel_requested() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
-async def _cancel_all(tasks: list[asyncio.Task]) -> None:
-    """Cancel and wait. Cancel again while any is still pending: a client library that absorbs a
-    CancelledError mid-command (redis-py can) would otherwise leave its task waiting forever."""
-    pending = {t for t in tasks if not t.done()}
-    while pending:
-        for t in pending:
-            t.cancel()
-        _, pending = await asyncio.wait(pending, timeout=0.5)
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
 class EngineWorker:
-    def __init__(self, engine: Any, queue: RequestQueue, *, max_batch: int = 128, poll_s: float = 0.5,
-                 idle_wait_s: float = 0.5, heartbeat_s: float = 1.0, model_name: str | None = None):
+    def __init__(self, engine: Engine, queue: RequestQueue, *, max_batch: int = 128, poll_s: float = 0.5,
+                 idle_wait_s: float = 0.5, heartbeat_s: float = 1.0, model_name: str | None = None,
+                 on_pulled: Callable[[list[QueueItem]], None] | None = None):
         self.engine = engine
         self.queue = queue
         self.max_batch = max_batch
@@ -57,10 +54,11 @@ class EngineWorker:
         self.idle_wait_s = idle_wait_s
         self.capacity = int(engine.config.max_running_requests)
         self.heartbeat_s = heartbeat_s
-        self.model_name = model_name or getattr(engine, "model_name", None)
+        self.model_name = model_name or engine.model_name
+        self.on_pulled = on_pulled  # sees every pulled batch (the queue-time histogram)
         self._handing_back: set[str] = set()
 
-        self._inbox: thread_queue.SimpleQueue[tuple[str, Any]] = thread_queue.SimpleQueue()
+        self._inbox: thread_queue.SimpleQueue[InboxMessage] = thread_queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop_thread = threading.Event()
         self._thread: threading.Thread | None = None
@@ -83,19 +81,13 @@ class EngineWorker:
         return (self._thread is not None and self._thread.is_alive() and not self._stopping
                 and all(not t.done() for t in self._tasks))
 
-    def stats(self) -> dict[str, Any]:
-        stats = {"in_flight": len(self._in_flight), "engine_requests": len(self._thread_running),
-                 "capacity": self.capacity, "steps": self.steps, "step_errors": self.step_errors}
-        for name in ("num_running", "num_waiting"):  # optional engine counters (racy reads; fine for monitoring)
-            try:
-                value = getattr(self.engine, name)
-                stats[f"engine_{name}"] = int(value() if callable(value) else value)
-            except Exception:
-                pass
+    def stats(self) -> WorkerStats:
+        """Racy reads of the engine's counters from the loop thread: fine for monitoring and routing."""
         busy = getattr(getattr(self.engine, "stats", None), "busy_seconds", None)
-        if busy is not None:  # seconds spent inside engine steps: the router's busy ratio
-            stats["busy_seconds"] = float(busy)
-        return stats
+        return WorkerStats(model=self.model_name, capacity=self.capacity, in_flight=len(self._in_flight),
+                           running=int(self.engine.num_running), waiting=int(self.engine.num_waiting),
+                           steps=self.steps, step_errors=self.step_errors,
+                           busy_seconds=None if busy is None else float(busy), draining=self._stopping)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -128,13 +120,13 @@ class EngineWorker:
             self._handing_back = set(self._in_flight)
         else:
             for rid in list(self._in_flight):
-                self._send("abort", rid)
+                self._send(AbortRequest(rid))
         self._stop_thread.set()
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
         await asyncio.sleep(0)  # let the last call_soon_threadsafe callbacks run
-        await _cancel_all(self._tasks)
+        await cancel_and_wait(self._tasks)
         assert self._outbox is not None
         while not self._outbox.empty():  # outputs the publisher had not forwarded yet
             batch = self._outbox.get_nowait()
@@ -153,19 +145,17 @@ class EngineWorker:
                 self._in_flight.difference_update(ids)
         try:
             await self.queue.unregister()
-        except Exception:
-            pass
+        except Exception as e:  # the heartbeat expires on its own
+            log.warning("unregistering the worker failed (%s); its heartbeat will expire", e)
         # Whatever is still in flight gets a final answer so no handler waits forever.
         for rid in list(self._in_flight):
-            await self.queue.publish(ErrorOutput(request_id=rid, finished=True, finish_reason="error",
-                                                 error="server shutting down", error_code="shutdown",
-                                                 error_status=503))
+            await self.queue.publish(error_output(rid, Failure.UNAVAILABLE, "shutdown", "server shutting down"))
         self._in_flight.clear()
 
     # ------------------------------------------------------------ event-loop side
 
-    def _send(self, cmd: str, arg: Any) -> None:
-        self._inbox.put((cmd, arg))
+    def _send(self, msg: InboxMessage) -> None:
+        self._inbox.put(msg)
         self._wake.set()
 
     async def _pull_loop(self) -> None:
@@ -187,26 +177,21 @@ class EngineWorker:
                 log.exception("queue pull failed; retrying")
                 await asyncio.sleep(self.poll_s)
                 continue
+            if items and self.on_pulled is not None:
+                self.on_pulled(items)
             now = time.time()
             for item in items:
                 if item.deadline is not None and now > item.deadline:
                     await self.queue.publish_batch([queue_timeout_output(item.request_id)])
                     continue
                 self._in_flight.add(item.request_id)
-                self._send("add", item)
+                self._send(AddRequest(item))
 
     async def _cancel_loop(self) -> None:
-        while True:
-            try:
-                ids = await self.queue.next_cancellations(timeout=self.poll_s)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("reading cancellations failed; retrying")
-                await asyncio.sleep(self.poll_s)
-                continue
-            for rid in ids:
-                self._send("abort", rid)
+        async def take() -> None:
+            for rid in await self.queue.next_cancellations(timeout=self.poll_s):
+                self._send(AbortRequest(rid))
+        await run_forever(take, every_s=0, log=log, what="reading cancellations")
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         """Runs on the loop (via call_soon_threadsafe)."""
@@ -233,7 +218,7 @@ class EngineWorker:
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
-                    if _cancel_requested():
+                    if cancel_requested():
                         raise asyncio.CancelledError() from e
                     log.warning("publishing %d outputs failed (%s); retrying", len(outputs), e)
                     await asyncio.sleep(delay)
@@ -245,33 +230,19 @@ class EngineWorker:
         for rid in lost:
             if rid in self._in_flight:
                 log.info("request %s is no longer ours (cancelled or reclaimed); aborting it", rid)
-                self._send("abort", rid)
+                self._send(AbortRequest(rid))
 
     async def _renew_loop(self) -> None:
+        async def renew() -> None:
+            self._drop_lost(await self.queue.renew(list(self._in_flight)))
         interval = float(self.queue.renew_interval_s or 1.0)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                self._drop_lost(await self.queue.renew(list(self._in_flight)))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("renewing leases failed (%s); retrying", e)
+        await asyncio.sleep(interval)
+        await run_forever(renew, every_s=interval, log=log, what="renewing leases")
 
     async def _heartbeat_loop(self) -> None:
-        while True:
-            try:
-                stats = self.stats()
-                await self.queue.heartbeat({
-                    "model": self.model_name, "capacity": self.capacity, "in_flight": stats["in_flight"],
-                    "running": stats.get("engine_num_running", 0), "waiting": stats.get("engine_num_waiting", 0),
-                    "draining": self._stopping,
-                    **({"busy_seconds": stats["busy_seconds"]} if "busy_seconds" in stats else {})})
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("heartbeat failed (%s); retrying", e)
-            await asyncio.sleep(self.heartbeat_s)
+        async def beat() -> None:
+            await self.queue.heartbeat(self.stats())
+        await run_forever(beat, every_s=self.heartbeat_s, log=log, what="heartbeat")
 
     # ------------------------------------------------------------ engine thread
 
@@ -286,13 +257,13 @@ class EngineWorker:
         emitted: list[RequestOutput] = []
         while True:
             try:
-                cmd, arg = self._inbox.get_nowait()
+                msg = self._inbox.get_nowait()
             except thread_queue.Empty:
                 break
-            if cmd == "add":
-                emitted.extend(self._add(arg))
-            elif cmd == "abort":
-                emitted.extend(self._abort(arg))
+            if isinstance(msg, AddRequest):
+                emitted.extend(self._add(msg.item))
+            else:
+                emitted.extend(self._abort(msg.request_id))
         self._emit(emitted)
 
     def _add(self, item: QueueItem) -> list[RequestOutput]:
@@ -303,13 +274,10 @@ class EngineWorker:
         try:
             self.engine.add_request(item.request)
         except RequestRejected as e:
-            return [ErrorOutput(request_id=rid, finished=True, finish_reason="error", error=str(e),
-                                error_code=e.code, error_param=e.param, error_status=400)]
+            return [error_output(rid, Failure.INVALID_REQUEST, e.code, str(e), param=e.param)]
         except Exception as e:  # a bug or a bad request the engine did not classify
             log.exception("engine.add_request failed for %s", rid)
-            return [ErrorOutput(request_id=rid, finished=True, finish_reason="error",
-                                error=f"engine error: {type(e).__name__}", error_code="engine_error",
-                                error_status=500)]
+            return [error_output(rid, Failure.ENGINE, "engine_error", f"engine error: {type(e).__name__}")]
         self._thread_running.add(rid)
         return []
 
@@ -334,13 +302,9 @@ class EngineWorker:
             log.exception("engine.step failed; failing %d in-flight requests", len(self._thread_running))
             failed = []
             for rid in list(self._thread_running):
-                try:
-                    self.engine.abort(rid)
-                except Exception:
-                    pass
-                failed.append(ErrorOutput(request_id=rid, finished=True, finish_reason="error",
-                                          error=f"engine step failed: {type(e).__name__}",
-                                          error_code="engine_error", error_status=500))
+                self._abort_quietly(rid)
+                failed.append(error_output(rid, Failure.ENGINE, "engine_error",
+                                           f"engine step failed: {type(e).__name__}"))
             self._thread_running.clear()
             self._emit(failed)
             return
@@ -354,12 +318,7 @@ class EngineWorker:
     def _thread_main(self) -> None:
         while not self._stop_thread.is_set():
             self._drain_inbox()
-            busy = bool(self._thread_running)
-            try:
-                busy = busy or self.engine.has_unfinished()
-            except Exception:
-                pass
-            if busy:
+            if self._thread_running or self.engine.has_unfinished():
                 self._step()
             else:
                 self._wake.wait(self.idle_wait_s)
@@ -369,9 +328,13 @@ class EngineWorker:
         leftovers = [RequestOutput(request_id=rid, finished=True, finish_reason="abort")
                      for rid in self._thread_running]
         for rid in list(self._thread_running):
-            try:
-                self.engine.abort(rid)
-            except Exception:
-                pass
+            self._abort_quietly(rid)
         self._thread_running.clear()
         self._emit(leftovers)
+
+    def _abort_quietly(self, rid: str) -> None:
+        """Free an engine slot on a path that is already failing: log, never raise."""
+        try:
+            self.engine.abort(rid)
+        except Exception:
+            log.exception("engine.abort failed for %s", rid)

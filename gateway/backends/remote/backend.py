@@ -34,184 +34,31 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-import aiohttp
 import httpx2
 import openai
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 
 from engine.request import RequestOutput
-from gateway.backends.base import Backend, ChoiceOutput, ChoiceStream, GenerationRequest
-from gateway.breaker import CircuitBreaker
-from gateway.errors import APIError
-from gateway.queue.base import ErrorOutput
-from gateway.remote_config import ProviderSettings, RoutingSettings
+from gateway.backends.base import Backend, ChoiceStream
+from gateway.backends.remote.provider import (
+    Provider,
+    RoundFailed,
+    BadResponse,
+    classify,
+    StreamDropped,
+    AttemptFailure,
+    UpstreamError,
+)
+from gateway.http.errors import APIError
+from gateway.messages import ChoiceOutput, ErrorOutput, Failure, GenerationRequest
+from gateway.observability.metrics import Metrics
+from gateway.settings import ProviderSettings, RoutingSettings
 
 log = logging.getLogger("sluice.remote")
 
 # Fields of Sluice's request models that providers do not know (extras of vLLM and Sluice).
 SLUICE_ONLY_FIELDS = frozenset({"top_k", "stop_token_ids", "ignore_eos", "prompt_truncation", "cache_salt"})
 RAW_STREAM = {"X-Stainless-Raw-Response": "stream"}
-CLIENT_FAULT_STATUS = frozenset({400, 413, 422})
-
-
-class Provider:
-    def __init__(self, settings: ProviderSettings, routing: RoutingSettings):
-        self.settings = settings
-        self.name = settings.name
-        self.breaker = CircuitBreaker(routing.breaker_failures, routing.breaker_cooldown_s)
-        self.in_flight = 0
-        self.not_before = 0.0  # monotonic time before which its Retry-After asks us not to call
-        self.not_before_reason = "retry_after"  # "rate_limited" when that Retry-After came with a 429
-        # A configuration problem (an unset key, credentials refused): shown in /ready until it answers.
-        self.config_error: str | None = settings.key_problem()
-        if self.config_error:
-            log.warning("provider %s: %s; it will be called without an API key and will likely refuse "
-                        "(HTTP 401)", self.name, self.config_error)
-        limits = httpx2.Limits(max_connections=settings.max_concurrent,
-                               max_keepalive_connections=settings.max_concurrent)
-        # The SDK's aiohttp transport: aiohttp's C parser and connector instead of httpcore's pure-Python
-        # h11 state machine, header validation and pool bookkeeping (measured in bench/remote_overhead.py).
-        # Redirects stay off, as with a plain httpx client.
-        self.http = openai.DefaultAioHttpClient(limits=limits, timeout=settings.timeout_s, follow_redirects=False)
-        self.client = openai.AsyncOpenAI(api_key=settings.api_key() or "missing", base_url=settings.base_url,
-                                         max_retries=0, timeout=settings.timeout_s, http_client=self.http)
-
-    def usable(self, now: float) -> bool:
-        return self.unavailable(now) is None
-
-    def unavailable(self, now: float) -> str | None:
-        """Why this provider cannot be tried now, or None."""
-        if not self.breaker.available():
-            return "misconfigured" if self.config_error else "circuit_open"
-        if self.in_flight >= self.settings.max_concurrent:
-            return "busy"
-        if now < self.not_before:
-            return self.not_before_reason
-        return None
-
-    def hold(self, seconds: float, reason: str) -> None:
-        """Not called for `seconds` (a Retry-After it gave us)."""
-        self.not_before = max(self.not_before, time.monotonic() + seconds)
-        self.not_before_reason = reason
-
-    def status(self) -> dict[str, Any]:
-        """For /ready."""
-        now = time.monotonic()
-        out: dict[str, Any] = {"circuit": self.breaker.state, "in_flight": self.in_flight,
-                               "error": self.config_error}
-        if now < self.not_before:
-            out["retry_after_s"] = round(self.not_before - now, 3)
-        return out
-
-    def wait_hint(self, now: float) -> float:
-        """Seconds until this provider could be tried again."""
-        return max(self.not_before - now, self.breaker.retry_in(), 0.0)
-
-    async def close(self) -> None:
-        await self.client.close()
-
-
-@dataclass
-class _Failure:
-    provider: str
-    # "rate_limited" | "server_error" | "timeout" | "connection" | "misconfigured" | "dropped" |
-    # "bad_response" (a body that is not JSON/SSE) | "error" (anything else)
-    kind: str
-    message: str
-    status: int | None = None
-    retry_after: float | None = None
-
-
-class RoundFailed(Exception):
-    def __init__(self, failures: list[_Failure], wait_hint: float | None, final: bool = False):
-        super().__init__("; ".join(f"{f.provider}: {f.message}" for f in failures) or "no provider available")
-        self.failures = failures
-        self.wait_hint = wait_hint
-        self.final = final  # no later round can do better: answer now
-
-
-def _retry_after(headers: Any) -> float | None:
-    if headers is None:
-        return None
-    for name in ("retry-after-ms", "retry-after"):
-        v = headers.get(name)
-        if v is None:
-            continue
-        try:
-            s = float(v)
-            return s / 1000 if name == "retry-after-ms" else s
-        except ValueError:
-            try:
-                import email.utils
-
-                return max(0.0, email.utils.parsedate_to_datetime(v).timestamp() - time.time())
-            except Exception:
-                return None
-    return None
-
-
-def _aiohttp_cause(e: BaseException) -> BaseException | None:
-    """The aiohttp error behind an SDK/httpx2 error, if any. The aiohttp transport maps every
-    `aiohttp.ClientConnectionError` (a refused connection, a server that hung up) to httpx2's
-    `ConnectTimeout`; the original tells a timeout from a connection failure."""
-    seen = 0
-    while e is not None and seen < 8:
-        if isinstance(e, aiohttp.ClientError):
-            return e
-        e = e.__cause__ or e.__context__  # type: ignore[assignment]
-        seen += 1
-    return None
-
-
-def _classify(p: Provider, e: BaseException) -> _Failure | None:
-    """A retryable/failover-able failure, or None when the error is the caller's (re-raised as 4xx)."""
-    if isinstance(e, (openai.APIConnectionError, httpx2.TransportError)):  # APITimeoutError included
-        cause = _aiohttp_cause(e)
-        if cause is not None:
-            if isinstance(cause, (aiohttp.ServerTimeoutError, asyncio.TimeoutError, TimeoutError)):
-                return _Failure(p.name, "timeout", "timed out")
-            # named as with the httpx transport: the SDK's error type, or httpx2's mid-stream
-            name = "APIConnectionError" if isinstance(e, openai.APIError) else type(e).__name__
-            return _Failure(p.name, "connection", f"connection failed ({name})")
-    if isinstance(e, openai.APIStatusError):
-        st = e.status_code
-        ra = _retry_after(e.response.headers)
-        msg = f"HTTP {st}"
-        if st in CLIENT_FAULT_STATUS:
-            return None
-        if st == 429:
-            return _Failure(p.name, "rate_limited", msg, st, ra)
-        if st in (401, 403):
-            env = p.settings.api_key_env
-            hint = p.settings.key_problem() or (f"check the key in {env} (api_key_env)" if env
-                                                else "set api_key_env")
-            return _Failure(p.name, "misconfigured", f"{msg}: the provider refused our credentials; {hint}", st)
-        if st == 404:
-            return _Failure(p.name, "misconfigured", f"{msg}: check the provider's model name and base_url", st)
-        return _Failure(p.name, "server_error", msg, st, ra)  # 5xx, 408, 409, and any other status
-    if isinstance(e, (openai.APITimeoutError, httpx2.TimeoutException, asyncio.TimeoutError, TimeoutError)):
-        return _Failure(p.name, "timeout", "timed out")
-    if isinstance(e, (openai.APIConnectionError, httpx2.TransportError, ConnectionError)):
-        return _Failure(p.name, "connection", f"connection failed ({type(e).__name__})")
-    if isinstance(e, _Dropped):
-        return _Failure(p.name, "dropped", "the stream ended early")
-    if isinstance(e, _UpstreamStreamError):
-        return _Failure(p.name, "server_error", f"an error in a 200 answer ({e})"[:300])
-    if isinstance(e, _BadResponse):
-        return _Failure(p.name, "bad_response", str(e))
-    if isinstance(e, json.JSONDecodeError):
-        return _Failure(p.name, "bad_response", f"an answer that is not JSON ({e.msg})")
-    # Anything else (an SDK or transport error no rule above knows, a bug): a failure of this provider.
-    return _Failure(p.name, "error", f"{type(e).__name__}: {e}"[:300])
-
-
-class _Dropped(Exception):
-    pass
-
-
-class _BadResponse(Exception):
-    """A 2xx answer that is not what an OpenAI-compatible API sends (an HTML page from a proxy, a body
-    that is not JSON, a stream line that is not JSON)."""
 
 
 def _json_body(r: httpx2.Response) -> dict[str, Any]:
@@ -220,13 +67,13 @@ def _json_body(r: httpx2.Response) -> dict[str, Any]:
     try:
         body = json.loads(r.content)
     except ValueError:
-        raise _BadResponse(f"answered {r.status_code} with a body that is not JSON ({ctype})") from None
+        raise BadResponse(f"answered {r.status_code} with a body that is not JSON ({ctype})") from None
     if not isinstance(body, dict):
-        raise _BadResponse(f"answered {r.status_code} with JSON that is not an object")
+        raise BadResponse(f"answered {r.status_code} with JSON that is not an object")
     if not isinstance(body.get("choices"), list):
         if isinstance(body.get("error"), (dict, str)):
-            raise _UpstreamStreamError(body["error"])
-        raise _BadResponse(f"answered {r.status_code} without `choices`")
+            raise UpstreamError(body["error"])
+        raise BadResponse(f"answered {r.status_code} without `choices`")
     return body
 
 
@@ -261,21 +108,25 @@ def _usage_into(parsed: _Parsed, usage: dict[str, Any] | None) -> None:
 
 class RemoteStream(ChoiceStream):
     def __init__(self, backend: "RemoteBackend", gen: GenerationRequest, chain: list[Provider]):
-        self._backend = backend
+        self._remote = backend
         self._gen = gen
         self._chain = chain
-        self.backend = "remote"
+        self.backend = "remote"  # "remote:<provider>" once a provider answers
         self.provider: Provider | None = None
         self.prompt_tokens: int | None = None
         self.cached_tokens = 0
         self.completion_tokens: int | None = None
-        self.failovers = 0
         self._excluded: set[Provider] = set()  # refused our configuration: not retried for this request
         self._last_kind: dict[str, str] = {}  # provider -> its last failure or reason it was skipped
-        self._failures: list[_Failure] = []  # every failed try of this request
+        self._failures: list[AttemptFailure] = []  # every failed try of this request
         self._it = self._run()
         self._resp: httpx2.Response | None = None
         self._closed = False
+        self._holding = False  # counted in self.provider.in_flight
+
+    @property  # type: ignore[override]
+    def provider_settings(self) -> ProviderSettings | None:
+        return self.provider.settings if self.provider is not None else None
 
     # ---------------------------------------------------------------- plumbing
 
@@ -298,8 +149,6 @@ class RemoteStream(ChoiceStream):
         if self.provider is not None and self._holding:
             self._holding = False
             self.provider.in_flight -= 1
-
-    _holding = False
 
     # ---------------------------------------------------------------- the upstream body
 
@@ -328,7 +177,7 @@ class RemoteStream(ChoiceStream):
         ctype = resp.headers.get("content-type", "")
         if "html" in ctype:  # a proxy's error page with a 2xx status
             await self._release_resp()
-            raise _BadResponse(f"answered {resp.status_code} with {ctype.split(';')[0]}, not an event stream")
+            raise BadResponse(f"answered {resp.status_code} with {ctype.split(';')[0]}, not an event stream")
         lines = resp.aiter_lines()
         parsed = _Parsed()
         buffered: list[ChoiceOutput] = []
@@ -368,11 +217,11 @@ class RemoteStream(ChoiceStream):
             try:
                 chunk = json.loads(data)
             except ValueError:
-                raise _BadResponse(f"a stream line that is not JSON ({data[:60]!r})") from None
+                raise BadResponse(f"a stream line that is not JSON ({data[:60]!r})") from None
             if not isinstance(chunk, dict):
-                raise _BadResponse(f"a stream line that is not a JSON object ({data[:60]!r})")
+                raise BadResponse(f"a stream line that is not a JSON object ({data[:60]!r})")
             if "error" in chunk and not chunk.get("choices"):
-                raise _UpstreamStreamError(chunk["error"])
+                raise UpstreamError(chunk["error"])
             _usage_into(parsed, chunk.get("usage"))
             for c in chunk.get("choices") or ():
                 idx = int(c.get("index", 0))
@@ -383,7 +232,7 @@ class RemoteStream(ChoiceStream):
                 if c.get("finish_reason"):
                     parsed.pending_finish[idx] = c["finish_reason"]
         if not done and not parsed.pending_finish:
-            raise _Dropped()
+            raise StreamDropped()
         for out in self._finish(parsed):
             yield out
 
@@ -420,7 +269,7 @@ class RemoteStream(ChoiceStream):
     # ---------------------------------------------------------------- the try chain
 
     async def _open(self) -> tuple[Provider, Any]:
-        b = self._backend
+        b = self._remote
         r = b.routing
         start = time.monotonic()
         deadline = start + r.request_timeout_s
@@ -462,9 +311,9 @@ class RemoteStream(ChoiceStream):
                 and not (p.config_error and not p.breaker.available())]
 
     async def _round(self, deadline: float) -> tuple[Provider, Any]:
-        failures: list[_Failure] = []
+        failures: list[AttemptFailure] = []
         tried = 0
-        for p in self._backend.order(self._chain):
+        for p in self._remote.order(self._chain):
             if time.monotonic() >= deadline:
                 break
             if p in self._excluded:
@@ -478,7 +327,7 @@ class RemoteStream(ChoiceStream):
             tried += 1
             p.in_flight += 1
             self.provider, self._holding = p, True
-            b = self._backend
+            b = self._remote
             t0 = time.monotonic()
             try:
                 result = await self._try(p, deadline)
@@ -489,7 +338,7 @@ class RemoteStream(ChoiceStream):
             except Exception as e:
                 await self._release()
                 self.provider = None
-                f = _classify(p, e)
+                f = classify(p, e)
                 if f is None:  # the caller's fault (400/413/422): answer it, count no failure
                     p.breaker.release()
                     if isinstance(e, openai.APIStatusError):
@@ -499,7 +348,6 @@ class RemoteStream(ChoiceStream):
                 failures.append(f)
                 self._failures.append(f)
                 b.on_attempt(p, f.kind, time.monotonic() - t0)
-                self.failovers += 1
                 continue
             p.breaker.success()
             p.config_error = None
@@ -514,7 +362,7 @@ class RemoteStream(ChoiceStream):
         final = not live or (tried == 0 and all(self._last_kind.get(p.name) == "rate_limited" for p in live))
         raise RoundFailed(failures, hint if hint and hint > 0 else None, final)
 
-    def _failed(self, p: Provider, f: _Failure, e: BaseException) -> None:
+    def _failed(self, p: Provider, f: AttemptFailure, e: BaseException) -> None:
         """Book one failed try: the breaker, the provider's Retry-After, the log."""
         self._last_kind[p.name] = f.kind
         more = "failing over" if any(q is not p and q.usable(time.monotonic()) for q in self._live()) \
@@ -562,7 +410,7 @@ class RemoteStream(ChoiceStream):
             retry_after = min(windows) if windows else (e.wait_hint or 1.0)
             return APIError(429, f"Every provider for `{model}` is rate limiting ({names}); retry later.",
                             code="upstream_rate_limited", retry_after=max(retry_after, 1.0))
-        retry_after = e.wait_hint if e.wait_hint else max(1.0, self._backend.routing.backoff_max_s / 5)
+        retry_after = e.wait_hint if e.wait_hint else max(1.0, self._remote.routing.backoff_max_s / 5)
         detail = "; ".join(f"{f.provider}: {f.message}" for f in self._failures[-4:])
         if not detail:
             detail = "; ".join(f"{p.name}: {_SKIPPED.get(self._last_kind.get(p.name, ''), 'unavailable')}"
@@ -593,8 +441,8 @@ class RemoteStream(ChoiceStream):
             try:
                 async for out in self._outputs(lines, parsed):
                     yield out
-            except (Exception, _Dropped) as e:  # committed: end with an error event, never silently
-                f = _classify(p, e)
+            except (Exception, StreamDropped) as e:  # committed: end with an error event, never silently
+                f = classify(p, e)
                 what = f.message if f else type(e).__name__
                 log.warning("provider %s failed mid-stream for %s: %s", p.name, self._gen.request_id, what)
                 self.prompt_tokens = parsed.prompt_tokens
@@ -604,7 +452,7 @@ class RemoteStream(ChoiceStream):
                     request_id=self._gen.request_id, finished=True, finish_reason="error",
                     error=f"The provider `{p.name}` failed mid-stream ({what}); the answer is incomplete.",
                     completion_tokens=self.completion_tokens or 0, prompt_tokens=parsed.prompt_tokens or 0,
-                    cached_tokens=parsed.cached_tokens, error_code="provider_error", error_status=502))
+                    cached_tokens=parsed.cached_tokens, error_code="provider_error", failure=Failure.PROVIDER))
         finally:
             await self._release()
 
@@ -614,15 +462,8 @@ _SKIPPED = {"circuit_open": "circuit open", "busy": "at its concurrency limit",
             "misconfigured": "misconfigured"}
 
 
-class _UpstreamStreamError(Exception):
-    def __init__(self, err: Any):
-        super().__init__(str(err))
-
-
 class RemoteBackend(Backend):
-    name = "remote"
-
-    def __init__(self, providers: list[ProviderSettings], routing: RoutingSettings, metrics: Any = None):
+    def __init__(self, providers: list[ProviderSettings], routing: RoutingSettings, metrics: Metrics | None = None):
         self.routing = routing
         names = [s.name for s in providers]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -678,5 +519,5 @@ class RemoteBackend(Backend):
         for p in self.providers:
             try:
                 await p.close()
-            except Exception:
-                pass
+            except Exception as e:  # shutting down: a connection pool that fails to close is not news
+                log.debug("closing provider %s failed: %s", p.name, e)

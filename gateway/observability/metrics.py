@@ -1,8 +1,6 @@
-"""Prometheus metrics of routing, remote providers, usage and the local engine (issue 5).
-
-They register into the gateway's registry (`GatewayState.registry`), next to the request counters
-that `app.py` already exports, so `/metrics` serves them all. Gauges that describe the local side
-(queue depth per tier, the engine's busy ratio) are refreshed by a sampler task once a second.
+"""Every Prometheus metric of the gateway, in one registry that `/metrics` serves: HTTP requests,
+routing decisions, remote providers, usage by key, latencies and the local engine. Gauges that describe
+state (queue depth per tier, the engine's busy ratio) are refreshed by `observability.sampler`.
 
 Metrics labelled by API key never show the key's name by default: the `key` label is the key's short
 id (the first 8 hex digits of its hash, as `sluice keys list` shows), or its name only when
@@ -12,11 +10,13 @@ id (the first 8 hex digits of its hash, as `sluice keys list` shows), or its nam
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gateway.usage import ANON
+from gateway.admission.usage import ANON
+from gateway.messages import QueueItem
 
 
 def hashed_key_label(name: str) -> str:
@@ -51,9 +51,13 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry, key_label: Callable[[str], str] | None = None):
-        r = registry
+    def __init__(self, registry: CollectorRegistry | None = None, key_label: Callable[[str], str] | None = None):
+        self.registry = r = registry if registry is not None else CollectorRegistry()
         self.key_label: Callable[[str], str] = key_label or hashed_key_label
+        self.requests = Counter("sluice_requests_total", "HTTP requests", ["endpoint", "status"], registry=r)
+        self.completion_tokens = Counter("sluice_completion_tokens_total", "Generated tokens", registry=r)
+        self.request_seconds = Histogram("sluice_request_seconds", "Request latency", ["endpoint"], registry=r)
+        self.in_flight = Gauge("sluice_in_flight", "Requests inside the engine", registry=r)
         self.queue_time = Histogram("sluice_queue_seconds", "Time a local request waited in the queue",
                                     ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("sluice_ttft_seconds", "Time to first token", ["tier", "backend"],
@@ -91,6 +95,12 @@ class Metrics:
         self.usage_cost = _KeyLabelled(Counter(
             "sluice_usage_cost_total", "Cost in the configured currency", ["key", "model", "backend"],
             registry=r), self)
+
+    def observe_queue_time(self, items: list[QueueItem]) -> None:
+        """Called by the embedded worker with each batch it pulls."""
+        now = time.time()
+        for it in items:
+            self.queue_time.labels(it.tier).observe(max(0.0, now - it.enqueued_at))
 
     def remote_attempt(self, provider: str, outcome: str, seconds: float) -> None:
         self.attempts.labels(provider, outcome).inc()

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from gateway.errors import APIError, validation_error
+from gateway.http.errors import APIError, validation_error
 
 log = logging.getLogger("sluice.gateway")
 

@@ -1,0 +1,59 @@
+"""Admission's HTTP side: authentication, per-key limits before any work on a request, and
+`GET /v1/usage` (the calling key's totals). `setup` registers them on the app, in this order."""
+
+from __future__ import annotations
+
+import math
+
+from aiohttp import web
+
+from gateway.admission.auth import KEY_NAME, TIER_KEY, make_auth_middleware
+from gateway.admission.keys import KeyStore
+from gateway.admission.limits import Limiter
+from gateway.admission.usage import ANON, UsageStore
+from gateway.http.errors import APIError
+from gateway.http.middleware import Handler
+from gateway.observability.metrics import Metrics
+
+LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+def limits_middleware(limiter: Limiter, usage: UsageStore, metrics: Metrics) -> web.middleware:  # type: ignore[valid-type]
+    @web.middleware
+    async def limits(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Per-key requests/tokens per minute and budget, before any work on the request."""
+        if request.method == "POST" and request.path in LIMITED_PATHS:
+            key = request.get(KEY_NAME)
+            tier = request.get(TIER_KEY, "standard")
+            lim = limiter.limits_for(key, tier)
+            spent = await usage.spent(key) if lim.budget is not None else 0.0
+            v = await limiter.admit(key, tier, spent)
+            if not v.ok:
+                metrics.rate_limited.labels(key or ANON, v.reason).inc()
+                if v.reason == "budget":
+                    raise APIError(429, f"This key's budget ({v.limit}) is spent.", type="insufficient_quota",
+                                   code="insufficient_quota")
+                what = "requests" if v.reason == "rpm" else "tokens"
+                raise APIError(429, f"Rate limit reached: {v.limit} {what} per minute for this key. "
+                                    f"Retry in {math.ceil(v.retry_after or 1)} s.",
+                               type="rate_limit_error", code="rate_limit_exceeded", retry_after=v.retry_after)
+        return await handler(request)
+
+    return limits
+
+
+def usage_handler(usage: UsageStore):  # type: ignore[no-untyped-def]
+    async def get_usage(request: web.Request) -> web.Response:
+        """GET /v1/usage: the calling key's totals (all time), by model and by backend."""
+        key = request.get(KEY_NAME)
+        body = {"object": "usage", "key": key or ANON, **await usage.totals(key)}
+        return web.json_response(body)
+
+    return get_usage
+
+
+def setup(app: web.Application, *, keys: KeyStore, anonymous_tier: str, limiter: Limiter, usage: UsageStore,
+          metrics: Metrics) -> None:
+    app.middlewares.append(make_auth_middleware(keys, anonymous_tier))
+    app.middlewares.append(limits_middleware(limiter, usage, metrics))
+    app.router.add_get("/v1/usage", usage_handler(usage))

@@ -1,0 +1,1 @@
+"""Remote OpenAI-compatible providers: the backend and its streams, retry classification, breakers."""

@@ -1,0 +1,83 @@
+"""`create_app`: builds every part of a gateway once, with its dependencies, and wires them into one
+aiohttp application. Reading it top to bottom shows the path of a request:
+
+    middleware: access log -> errors -> auth -> per-key limits -> body timeout     (http/, admission/)
+    routes:     parse, tokenize, fit the prompt -> router.submit                     (http/routes.py)
+    router:     local (queue -> embedded or `sluice worker` engine) or remote chain (routing/, backends/)
+    answer:     JSON or SSE, accounted on close                                       (http/sse.py, routing/)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from gateway.admission import middleware as admission
+from gateway.admission.keys import KeyStore
+from gateway.admission.limits import make_limiter
+from gateway.admission.usage import UsageStore
+from gateway.backends.local import LocalBackend
+from gateway.backends.remote.backend import RemoteBackend
+from gateway.http import routes
+from gateway.http.errors import error_middleware
+from gateway.http.middleware import access_log, body_timeout, on_response_prepare
+from gateway.http.offload import Offloader, RequestLimits
+from gateway.observability.metrics import Metrics, make_key_label
+from gateway.observability.sampler import MetricsSampler
+from gateway.queue.base import RequestQueue
+from gateway.routing.accounting import Accountant
+from gateway.routing.estimate import WaitEstimator
+from gateway.routing.router import Router
+from gateway.settings import Settings
+from gateway.state import STATE, GatewayState
+from gateway.worker.embedded import engine_lifecycle
+from gateway.worker.factory import ModelFrontend, make_queue
+
+
+def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue: RequestQueue | None = None,
+               keys: KeyStore | None = None, no_engine: bool = False) -> web.Application:
+    """The gateway app. `engine`: an already-built engine (tests); None loads one from settings.
+    `no_engine`: gateway only; engine workers (`sluice worker`) drain the Redis queue elsewhere, and
+    `engine` (if given) only supplies the tokenizer, model name and context length."""
+    if no_engine and not settings.redis_url and queue is None:
+        raise ValueError("a gateway without an engine needs the Redis queue (set redis_url / SLUICE_REDIS_URL)")
+    keys = keys or KeyStore(settings.auth.keys_file)
+    queue = queue or make_queue(settings)
+    metrics = Metrics(key_label=make_key_label(keys, settings.metrics.key_labels))
+    limiter = make_limiter(settings.limits, settings.redis_url)
+    usage = UsageStore(settings.limits.redis_url or settings.redis_url)
+    remote = RemoteBackend(settings.providers, settings.routing, metrics) if settings.providers else None
+    state = GatewayState(
+        settings=settings, keys=keys, queue=queue, metrics=metrics, limiter=limiter, usage=usage, remote=remote,
+        offload=Offloader(RequestLimits(max_messages=settings.server.max_messages,
+                                        max_prompt_chars=settings.server.max_prompt_chars)),
+        engine=engine, no_engine=no_engine)
+    estimator = WaitEstimator(state, queue, settings.tiers, settings.routing)
+    accountant = Accountant(metrics, usage, limiter, estimator, settings.routing.local_price)
+    state.router = Router(local=LocalBackend(queue), remote=remote, side=state, estimator=estimator,
+                          accountant=accountant, routing=settings.routing, metrics=metrics)
+    sampler = MetricsSampler(metrics, queue, settings.tiers, estimator, remote)
+
+    app = web.Application(client_max_size=settings.server.max_body_bytes)
+    app[STATE] = state
+    app.middlewares.append(access_log(metrics))
+    app.middlewares.append(error_middleware)
+    admission.setup(app, keys=keys, anonymous_tier=settings.auth.anonymous_tier, limiter=limiter, usage=usage,
+                    metrics=metrics)
+    app.middlewares.append(body_timeout(settings.server.body_timeout_s))
+    app.on_response_prepare.append(on_response_prepare)
+    routes.setup(app)
+    app.cleanup_ctx.append(engine_lifecycle)
+
+    async def services(app: web.Application) -> AsyncIterator[None]:
+        sampler.start()
+        yield
+        await sampler.close()
+        if remote is not None:
+            await remote.close()
+        await limiter.close()
+        await usage.close()
+
+    app.cleanup_ctx.append(services)
+    return app

@@ -1,0 +1,310 @@
+"""The OpenAI routes and the operational ones (/health, /ready, /metrics).
+
+Chat and legacy completions share one path: parse (http/offload.py), decide whether this gateway
+tokenizes (the local engine may serve it) or only remote providers can, fit the prompt, build the
+`GenerationRequest` (http/prompt.py), submit it to the router, and answer as JSON or SSE (http/sse.py)
+in the endpoint's format. Every exit path closes the backend stream, so a vanished client frees its
+engine slot.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from engine.request import RequestOutput
+from gateway.admission.auth import KEY_NAME, TIER_KEY
+from gateway.backends.base import ChoiceStream
+from gateway.http import prompt
+from gateway.http.errors import APIError
+from gateway.http.middleware import request_id
+from gateway.http.openai_schema import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from gateway.http.sse import ChoiceAcc, collect, stream_sse, usage_of
+from gateway.messages import GenerationRequest
+from gateway.queue.base import QueueFull
+from gateway.routing.router import BACKEND_HEADER
+from gateway.settings import cache_salt
+from gateway.state import STATE, GatewayState
+
+# ---------------------------------------------------------------- readiness
+
+
+def _require_ready(state: GatewayState) -> None:
+    if state.draining:
+        raise APIError(503, "This gateway is shutting down; retry (another gateway will answer).",
+                       code="shutting_down", retry_after=1)
+    if state.no_engine and state.engine is not None and not state.remote_workers:
+        raise APIError(503, "No engine worker is alive for this model.", code="no_workers", retry_after=1)
+    if not state.ready:
+        msg = "The model is still loading." if state.load_error is None else "The engine is not available."
+        raise APIError(503, msg, code="not_ready", retry_after=1)
+
+
+def _check_model(state: GatewayState, model: str) -> None:
+    if model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist. Available: {state.model_name}.",
+                       param="model", code="model_not_found")
+
+
+def _tokenize_here(state: GatewayState, model: str) -> bool:
+    """True: tokenize here, the local engine may serve it (the router may still overflow it);
+    False: only remote providers can take it now (a remote-only model, or no engine worker ready)."""
+    router = state.router
+    if router is not None and router.serves_remotely(model) and not state.draining:
+        return model == state.model_name and state.ready
+    _require_ready(state)
+    _check_model(state, model)
+    return True
+
+
+# ---------------------------------------------------------------- the two formats of an answer
+
+
+class _Format(Protocol):
+    id_prefix: str
+
+    def response(self, rid: str, created: int, model: str, accs: list[ChoiceAcc], usage: Usage) -> dict[str, Any]: ...
+
+    def chunks(self, rid: str, created: int, model: str, index: int, out: RequestOutput,
+               acc: ChoiceAcc) -> list[dict[str, Any]]: ...
+
+    def usage_chunk(self, rid: str, created: int, model: str, usage: Usage) -> dict[str, Any]: ...
+
+
+@dataclass
+class _ChatFormat:
+    include_usage: bool
+    id_prefix: str = "chatcmpl"
+
+    def response(self, rid: str, created: int, model: str, accs: list[ChoiceAcc], usage: Usage) -> dict[str, Any]:
+        return ChatCompletionResponse(
+            id=rid, created=created, model=model, usage=usage,
+            choices=[ChatChoice(index=i, message=ChatMessageOut(content="".join(a.text)),
+                                finish_reason=a.finish_reason) for i, a in enumerate(accs)]).model_dump()
+
+    def _chunk(self, rid: str, created: int, model: str, index: int, delta: ChatDelta,
+               finish: str | None = None) -> dict[str, Any]:
+        d = ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+            ChatChunkChoice(index=index, delta=delta, finish_reason=finish)]).model_dump()
+        d["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+        if not self.include_usage:
+            d.pop("usage")
+        return d
+
+    def chunks(self, rid: str, created: int, model: str, index: int, out: RequestOutput,
+               acc: ChoiceAcc) -> list[dict[str, Any]]:
+        chunks = []
+        if not acc.started:
+            acc.started = True
+            chunks.append(self._chunk(rid, created, model, index, ChatDelta(role="assistant", content="")))
+        if out.text:
+            chunks.append(self._chunk(rid, created, model, index, ChatDelta(content=out.text)))
+        if out.finished:
+            chunks.append(self._chunk(rid, created, model, index, ChatDelta(), out.finish_reason))
+        return chunks
+
+    def usage_chunk(self, rid: str, created: int, model: str, usage: Usage) -> dict[str, Any]:
+        return ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage).model_dump()
+
+
+@dataclass
+class _CompletionFormat:
+    include_usage: bool
+    id_prefix: str = "cmpl"
+
+    def response(self, rid: str, created: int, model: str, accs: list[ChoiceAcc], usage: Usage) -> dict[str, Any]:
+        return CompletionResponse(
+            id=rid, created=created, model=model, usage=usage,
+            choices=[CompletionChoice(index=i, text="".join(a.text), finish_reason=a.finish_reason)
+                     for i, a in enumerate(accs)]).model_dump()
+
+    def chunks(self, rid: str, created: int, model: str, index: int, out: RequestOutput,
+               acc: ChoiceAcc) -> list[dict[str, Any]]:
+        if not out.text and not out.finished:
+            return []
+        d = CompletionResponse(id=rid, created=created, model=model, choices=[
+            CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason if out.finished else None)
+        ]).model_dump()
+        if not self.include_usage:
+            d.pop("usage")
+        return [d]
+
+    def usage_chunk(self, rid: str, created: int, model: str, usage: Usage) -> dict[str, Any]:
+        return CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage).model_dump()
+
+
+# ---------------------------------------------------------------- the shared generation path
+
+
+async def _generate(request: web.Request, state: GatewayState, req: ChatCompletionRequest | CompletionRequest,
+                    prompt_ids: Sequence[int], max_tokens: int, fmt: _Format) -> web.StreamResponse:
+    tier = request.get(TIER_KEY, state.settings.auth.anonymous_tier)
+    n = req.n or 1
+    if n > state.queue.depth_limit(tier):
+        raise APIError(400, f"n={n} choices cannot be queued: the {tier} tier queues at most "
+                            f"{state.queue.depth_limit(tier)} requests at once. Lower n.", param="n",
+                       code="invalid_value")
+    rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+    key = request.get(KEY_NAME)
+    gen = GenerationRequest(
+        request_id=rid, prompt_token_ids=list(prompt_ids),
+        sampling=prompt.sampling_params(req, max_tokens, getattr(state.engine, "generation_defaults", None)),
+        n=n, tier=tier, priority=prompt.tier_priority(state.settings.tiers, tier),
+        deadline=prompt.deadline(state.settings.tiers, request.headers.get(prompt.DEADLINE_HEADER), tier),
+        model=req.model, api=req, endpoint="chat" if isinstance(req, ChatCompletionRequest) else "completion",
+        key=key, cache_salt=cache_salt(state.settings.auth.prefix_cache_scope, key, tier, req.cache_salt))
+    assert state.router is not None
+    try:
+        stream: ChoiceStream = await state.router.submit(gen)
+    except QueueFull as e:
+        raise APIError(503, f"The server is overloaded ({e.tier} queue full); retry shortly.",
+                       type="overloaded_error", code="queue_full", retry_after=e.retry_after) from None
+    created = int(time.time())
+    model = req.model  # the local model's id, or the Sluice name of a remote one
+
+    def usage(accs: list[ChoiceAcc]) -> Usage:
+        reported = stream.prompt_tokens  # the provider's count when remote
+        return usage_of(len(prompt_ids) if reported is None else reported, accs)
+
+    if not req.stream:
+        accs = await collect(stream, n)
+        u = usage(accs)
+        state.metrics.completion_tokens.inc(u.completion_tokens)
+        return web.json_response(fmt.response(rid, created, model, accs, u), headers={BACKEND_HEADER: stream.backend})
+
+    include_usage = req.include_usage()
+    resp, completion = await stream_sse(
+        request, stream, n,
+        lambda index, out, acc: fmt.chunks(rid, created, model, index, out, acc),
+        lambda accs: fmt.usage_chunk(rid, created, model, usage(accs)) if include_usage else None,
+        request_id(request))
+    state.metrics.completion_tokens.inc(completion)
+    return resp
+
+
+def _marker(state: GatewayState) -> list[int]:
+    assert state.engine is not None
+    return state.engine.tokenizer.encode(prompt.TRUNCATION_MARKER)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = await state.offload.parse(await request.read(), ChatCompletionRequest)
+    requested = req.requested_max_tokens()
+    if _tokenize_here(state, req.model):
+        assert state.engine is not None
+        ids = await state.offload.chat_prompt(state.engine.tokenizer, req.template_messages())
+        ids = prompt.fit_prompt(ids, state.max_model_len, requested, req.prompt_truncation, _marker(state))
+        max_tokens = prompt.resolve_max_tokens(state.max_model_len, len(ids), requested, None)
+    else:  # remote providers only: they tokenize, and their usage is what counts
+        ids, max_tokens = [], requested or 0
+    return await _generate(request, state, req, ids, max_tokens, _ChatFormat(req.include_usage()))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = await state.offload.parse(await request.read(), CompletionRequest)
+    ids: Sequence[int]
+    if _tokenize_here(state, req.model):
+        assert state.engine is not None
+        text_or_ids = req.prompt_text_or_ids()
+        ids = (await state.offload.encode(state.engine.tokenizer, text_or_ids) if isinstance(text_or_ids, str)
+               else text_or_ids)
+        if not ids:
+            raise APIError(400, "The prompt is empty.", param="prompt", code="invalid_value")
+        ids = prompt.fit_prompt(ids, state.max_model_len, req.max_tokens, req.prompt_truncation, _marker(state))
+        # OpenAI's default max_tokens for completions: 16
+        max_tokens = prompt.resolve_max_tokens(state.max_model_len, len(ids), req.max_tokens, 16, "prompt")
+    else:  # remote providers only
+        ids, max_tokens = [], req.max_tokens or 0
+    return await _generate(request, state, req, ids, max_tokens, _CompletionFormat(req.include_usage()))
+
+
+# ---------------------------------------------------------------- models and operations
+
+
+def _served_models(state: GatewayState) -> list[str]:
+    """The local model (once ready) and every model a remote provider serves."""
+    local = [state.model_name] if state.ready and state.model_name else []
+    remote = state.router.remote_models() if state.router is not None else []
+    return local + [m for m in remote if m not in local]
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    models = _served_models(state)
+    if not models:
+        _require_ready(state)
+    body = ModelList(data=[ModelCard(id=m, created=state.created) for m in models])
+    return web.json_response(body.model_dump())
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    model = request.match_info["model"]
+    if model not in _served_models(state):
+        _require_ready(state)
+        _check_model(state, model)
+    return web.json_response(ModelCard(id=model, created=state.created).model_dump())
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body: dict[str, Any] = {"status": "ready" if state.ready else "not_ready", "model": state.model_name}
+    if state.load_error:
+        body["error"] = state.load_error
+    if state.local_worker is not None:
+        body["worker"] = state.local_worker.stats().to_dict()
+    if state.remote_workers is not None:  # `sluice worker`s (Redis queue): how many and how busy
+        ws = state.remote_workers
+        body["workers"] = {"alive": len(ws), "capacity": sum(w.capacity for w in ws),
+                           "in_flight": sum(w.in_flight for w in ws), "draining": sum(1 for w in ws if w.draining)}
+    if state.draining:
+        body["draining"] = True
+    body["queue_depth"] = {t: await state.queue.depth(t) for t in state.settings.tiers}
+    if state.remote is not None:  # circuits and configuration errors
+        body["providers"] = state.remote.status()
+    return web.json_response(body, status=200 if state.ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.local_worker is not None:
+        state.metrics.in_flight.set(state.local_worker.stats().in_flight)
+    resp = web.Response(body=generate_latest(state.metrics.registry))
+    resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+    return resp
+
+
+def setup(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,178 @@
+"""The typed things that cross the gateway's modules: a generation request on its way to a backend,
+the per-choice outputs coming back, failures (by kind, never by HTTP status: the HTTP layer maps a
+kind to a status), worker stats (the heartbeat's schema) and the commands a worker's engine thread takes.
+
+Outputs and stats travel through Redis, so each has a `to_dict`/`from_dict` pair.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+from engine.request import EngineRequest, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from gateway.http.openai_schema import ChatCompletionRequest, CompletionRequest
+
+    OpenAIRequest = Union[ChatCompletionRequest, CompletionRequest]
+
+LOCAL = "local"
+
+
+@dataclass
+class GenerationRequest:
+    """A validated, tokenized request, as every backend takes it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    n: int = 1
+    tier: str = "standard"
+    priority: int = 1
+    deadline: float | None = None  # wall-clock time after which a still-queued request is dropped (504)
+    model: str = ""  # the model id the client asked for
+    endpoint: Literal["chat", "completion"] = "chat"
+    api: OpenAIRequest | None = None  # the request as the client sent it (remote providers relay it)
+    key: str | None = None  # the API key's name (never the key), for limits and usage
+    # Prefix-cache isolation: an opaque salt mixed into the first KV block's hash (see settings.cache_salt).
+    cache_salt: str | None = None
+
+
+@dataclass
+class ChoiceOutput:
+    """One output tagged with the choice index it belongs to (0..n-1)."""
+
+    index: int
+    output: RequestOutput
+
+
+class Failure(str, enum.Enum):
+    """Why a request ended without an answer; the HTTP layer turns each into a status."""
+
+    INVALID_REQUEST = "invalid_request"  # cannot be served as sent (the engine refused it)
+    TIMED_OUT = "timed_out"  # still queued at its deadline
+    UNAVAILABLE = "unavailable"  # shutting down or aborted: retrying elsewhere may work
+    ENGINE = "engine"  # the local engine failed
+    PROVIDER = "provider"  # a remote provider failed mid-answer
+
+
+@dataclass
+class ErrorOutput(RequestOutput):
+    """A finished output that says what failed (the engine's RequestOutput carries only a message)."""
+
+    error_code: str | None = None
+    error_param: str | None = None
+    failure: Failure = Failure.ENGINE
+
+
+def error_output(request_id: str, failure: Failure, code: str, message: str, *, param: str | None = None,
+                 prompt_tokens: int = 0, completion_tokens: int = 0, cached_tokens: int = 0) -> ErrorOutput:
+    return ErrorOutput(request_id=request_id, finished=True, finish_reason="error", error=message,
+                       error_code=code, error_param=param, failure=failure, prompt_tokens=prompt_tokens,
+                       completion_tokens=completion_tokens, cached_tokens=cached_tokens)
+
+
+def queue_timeout_output(request_id: str) -> ErrorOutput:
+    """The result of a request that waited in the queue past its deadline."""
+    return error_output(request_id, Failure.TIMED_OUT, "queue_timeout",
+                        "the request waited in the queue past its deadline")
+
+
+def is_failure(out: RequestOutput) -> bool:
+    """An output that ends its request without a proper finish (error or abort)."""
+    return out.finish_reason in ("error", "abort") or out.error is not None
+
+
+def output_to_dict(out: RequestOutput) -> dict[str, Any]:
+    d = asdict(out)
+    if isinstance(out, ErrorOutput):
+        d["_kind"] = "error"
+        d["failure"] = out.failure.value
+    return d
+
+
+def output_from_dict(d: dict[str, Any]) -> RequestOutput:
+    d = dict(d)
+    if d.pop("_kind", "output") == "error":
+        d["failure"] = Failure(d.get("failure", Failure.ENGINE.value))
+        return ErrorOutput(**d)
+    return RequestOutput(**d)
+
+
+@dataclass
+class WorkerStats:
+    """What an engine worker reports about itself: in /ready, in its Redis heartbeat, to the router."""
+
+    model: str | None = None
+    capacity: int = 0  # requests it can run at once
+    in_flight: int = 0  # requests handed to it and not finished
+    running: int = 0  # the engine's running batch
+    waiting: int = 0  # admitted to the engine, waiting for KV memory
+    steps: int = 0
+    step_errors: int = 0
+    busy_seconds: float | None = None  # seconds spent inside engine steps (the busy ratio)
+    draining: bool = False
+    worker_id: str | None = None  # set by the Redis queue on heartbeats
+
+    @property
+    def free_slots(self) -> int:
+        return 0 if self.draining else max(0, self.capacity - self.in_flight)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkerStats:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class QueueItem:
+    """One engine request waiting in (or pulled from) a queue, with what the queue needs to order it."""
+
+    request: EngineRequest
+    tier: str
+    enqueued_at: float = field(default_factory=time.time)
+    deadline: float | None = None  # wall-clock time after which the request is no longer wanted
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request": self.request.to_dict(), "tier": self.tier, "enqueued_at": self.enqueued_at,
+                "deadline": self.deadline}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QueueItem:
+        return cls(request=EngineRequest.from_dict(d["request"]), tier=d["tier"],
+                   enqueued_at=d["enqueued_at"], deadline=d.get("deadline"))
+
+
+@dataclass
+class AddRequest:
+    """Worker inbox: start this queue item on the engine."""
+
+    item: QueueItem
+
+
+@dataclass
+class AbortRequest:
+    """Worker inbox: stop this request (client gone, reclaimed, revoked)."""
+
+    request_id: str
+
+
+InboxMessage = Union[AddRequest, AbortRequest]
+
+__all__ = ["LOCAL", "AbortRequest", "AddRequest", "ChoiceOutput", "ErrorOutput", "Failure", "GenerationRequest",
+           "InboxMessage", "QueueItem", "WorkerStats", "error_output", "is_failure", "output_from_dict",
+           "output_to_dict", "queue_timeout_output"]

@@ -1,0 +1,122 @@
+"""Every answered request, local or remote, is accounted exactly as its response reports it: usage and
+cost per key (the `/v1/usage` store and Prometheus), per-key token limits, and the latency histograms
+(time to first token, inter-token time, end to end) by tier and backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from gateway.admission.limits import Limiter
+from gateway.admission.usage import ANON, UsageStore
+from gateway.backends.base import ChoiceStream, WrappedStream
+from gateway.messages import LOCAL, ChoiceOutput, GenerationRequest
+from gateway.observability.metrics import Metrics
+from gateway.routing.estimate import WaitEstimator
+
+log = logging.getLogger("sluice.router")
+
+
+class Accountant:
+    def __init__(self, metrics: Metrics, usage: UsageStore, limiter: Limiter, estimator: WaitEstimator,
+                 local_price: dict[str, float]):
+        self.metrics = metrics
+        self.usage = usage
+        self.limiter = limiter
+        self.estimator = estimator
+        self.local_price = local_price
+
+    def cost(self, stream: ChoiceStream, prompt: int, cached: int, completion: int) -> float:
+        """A remote answer at its provider's prices; a local one at `routing.local_price` (else free)."""
+        if stream.provider_settings is not None:
+            return stream.provider_settings.cost(prompt, cached, completion)
+        price = self.local_price
+        return (prompt * price.get("input_per_m", 0.0) + completion * price.get("output_per_m", 0.0)) / 1e6
+
+    async def record(self, gen: GenerationRequest, stream: ChoiceStream, prompt: int, cached: int,
+                     completion: int) -> None:
+        backend = stream.backend
+        if backend == LOCAL:
+            self.estimator.completed_local(completion)
+        cost = self.cost(stream, prompt, cached, completion)
+        key = gen.key or ANON
+        m = self.metrics
+        m.usage_requests.labels(key, gen.model, backend).inc()
+        m.usage_tokens.labels(key, gen.model, backend, "prompt").inc(prompt)
+        m.usage_tokens.labels(key, gen.model, backend, "cached").inc(cached)
+        m.usage_tokens.labels(key, gen.model, backend, "completion").inc(completion)
+        if cost:
+            m.usage_cost.labels(key, gen.model, backend).inc(cost)
+        try:
+            await self.usage.record(gen.key, gen.model, backend, prompt, cached, completion, cost)
+            await self.limiter.charge_tokens(gen.key, gen.tier, prompt + completion)
+        except Exception:  # the answer went out; a store outage must not turn it into an error
+            log.exception("usage accounting failed for %s", gen.request_id)
+
+    def wrap(self, stream: ChoiceStream, gen: GenerationRequest, t0: float) -> AccountedStream:
+        return AccountedStream(self, gen, stream, t0)
+
+
+class AccountedStream(WrappedStream):
+    """Passes outputs through; measures TTFT, inter-token time and end-to-end latency; on close
+    records the request's usage and cost exactly as the response reports them."""
+
+    def __init__(self, accountant: Accountant, gen: GenerationRequest, inner: ChoiceStream, t0: float):
+        self._acc = accountant
+        self._gen = gen
+        self._inner = inner
+        self._t0 = t0
+        self._last: float | None = None
+        self._itl = None
+        self._completion: dict[int, int] = {}
+        self._cached = 0
+        self._outputs = 0
+        self._errored_early = False
+        self._closed = False
+
+    async def __anext__(self) -> ChoiceOutput:
+        try:
+            ch = await self._inner.__anext__()
+        except StopAsyncIteration:
+            raise
+        except BaseException:
+            if self._outputs == 0:
+                self._errored_early = True
+            raise
+        self._outputs += 1
+        out = ch.output
+        if out.completion_tokens > self._completion.get(ch.index, 0):
+            self._completion[ch.index] = out.completion_tokens
+        if out.cached_tokens > self._cached:
+            self._cached = out.cached_tokens
+        if out.text:
+            now = time.monotonic()
+            if self._last is None:
+                m = self._acc.metrics
+                m.ttft.labels(self._gen.tier, self.backend).observe(now - self._t0)
+                self._itl = m.itl.labels(self._gen.tier, self.backend)
+            elif self._itl is not None:
+                self._itl.observe(now - self._last)
+            self._last = now
+        return ch
+
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt, cached, completion) as the response reports them."""
+        reported = self.prompt_tokens
+        prompt = reported if reported is not None else len(self._gen.prompt_token_ids)
+        return prompt, self._cached, sum(self._completion.values())
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._acc.estimator.ended_local(self._gen.request_id)
+        try:
+            await self._inner.aclose()
+        finally:
+            if self._outputs and not self._errored_early:
+                prompt, cached, completion = self.usage()
+                self._acc.metrics.e2e.labels(self._gen.tier, self.backend).observe(time.monotonic() - self._t0)
+                await asyncio.shield(self._acc.record(self._gen, self._inner, prompt, cached, completion))

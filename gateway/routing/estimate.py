@@ -1,0 +1,136 @@
+"""How long would a new request wait in the local queue? The router's overflow decision and the
+`sluice_queue_wait_estimate_seconds` gauge both ask this.
+
+A request waits for the completions that free a slot for it, so
+    wait = need / completion_rate,   need = ahead + 1 - free_slots   (0 when need <= 0)
+where `ahead` is what is queued in tiers of the same or a higher priority, `free_slots` the engines'
+unused capacity and `completion_rate` the local completions per second over the last
+`routing.completion_window_s`. When completions are scarce (fewer than `MIN_COMPLETIONS` in the
+window: a cold start, or long requests holding every slot) the rate comes from the engine instead:
+    wait = need * tokens_per_request * step_seconds / capacity
+with `step_seconds` measured from the workers' step counters (and busy time), `tokens_per_request` the
+average completion of past local requests (else the `max_tokens` of those running now). With neither
+known and no free slot the wait is unknown (infinite: overflow).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+
+from gateway.queue.base import RequestQueue
+from gateway.routing.capacity import LocalSide
+from gateway.settings import RoutingSettings, TierSettings
+
+MIN_COMPLETIONS = 3  # fewer local completions in the window: estimate from the engine's step rate
+
+
+class WaitEstimator:
+    def __init__(self, local: LocalSide, queue: RequestQueue, tiers: dict[str, TierSettings],
+                 routing: RoutingSettings, clock: Callable[[], float] = time.monotonic):
+        self.local = local
+        self.queue = queue
+        self.tiers = tiers
+        self.window_s = routing.completion_window_s
+        self._clock = clock
+        self._started = clock()
+        self._completions: deque[float] = deque()
+        self._tokens_per_request: float | None = None  # EWMA of local completions' completion tokens
+        self._in_flight_max_tokens: dict[str, int] = {}  # local requests in flight: their max_tokens
+        self._step_sample: tuple[float, float, float | None] | None = None  # (time, steps, busy s)
+        self._step_s: float | None = None  # seconds per engine step (decaying average)
+        self._step_sums = (0.0, 0.0)  # decaying (seconds, steps) behind it
+
+    # ------------------------------------------------------------ what the router tells it
+
+    def started_local(self, request_id: str, max_tokens: int) -> None:
+        self._in_flight_max_tokens[request_id] = max_tokens
+
+    def ended_local(self, request_id: str) -> None:
+        self._in_flight_max_tokens.pop(request_id, None)
+
+    def completed_local(self, completion_tokens: int) -> None:
+        self._completions.append(self._clock())
+        t = self._tokens_per_request
+        self._tokens_per_request = completion_tokens if t is None else 0.8 * t + 0.2 * completion_tokens
+
+    # ------------------------------------------------------------ the local side's state
+
+    def free_slots(self) -> int:
+        return sum(w.free_slots for w in self.local.worker_stats())
+
+    def completion_rate(self) -> float:
+        now = self._clock()
+        while self._completions and now - self._completions[0] > self.window_s:
+            self._completions.popleft()
+        span = min(self.window_s, now - self._started)
+        return len(self._completions) / span if span > 0 else 0.0
+
+    def sample_steps(self) -> None:
+        """Update the seconds-per-step estimate from the step counters (and busy time when known)."""
+        workers = self.local.worker_stats()
+        if not workers:
+            return
+        steps = float(sum(w.steps for w in workers))
+        busy_parts = [w.busy_seconds for w in workers if w.busy_seconds is not None]
+        busy = sum(busy_parts) if len(busy_parts) == len(workers) else None
+        now = self._clock()
+        last = self._step_sample
+        if last is not None and now - last[0] < 0.2:
+            return
+        self._step_sample = (now, steps, busy)
+        if last is None or steps <= last[1]:
+            return  # idle (or a restarted worker): keep the last estimate
+        d_steps = steps - last[1]
+        if busy is not None and last[2] is not None and busy > last[2]:
+            d_time = busy - last[2]
+        else:  # wall time: an upper bound when the engine idled part of the interval
+            d_time = now - last[0]
+        # Decaying sums weighted by steps: an interval with a few steps after an idle spell (whose wall
+        # time overstates the step time) moves the estimate little; a busy interval moves it most.
+        t_sum, s_sum = self._step_sums
+        self._step_sums = (0.5 * t_sum + d_time, 0.5 * s_sum + d_steps)
+        self._step_s = self._step_sums[0] / self._step_sums[1]
+
+    def step_seconds(self) -> float | None:
+        """The measured seconds per engine step (None until an engine has stepped while sampled)."""
+        return self._step_s
+
+    # ------------------------------------------------------------ the estimate
+
+    def tier_target_s(self, tier: str) -> float | None:
+        t = self.tiers.get(tier)
+        return None if t is None or t.max_queue_wait_ms is None else t.max_queue_wait_ms / 1000
+
+    def _priority(self, tier: str) -> int:
+        t = self.tiers.get(tier)
+        return t.priority if t is not None else max(x.priority for x in self.tiers.values())
+
+    async def estimate_wait(self, tier: str) -> float:
+        prio = self._priority(tier)
+        ahead = 0
+        for name, t in self.tiers.items():
+            if t.priority <= prio:
+                ahead += await self.queue.depth(name)
+        need = ahead + 1 - self.free_slots()
+        if need <= 0:
+            return 0.0
+        self.sample_steps()
+        rate = self.completion_rate()
+        if len(self._completions) >= MIN_COMPLETIONS and rate > 0:
+            return need / rate
+        est = self._wait_from_steps(need)  # completions are scarce: the engine's step rate
+        if est is not None:
+            return est
+        return need / rate if rate > 0 else math.inf  # nothing known and no free slot
+
+    def _wait_from_steps(self, need: int) -> float | None:
+        tokens = self._tokens_per_request
+        if tokens is None and self._in_flight_max_tokens:
+            tokens = sum(self._in_flight_max_tokens.values()) / len(self._in_flight_max_tokens)
+        capacity = sum(w.capacity for w in self.local.worker_stats())
+        if self._step_s is None or tokens is None or capacity <= 0:
+            return None
+        return need * max(1.0, tokens) * self._step_s / capacity

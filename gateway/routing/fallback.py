@@ -1,0 +1,48 @@
+"""A local request whose first output is a failure (the engine broke before any token) is served by
+the remote chain instead, invisibly to the client."""
+
+from __future__ import annotations
+
+import logging
+
+from engine.request import RequestOutput
+from gateway.backends.base import ChoiceStream, WrappedStream
+from gateway.backends.remote.backend import RemoteBackend
+from gateway.messages import ChoiceOutput, ErrorOutput, Failure, GenerationRequest
+from gateway.observability.metrics import Metrics
+
+log = logging.getLogger("sluice.router")
+
+
+def _failed_locally(out: RequestOutput) -> bool:
+    """A failure another backend may fix: anything but the request's own fault (a 400)."""
+    if isinstance(out, ErrorOutput):
+        return out.failure is not Failure.INVALID_REQUEST
+    return out.finish_reason in ("error", "abort") and not out.text
+
+
+class FallbackStream(WrappedStream):
+    """The local stream, replaced by a remote one when the first local output is a failure."""
+
+    def __init__(self, gen: GenerationRequest, local: ChoiceStream, remote: RemoteBackend, metrics: Metrics):
+        self._gen = gen
+        self._inner = local
+        self._remote = remote
+        self._metrics = metrics
+        self._first = True
+
+    async def __anext__(self) -> ChoiceOutput:
+        ch = await self._inner.__anext__()
+        if self._first:
+            self._first = False
+            if _failed_locally(ch.output) and self._remote.chain(self._gen.model):
+                log.warning("local failure before the first token for %s (%s); retrying remotely",
+                            self._gen.request_id, ch.output.error or ch.output.finish_reason)
+                await self._inner.aclose()
+                self._metrics.decisions.labels(self._gen.tier, "remote", "local_failed").inc()
+                self._inner = await self._remote.submit(self._gen)
+                return await self._inner.__anext__()
+        return ch
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()

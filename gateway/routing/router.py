@@ -1,0 +1,96 @@
+"""The router: picks the backend of each request, local engine or remote provider chain.
+
+Local first:
+  * a model only providers serve goes remote (`remote_only`); so does any request when no engine
+    worker is ready (`no_worker`);
+  * a model served both ways goes remote when the estimated queue wait for the request's tier exceeds
+    `tiers.<tier>.max_queue_wait_ms` (`queue_wait`; the estimate: routing/estimate.py) or the tier's
+    queue is full (`queue_full`);
+  * a local failure before the first token is retried remotely (`local_failed`, routing/fallback.py).
+`pro` has nothing of `standard` ahead of it and a larger target, so it stays local longest. Each
+decision is counted (`sluice_route_decisions_total`) and logged (remote ones at INFO); every answer is
+accounted (routing/accounting.py) and carries `x-sluice-backend: local|remote:<provider>`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from gateway.backends.base import Backend, ChoiceStream
+from gateway.backends.remote.backend import RemoteBackend
+from gateway.http.errors import APIError
+from gateway.messages import GenerationRequest
+from gateway.observability.metrics import Metrics
+from gateway.queue.base import QueueFull
+from gateway.routing.accounting import Accountant
+from gateway.routing.capacity import LocalSide
+from gateway.routing.estimate import WaitEstimator
+from gateway.routing.fallback import FallbackStream
+from gateway.settings import RoutingSettings
+
+log = logging.getLogger("sluice.router")
+
+BACKEND_HEADER = "x-sluice-backend"
+
+
+class Router(Backend):
+    def __init__(self, *, local: Backend, remote: RemoteBackend | None, side: LocalSide,
+                 estimator: WaitEstimator, accountant: Accountant, routing: RoutingSettings, metrics: Metrics):
+        self.local = local
+        self.remote = remote
+        self.side = side
+        self.estimator = estimator
+        self.accountant = accountant
+        self.routing = routing
+        self.metrics = metrics
+
+    def serves_remotely(self, model: str) -> bool:
+        return self.remote is not None and bool(self.remote.chain(model))
+
+    def remote_models(self) -> list[str]:
+        return self.remote.models() if self.remote is not None else []
+
+    async def submit(self, gen: GenerationRequest) -> ChoiceStream:
+        t0 = time.monotonic()
+        if not gen.prompt_token_ids:  # the handler did not tokenize: the local side cannot take it
+            reason = "remote_only" if gen.model != self.side.local_model() else "no_worker"
+            return await self._remote(gen, reason, t0)
+        if not self.serves_remotely(gen.model):
+            return self._local(await self.local.submit(gen), gen, t0, "local_only")
+        if not self.side.local_ready():
+            return await self._remote(gen, "no_worker", t0)
+        target = self.estimator.tier_target_s(gen.tier)
+        if self.routing.overflow and target is not None:
+            est = await self.estimator.estimate_wait(gen.tier)
+            if est > target:
+                return await self._remote(gen, "queue_wait", t0, est)
+        try:
+            stream = await self.local.submit(gen)
+        except QueueFull:
+            return await self._remote(gen, "queue_full", t0)
+        if self.routing.local_retry_remote and self.remote is not None:
+            stream = FallbackStream(gen, stream, self.remote, self.metrics)
+        return self._local(stream, gen, t0, "local")
+
+    def _local(self, stream: ChoiceStream, gen: GenerationRequest, t0: float, reason: str) -> ChoiceStream:
+        self.metrics.decisions.labels(gen.tier, "local", reason).inc()
+        self.estimator.started_local(gen.request_id, int(gen.sampling.max_tokens or 0) * max(1, gen.n))
+        return self.accountant.wrap(stream, gen, t0)
+
+    async def _remote(self, gen: GenerationRequest, reason: str, t0: float,
+                      est: float | None = None) -> ChoiceStream:
+        if self.remote is None or not self.remote.chain(gen.model):
+            raise APIError(503, "No engine worker is ready and no remote provider serves this model.",
+                           code="not_ready", retry_after=1)
+        stream = await self.remote.submit(gen)
+        if est is not None:
+            log.info("route %s tier=%s -> remote (%s: estimated wait %s > target)", gen.request_id,
+                     gen.tier, reason, f"{est * 1000:.0f} ms" if math.isfinite(est)
+                     else "unknown (no free slot, no completion or step rate yet)")
+        else:  # a remote-only model is not news; a fallback from local is
+            log.log(logging.DEBUG if reason == "remote_only" else logging.INFO, "route %s tier=%s -> remote (%s)",
+                    gen.request_id, gen.tier, reason)
+        self.metrics.decisions.labels(gen.tier, "remote", reason).inc()
+        return self.accountant.wrap(stream, gen, t0)

@@ -1,0 +1,71 @@
+"""The engine side of a gateway process: the embedded engine and its worker (loaded in the background
+so /health answers at once and /ready turns 200 when they run), or, with `--no-engine`, the model's
+frontend plus a watch on the live `sluice worker`s behind the Redis queue."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from gateway.state import STATE, GatewayState
+from gateway.tasks import run_forever
+from gateway.worker.factory import Frontend, load_engine
+from gateway.worker.worker import EngineWorker
+
+log = logging.getLogger("sluice.gateway")
+
+
+async def _start(state: GatewayState) -> None:
+    try:
+        if state.no_engine:
+            if state.engine is None:
+                state.engine = await asyncio.to_thread(Frontend, state.settings)
+            state.model_name = state.settings.model.served_model_name or state.engine.model_name
+            state.max_model_len = int(state.engine.max_model_len)
+            log.info("gateway only (no local engine): model=%s max_model_len=%d", state.model_name,
+                     state.max_model_len)
+            return
+        if state.engine is None:
+            state.engine = await asyncio.to_thread(load_engine, state.settings)
+        engine = state.engine
+        state.model_name = state.settings.model.served_model_name or engine.model_name
+        state.max_model_len = int(engine.max_model_len)
+        q = state.settings.queue
+        worker = EngineWorker(engine, state.queue, max_batch=q.max_batch,  # type: ignore[arg-type]
+                              heartbeat_s=q.heartbeat_s, model_name=state.model_name,
+                              on_pulled=state.metrics.observe_queue_time)
+        await worker.start()
+        state.local_worker = worker
+        log.info("engine ready: model=%s max_model_len=%d max_running_requests=%d",
+                 state.model_name, state.max_model_len, worker.capacity)
+    except Exception as e:  # /ready reports it; /health stays up so operators can see why
+        state.load_error = f"{type(e).__name__}: {e}"
+        log.exception("engine failed to start")
+
+
+async def _watch_workers(state: GatewayState) -> None:
+    """Keeps `state.remote_workers` (live workers serving this model) fresh for /ready and routing."""
+    async def refresh() -> None:
+        workers = await state.queue.workers()
+        if workers is not None:
+            state.remote_workers = [w for w in workers if state.model_name is None or w.model == state.model_name]
+    await run_forever(refresh, every_s=state.settings.queue.heartbeat_s, log=log, what="listing workers")
+
+
+async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    state.queue.start_reaper()
+    tasks = [asyncio.create_task(_start(state), name="sluice-engine-start")]
+    if state.no_engine:
+        tasks.append(asyncio.create_task(_watch_workers(state), name="sluice-worker-watch"))
+    yield
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if state.local_worker is not None:
+        await state.local_worker.stop(grace_s=state.settings.server.shutdown_grace_s)
+    await state.queue.close()
+    state.offload.close()

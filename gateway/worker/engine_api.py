@@ -1,0 +1,33 @@
+"""What a worker needs from an engine, as a Protocol: `engine.LLMEngine` satisfies it, and so does the
+tests' fake engine, which keeps the fake honest."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from engine.request import EngineRequest, RequestOutput
+
+
+class EngineConfigView(Protocol):
+    max_running_requests: int
+
+
+class Engine(Protocol):
+    config: Any  # an EngineConfigView: only max_running_requests is read
+    model_name: str
+    max_model_len: int
+    tokenizer: Any
+
+    def add_request(self, req: EngineRequest) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
