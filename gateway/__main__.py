@@ -4,6 +4,6 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before anything imports torch
 
-from gateway.cli import main  # noqa: E402
+from gateway.cli import main
 
 raise SystemExit(main())

@@ -10,18 +10,21 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import logging  # noqa: E402
-import signal  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.settings import Settings
 
 log = logging.getLogger("sluice")
 
 
-def _settings(args: argparse.Namespace, **overrides: Any):
+def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
     from gateway.settings import load_settings
 
     return load_settings(getattr(args, "config", None), **overrides)
@@ -30,7 +33,7 @@ def _settings(args: argparse.Namespace, **overrides: Any):
 # ---------------------------------------------------------------- serve
 
 
-async def _serve(settings: Any, no_engine: bool = False) -> None:
+async def _serve(settings: Settings, no_engine: bool = False) -> None:
     from gateway.http.server import run_server
 
     await run_server(settings, _stop_event(), no_engine=no_engine)
@@ -82,7 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- worker
 
 
-async def _worker(settings: Any) -> None:
+async def _worker(settings: Settings) -> None:
     from gateway.worker.main import run_worker
 
     await run_worker(settings, _stop_event())

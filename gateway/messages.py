@@ -10,14 +10,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine.request import EngineRequest, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from gateway.http.openai_schema import ChatCompletionRequest, CompletionRequest
 
-    OpenAIRequest = Union[ChatCompletionRequest, CompletionRequest]
+    OpenAIRequest = ChatCompletionRequest | CompletionRequest
 
 LOCAL = "local"
 
@@ -49,7 +49,7 @@ class ChoiceOutput:
     output: RequestOutput
 
 
-class Failure(str, enum.Enum):
+class Failure(enum.StrEnum):
     """Why a request ended without an answer; the HTTP layer turns each into a status."""
 
     INVALID_REQUEST = "invalid_request"  # cannot be served as sent (the engine refused it)
@@ -171,7 +171,7 @@ class AbortRequest:
     request_id: str
 
 
-InboxMessage = Union[AddRequest, AbortRequest]
+InboxMessage = AddRequest | AbortRequest
 
 __all__ = ["LOCAL", "AbortRequest", "AddRequest", "ChoiceOutput", "ErrorOutput", "Failure", "GenerationRequest",
            "InboxMessage", "QueueItem", "WorkerStats", "error_output", "is_failure", "output_from_dict",

@@ -16,7 +16,6 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -258,8 +257,8 @@ class Settings(BaseSettings):
         settings_cls: type[BaseSettings],
         init_settings: PydanticBaseSettingsSource,
         env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,  # noqa: ARG003 (not a source here)
+        file_secret_settings: PydanticBaseSettingsSource,  # noqa: ARG003 (not a source here)
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         toml_file = settings_cls.model_config.get("toml_file")
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]

@@ -20,12 +20,12 @@ import asyncio
 import ipaddress
 import json
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from gateway.http.errors import APIError
 from gateway.admission.keys import KeyStore
+from gateway.http.errors import APIError
 from gateway.observability.ratelog import RateLimitedLog
 
 log = logging.getLogger("sluice.gateway")

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from gateway.settings import KeyLimits, LimitSettings
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -42,7 +43,7 @@ def limits_middleware(limiter: Limiter, usage: UsageStore, metrics: Metrics) -> 
     return limits
 
 
-def usage_handler(usage: UsageStore):  # type: ignore[no-untyped-def]
+def usage_handler(usage: UsageStore) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def get_usage(request: web.Request) -> web.Response:
         """GET /v1/usage: the calling key's totals (all time), by model and by backend."""
         key = request.get(KEY_NAME)

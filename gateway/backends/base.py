@@ -21,9 +21,17 @@ class ChoiceStream(ABC):
     (None: the local count); `provider_settings` prices a remote answer (None when served locally).
     """
 
-    backend: str = LOCAL
-    prompt_tokens: int | None = None
-    provider_settings: ProviderSettings | None = None
+    @property
+    def backend(self) -> str:
+        return LOCAL
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        return None
+
+    @property
+    def provider_settings(self) -> ProviderSettings | None:
+        return None
 
     def __aiter__(self) -> ChoiceStream:
         return self
@@ -46,15 +54,15 @@ class WrappedStream(ChoiceStream):
 
     _inner: ChoiceStream
 
-    @property  # type: ignore[override]
+    @property
     def backend(self) -> str:
         return self._inner.backend
 
-    @property  # type: ignore[override]
+    @property
     def prompt_tokens(self) -> int | None:
         return self._inner.prompt_tokens
 
-    @property  # type: ignore[override]
+    @property
     def provider_settings(self) -> ProviderSettings | None:
         return self._inner.provider_settings
 

@@ -70,7 +70,7 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
     routes.setup(app)
     app.cleanup_ctx.append(engine_lifecycle)
 
-    async def services(app: web.Application) -> AsyncIterator[None]:
+    async def services(app: web.Application) -> AsyncIterator[None]:  # noqa: ARG001 (aiohttp passes it)
         sampler.start()
         yield
         await sampler.close()

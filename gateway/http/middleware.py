@@ -22,6 +22,8 @@ _ratelog = RateLimitedLog(log)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("sluice_request_id", str)
+# The client's `user` / `safety_identifier` (an end-user id, as OpenAI uses it): only logged.
+END_USER: web.RequestKey[str] = web.RequestKey("sluice_end_user", str)
 REQUEST_ID_HEADER = "x-request-id"
 _VALID_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 
@@ -65,8 +67,10 @@ def access_log(metrics: Metrics) -> web.middleware:  # type: ignore[valid-type]
                 elapsed = time.monotonic() - start
                 metrics.requests.labels(request.path, str(status)).inc()
                 metrics.request_seconds.labels(request.path).observe(elapsed)
-                log.info("%s %s %d %.3fs request_id=%s tier=%s", request.method, request.path, status, elapsed,
-                         request_id(request), request.get(TIER_KEY, "-"))
+                end_user = request.get(END_USER)
+                log.info("%s %s %d %.3fs request_id=%s tier=%s%s", request.method, request.path, status, elapsed,
+                         request_id(request), request.get(TIER_KEY, "-"),
+                         "" if end_user is None else f" user={end_user!r}")
 
     return access_log_middleware
 

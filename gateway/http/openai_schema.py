@@ -11,7 +11,7 @@ a 400 too.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -55,7 +55,7 @@ class ChatMessage(_Request):
     name: str | None = None
 
     @model_validator(mode="after")
-    def _content_required(self) -> "ChatMessage":
+    def _content_required(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs 'content'")
         return self
@@ -106,7 +106,8 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, Any] | None = None
     # An end-user id (OpenAI uses it for abuse monitoring): written to the access log, nothing else.
     user: str | None = Field(None, max_length=256)
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM's extra: share prefix-cache blocks only with requests of the same salt (within the key's scope)
+    # vLLM's extra: share prefix-cache blocks only with requests of the same salt (within the key's scope)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -134,7 +135,7 @@ class _SamplingFields(_Request):
         return v
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> "_SamplingFields":
+    def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -220,7 +221,7 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+    prompt: str | list[str] | TokenIds | list[TokenIds]
     echo: bool | None = False
     best_of: int | None = None
     logprobs: int | None = None
@@ -239,7 +240,7 @@ class CompletionRequest(_SamplingFields):
         return v
 
     @model_validator(mode="after")
-    def _unsupported(self) -> "CompletionRequest":
+    def _unsupported(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("`echo` is not supported by Sluice; remove it")
         if self.logprobs is not None:

@@ -23,7 +23,7 @@ from gateway.admission.auth import KEY_NAME, TIER_KEY
 from gateway.backends.base import ChoiceStream
 from gateway.http import prompt
 from gateway.http.errors import APIError
-from gateway.http.middleware import request_id
+from gateway.http.middleware import END_USER, request_id
 from gateway.http.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
@@ -139,7 +139,7 @@ class _CompletionFormat:
                      for i, a in enumerate(accs)]).model_dump()
 
     def chunks(self, rid: str, created: int, model: str, index: int, out: RequestOutput,
-               acc: ChoiceAcc) -> list[dict[str, Any]]:
+               acc: ChoiceAcc) -> list[dict[str, Any]]:  # noqa: ARG002 (no per-choice state here)
         if not out.text and not out.finished:
             return []
         d = CompletionResponse(id=rid, created=created, model=model, choices=[
@@ -159,6 +159,9 @@ class _CompletionFormat:
 async def _generate(request: web.Request, state: GatewayState, req: ChatCompletionRequest | CompletionRequest,
                     prompt_ids: Sequence[int], max_tokens: int, fmt: _Format) -> web.StreamResponse:
     tier = request.get(TIER_KEY, state.settings.auth.anonymous_tier)
+    end_user = req.user or getattr(req, "safety_identifier", None)
+    if end_user:
+        request[END_USER] = end_user
     n = req.n or 1
     if n > state.queue.depth_limit(tier):
         raise APIError(400, f"n={n} choices cannot be queued: the {tier} tier queues at most "
@@ -268,7 +271,7 @@ async def get_model(request: web.Request) -> web.Response:
     return web.json_response(ModelCard(id=model, created=state.created).model_dump())
 
 
-async def health(request: web.Request) -> web.Response:
+async def health(request: web.Request) -> web.Response:  # noqa: ARG001 (a handler)
     return web.json_response({"status": "ok"})
 
 

@@ -165,7 +165,7 @@ class GuardedRequestHandler(RequestHandler):
         self._disarm_header_timer()
         if self._refused:
             self._guard.lingering = max(0, self._guard.lingering - 1)
-            self.transport = None  # type: ignore[assignment]
+            self.transport = None
             return
         self._guard.open.pop(self, None)
         super().connection_lost(exc)
@@ -279,7 +279,8 @@ async def run_server(settings: Settings, stop: asyncio.Event, *, engine: Engine 
     log.info("sluice serving on http://%s:%d model=%s max_model_len=%d capacity=%d running "
              "(+%s queued per tier) auth=%s queue=%s%s", settings.server.host, settings.server.port,
              state.model_name, state.max_model_len, capacity, dict(settings.queue.max_depth), auth_mode,
-             "redis" if settings.redis_url else "in-process", " (no engine: workers run elsewhere)" if no_engine else "")
+             "redis" if settings.redis_url else "in-process",
+             " (no engine: workers run elsewhere)" if no_engine else "")
     await stop.wait()
     # Graceful: refuse new requests (503 + Retry-After), stop listening, let open streams finish
     # within shutdown_grace_s, then hand the local engine's unfinished requests back (Redis) and exit.

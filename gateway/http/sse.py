@@ -42,8 +42,8 @@ class ChoiceAcc:
 def usage_of(prompt_tokens: int, accs: list[ChoiceAcc]) -> Usage:
     completion = sum(a.completion_tokens for a in accs)
     cached = max((a.cached_tokens for a in accs), default=0)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                 total_tokens=prompt_tokens + completion, prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def raise_for_output(out: RequestOutput) -> None:

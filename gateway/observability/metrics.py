@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -36,7 +37,7 @@ def make_key_label(keys: Any, mode: str) -> Callable[[str], str]:
 class _KeyLabelled:
     """A metric whose first label is a key name, turned into the configured label on the way in."""
 
-    def __init__(self, metric: Any, owner: "Metrics"):
+    def __init__(self, metric: Any, owner: Metrics):
         self._metric = metric
         self._owner = owner
 

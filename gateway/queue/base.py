@@ -44,7 +44,7 @@ class CancellationInbox:
         if not self._ids:
             try:
                 await asyncio.wait_for(self._event.wait(), timeout)
-            except (asyncio.TimeoutError, TimeoutError):
+            except TimeoutError:
                 return []
         ids, self._ids = self._ids, []
         self._event.clear()
@@ -63,7 +63,7 @@ class Subscription(ABC):
     @abstractmethod
     async def close(self) -> None: ...
 
-    def __aiter__(self) -> "Subscription":
+    def __aiter__(self) -> Subscription:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -134,26 +134,26 @@ class RequestQueue(ABC):
             await self.publish(out)
         return []
 
-    async def renew(self, request_ids: list[str]) -> list[str]:
+    async def renew(self, request_ids: list[str]) -> list[str]:  # noqa: ARG002 (no leases here)
         """Extend the leases of requests this worker runs; returns the ids it no longer owns."""
         return []
 
-    async def release(self, request_ids: list[str]) -> int:
+    async def release(self, request_ids: list[str]) -> int:  # noqa: ARG002 (no leases here)
         """Hand unfinished requests back to the queue (graceful shutdown). Returns how many went
         back; 0 means the queue cannot take them back (the worker then fails them)."""
         return 0
 
-    async def heartbeat(self, info: WorkerStats) -> None:
+    async def heartbeat(self, info: WorkerStats) -> None:  # noqa: B027 (optional hook)
         """Announce a live worker and how busy it is (no-op in-process)."""
 
-    async def unregister(self) -> None:
+    async def unregister(self) -> None:  # noqa: B027 (optional hook)
         """The worker is leaving."""
 
     async def workers(self) -> list[WorkerStats] | None:
         """Live workers with their stats; None when the queue has no notion of remote workers."""
         return None
 
-    def start_reaper(self) -> None:
+    def start_reaper(self) -> None:  # noqa: B027 (optional hook)
         """Start background housekeeping (lease reclaim, deadline expiry); no-op in-process."""
 
     async def close(self) -> None:

@@ -13,7 +13,7 @@ from gateway.queue.base import CancellationInbox, QueueFull, RequestQueue, Subsc
 
 
 class _MemorySubscription(Subscription):
-    def __init__(self, owner: "MemoryQueue", request_id: str):
+    def __init__(self, owner: MemoryQueue, request_id: str):
         self._owner = owner
         self.request_id = request_id
         self._q: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -74,13 +74,13 @@ class MemoryQueue(RequestQueue):
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self._count() > 0), timeout)
-            except (asyncio.TimeoutError, TimeoutError):
+            except TimeoutError:
                 return []
             if self._count() < min(fill, max_items) and wait_s > 0:
                 try:
                     await asyncio.wait_for(
                         self._changed.wait_for(lambda: self._count() >= min(fill, max_items)), wait_s)
-                except (asyncio.TimeoutError, TimeoutError):
+                except TimeoutError:
                     pass
             out: list[QueueItem] = []
             while len(out) < max_items:

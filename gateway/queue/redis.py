@@ -298,7 +298,8 @@ def make_redis_client(url: str, **kw: Any):
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
-    from redis.exceptions import ConnectionError as RConnectionError, TimeoutError as RTimeoutError
+    from redis.exceptions import ConnectionError as RConnectionError
+    from redis.exceptions import TimeoutError as RTimeoutError
 
     kw.setdefault("retry", Retry(ExponentialBackoff(cap=0.5, base=0.02), 8))
     kw.setdefault("retry_on_error", [RConnectionError, RTimeoutError, OSError])
@@ -324,7 +325,7 @@ def cancel_requested() -> bool:
 class _RedisSubscription(Subscription):
     """Reads one request's result stream from the last id seen; drops repeated sequence numbers."""
 
-    def __init__(self, owner: "RedisQueue", request_id: str):
+    def __init__(self, owner: RedisQueue, request_id: str):
         self._owner = owner
         self.request_id = request_id
         self._key = owner._k("res", request_id)

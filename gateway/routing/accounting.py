@@ -9,6 +9,8 @@ import asyncio
 import logging
 import time
 
+from prometheus_client import Histogram
+
 from gateway.admission.limits import Limiter
 from gateway.admission.usage import ANON, UsageStore
 from gateway.backends.base import ChoiceStream, WrappedStream
@@ -69,7 +71,7 @@ class AccountedStream(WrappedStream):
         self._inner = inner
         self._t0 = t0
         self._last: float | None = None
-        self._itl = None
+        self._itl: Histogram | None = None
         self._completion: dict[int, int] = {}
         self._cached = 0
         self._outputs = 0

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from gateway.state import STATE, GatewayState
 from gateway.tasks import run_forever
+from gateway.worker.engine_api import ModelFrontend
 from gateway.worker.factory import Frontend, load_engine
 from gateway.worker.worker import EngineWorker
 
@@ -21,16 +22,17 @@ log = logging.getLogger("sluice.gateway")
 async def _start(state: GatewayState) -> None:
     try:
         if state.no_engine:
-            if state.engine is None:
-                state.engine = await asyncio.to_thread(Frontend, state.settings)
-            state.model_name = state.settings.model.served_model_name or state.engine.model_name
-            state.max_model_len = int(state.engine.max_model_len)
+            frontend: ModelFrontend = (state.engine if state.engine is not None
+                                       else await asyncio.to_thread(Frontend, state.settings))
+            state.engine = frontend
+            state.model_name = state.settings.model.served_model_name or frontend.model_name
+            state.max_model_len = int(frontend.max_model_len)
             log.info("gateway only (no local engine): model=%s max_model_len=%d", state.model_name,
                      state.max_model_len)
             return
-        if state.engine is None:
-            state.engine = await asyncio.to_thread(load_engine, state.settings)
-        engine = state.engine
+        engine: ModelFrontend = (state.engine if state.engine is not None
+                                 else await asyncio.to_thread(load_engine, state.settings))
+        state.engine = engine
         state.model_name = state.settings.model.served_model_name or engine.model_name
         state.max_model_len = int(engine.max_model_len)
         q = state.settings.queue

@@ -12,11 +12,17 @@ class EngineConfigView(Protocol):
     max_running_requests: int
 
 
-class Engine(Protocol):
-    config: Any  # an EngineConfigView: only max_running_requests is read
+class ModelFrontend(Protocol):
+    """What the HTTP layer needs of the model: an engine, or a `Frontend` when engines run elsewhere."""
+
     model_name: str
     max_model_len: int
-    tokenizer: Any
+    tokenizer: Any  # engine.tokenizer.Tokenizer, or a test's stand-in with encode/apply_chat_template
+    generation_defaults: dict[str, float]
+
+
+class Engine(ModelFrontend, Protocol):
+    config: Any  # an EngineConfigView: only max_running_requests is read
 
     def add_request(self, req: EngineRequest) -> None: ...
 

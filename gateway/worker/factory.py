@@ -5,22 +5,15 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Any, Protocol
+from typing import Any
 
 from gateway.queue.base import RequestQueue
 from gateway.settings import Settings
-from gateway.worker.engine_api import Engine
+from gateway.worker.engine_api import Engine, ModelFrontend
+
+__all__ = ["Frontend", "ModelFrontend", "freeze_long_lived_objects", "load_engine", "make_queue"]
 
 log = logging.getLogger("sluice.worker")
-
-
-class ModelFrontend(Protocol):
-    """What the HTTP layer needs of the model: an engine, or a `Frontend` when engines run elsewhere."""
-
-    model_name: str
-    max_model_len: int
-    tokenizer: Any
-    generation_defaults: dict[str, float]
 
 
 def load_engine(settings: Settings) -> Engine:

@@ -166,7 +166,7 @@ class EngineWorker:
                 self._room.clear()
                 try:
                     await asyncio.wait_for(self._room.wait(), self.poll_s)
-                except (asyncio.TimeoutError, TimeoutError):
+                except TimeoutError:
                     pass
                 continue
             try:
@@ -300,7 +300,7 @@ class EngineWorker:
         except Exception as e:
             self.step_errors += 1
             log.exception("engine.step failed; failing %d in-flight requests", len(self._thread_running))
-            failed = []
+            failed: list[RequestOutput] = []
             for rid in list(self._thread_running):
                 self._abort_quietly(rid)
                 failed.append(error_output(rid, Failure.ENGINE, "engine_error",

@@ -7,18 +7,17 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import contextlib  # noqa: E402
-from pathlib import Path  # noqa: E402
+import contextlib
+from pathlib import Path
 
-import pytest  # noqa: E402
-from aiohttp.test_utils import TestServer  # noqa: E402
+from aiohttp.test_utils import TestServer
 
+from gateway.admission.keys import KeyStore
 from gateway.http.app import create_app
-from gateway.state import STATE  # noqa: E402
-from gateway.settings import Settings  # noqa: E402
-from gateway.admission.keys import KeyStore  # noqa: E402
-from tests.gateway.fake_engine import FakeEngine  # noqa: E402
-from tests.servers import ROOT, RealGateway, RedisServer, _have_redis_server, free_port  # noqa: E402,F401
+from gateway.settings import Settings
+from gateway.state import STATE
+from tests.gateway.fake_engine import FakeEngine
+from tests.servers import ROOT, RealGateway, RedisServer, _have_redis_server, free_port  # noqa: F401
 
 
 @contextlib.asynccontextmanager

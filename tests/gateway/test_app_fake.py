@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import openai
 import pytest
 
-from gateway.state import STATE
 from gateway.admission.keys import KeyStore
+from gateway.state import STATE
 from tests.gateway.conftest import fake_gateway
 from tests.gateway.fake_engine import FakeEngine
 

@@ -273,7 +273,7 @@ async def test_rolling_restart_under_load_loses_no_request(cluster, reference):
             url = urls[k % len(urls)]
             try:
                 text, finish = await stream(s, url, p, 24)
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as e:
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError):
                 refused += 1  # never accepted: the client (a load balancer) tries again elsewhere
                 await asyncio.sleep(0.1)
                 continue

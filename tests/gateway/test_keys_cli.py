@@ -6,8 +6,8 @@ import json
 import os
 import stat
 
-from gateway.cli import main
 from gateway.admission.keys import KeyStore, hash_key
+from gateway.cli import main
 
 
 def run(capsys, *argv):
@@ -98,7 +98,8 @@ def test_settings_layers(tmp_path, monkeypatch):
     from gateway.settings import load_settings
 
     cfg = tmp_path / "s.toml"
-    cfg.write_text('[server]\nport = 7000\nhost = "0.0.0.0"\n[queue]\nmax_batch = 8\n[engine]\nmax_running_requests = 3\n')
+    cfg.write_text('[server]\nport = 7000\nhost = "0.0.0.0"\n[queue]\nmax_batch = 8\n'
+                   '[engine]\nmax_running_requests = 3\n')
     monkeypatch.setenv("SLUICE_CONFIG", str(cfg))
     monkeypatch.setenv("SLUICE_SERVER__PORT", "9000")
     s = load_settings(server={"host": "127.0.0.2"})

@@ -176,7 +176,7 @@ async def test_cancel_running_reaches_worker_and_frees_it(cluster):
 async def test_cancel_missed_on_the_channel_is_caught_by_renewal(cluster):
     gw = cluster()
     engine = FakeEngine(max_running_requests=2, step_s=0.02)
-    w = await cluster.worker(engine, lease_s=0.3)  # renews every 0.1 s
+    await cluster.worker(engine, lease_s=0.3)  # renews every 0.1 s
     sub = await gw.subscribe("c2")
     await gw.put(qitem("c2", max_tokens=10_000))
     await sub.get(timeout=5)

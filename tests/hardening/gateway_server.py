@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.http.app import create_app
-from gateway.state import STATE
 from gateway.admission.auth import check_bind_allowed
-from gateway.settings import Settings
 from gateway.admission.keys import KeyStore
+from gateway.http.app import create_app
 from gateway.http.server import ConnectionGuard, serve
+from gateway.settings import Settings
+from gateway.state import STATE
 from tests.gateway.fake_engine import FakeEngine
 
 

@@ -28,7 +28,7 @@ async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> tuple[
             if not chunk:
                 return True, got
             got += chunk
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False, got
     except ConnectionError:
         return True, got

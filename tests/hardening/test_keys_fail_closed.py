@@ -10,8 +10,8 @@ import os
 import aiohttp
 import pytest
 
-from gateway.cli import main
 from gateway.admission.keys import KeyStore
+from gateway.cli import main
 from tests.hardening.gateway_server import served_gateway
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -11,8 +11,8 @@ import time
 import aiohttp
 import pytest
 
-from gateway.state import STATE
 from gateway.admission.keys import KeyStore
+from gateway.state import STATE
 from tests.gateway.fake_engine import FakeEngine
 from tests.hardening.gateway_server import served_gateway
 

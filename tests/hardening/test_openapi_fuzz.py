@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import response_schema_conformance  # noqa: E402
 
-from gateway.http.app import create_app
-from gateway.state import STATE  # noqa: E402
-from gateway.settings import Settings  # noqa: E402
 from gateway.admission.keys import KeyStore  # noqa: E402
+from gateway.http.app import create_app  # noqa: E402
+from gateway.settings import Settings  # noqa: E402
+from gateway.state import STATE  # noqa: E402
 from tests.gateway.fake_engine import FakeEngine  # noqa: E402
 
 SPEC = Path(__file__).resolve().parents[2].parent / "shared" / "openai-api" / "openapi-subset.json"

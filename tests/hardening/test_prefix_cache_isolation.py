@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from engine.request import EngineRequest
-from gateway.settings import Settings, cache_salt
 from gateway.admission.keys import KeyStore
 from gateway.http.openai_schema import ChatCompletionRequest
+from gateway.settings import Settings, cache_salt
 from tests.gateway.conftest import fake_gateway
 from tests.gateway.fake_engine import FakeEngine
 
@@ -79,7 +79,8 @@ async def test_scope_decides_which_requests_share_a_salt(tmp_path, scope):
         async def salt(name: str, client_salt: str | None = None) -> str | None:
             c = openai.AsyncOpenAI(base_url=base + "/v1", api_key=keys[name], max_retries=0, timeout=10)
             await c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=1, extra_body={"cache_salt": client_salt} if client_salt else None)
+                                            max_tokens=1,
+                                            extra_body={"cache_salt": client_salt} if client_salt else None)
             await c.close()
             return engine.salts[-1]
 

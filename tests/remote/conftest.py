@@ -6,18 +6,18 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import contextlib  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
 
-import aiohttp  # noqa: E402
-import pytest  # noqa: E402
+import aiohttp
+import pytest
 
-from gateway.admission.keys import KeyStore  # noqa: E402
-from tests.gateway.conftest import fake_gateway, free_port, RedisServer  # noqa: E402,F401
-from tests.gateway.fake_engine import FakeEngine  # noqa: E402
-from tests.remote.mock_provider import MockProvider  # noqa: E402
+from gateway.admission.keys import KeyStore
+from tests.gateway.conftest import RedisServer, fake_gateway, free_port  # noqa: F401
+from tests.gateway.fake_engine import FakeEngine
+from tests.remote.mock_provider import MockProvider
 
 REMOTE_MODEL = "remote-model"  # served only by providers
 LOCAL_MODEL = "fake-model"  # the fake engine's model; providers may serve it too (overflow)

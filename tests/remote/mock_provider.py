@@ -61,7 +61,7 @@ class MockProvider:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    async def start(self, port: int = 0) -> "MockProvider":
+    async def start(self, port: int = 0) -> MockProvider:
         self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", port)
@@ -113,7 +113,7 @@ class MockProvider:
             await asyncio.sleep(self.ttft_s)
         if not body.get("stream"):
             if kind == "bad_json":
-                return web.Response(content_type="application/json", text='{"id": "%s", "object": "chat.comp' % rid)
+                return web.Response(content_type="application/json", text=f'{{"id": "{rid}", "object": "chat.comp')
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
                           "finish_reason": "length" if n_tokens < self.tokens else "stop"}

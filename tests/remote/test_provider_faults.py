@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from pydantic import ValidationError
 
-from gateway.state import STATE
 from gateway.settings import ProviderSettings
+from gateway.state import STATE
 from tests.gateway.fake_engine import FakeEngine
 from tests.remote.conftest import LOCAL_MODEL, chat, gateway, post, provider_cfg, stream_text
 
@@ -216,9 +216,9 @@ async def test_infinite_estimate_is_not_logged_as_minus_one(tmp_path, providers,
     a, _ = providers
     async with gateway(tmp_path, [provider_cfg(a)]) as (base, app, *_):
         router = app[STATE].router
-        from gateway.messages import GenerationRequest
-        from gateway.http.openai_schema import ChatCompletionRequest
         from engine.request import SamplingParams
+        from gateway.http.openai_schema import ChatCompletionRequest
+        from gateway.messages import GenerationRequest
         req = ChatCompletionRequest(**chat(LOCAL_MODEL))
         gen = GenerationRequest(request_id="r1", prompt_token_ids=[1, 2], sampling=SamplingParams(max_tokens=4),
                                 model=LOCAL_MODEL, api=req)

@@ -307,7 +307,7 @@ async def test_usage_totals_equal_the_sum_of_responses(tmp_path, providers):
                   chat(LOCAL_MODEL, stream=True, max_tokens=4, stream_options={"include_usage": True}),
                   {"model": REMOTE_MODEL, "prompt": "x y", "max_tokens": 2}]
         a.faults = [(), (), ("status", 500)]  # the third remote call fails over to b
-        for i, body in enumerate(bodies):
+        for body in bodies:
             path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
             st, h, resp = await post(base, body, keys["k"], path=path)
             assert st == 200

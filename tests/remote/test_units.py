@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.backends.remote.backend import RemoteBackend
-from gateway.backends.remote.provider import retry_after_seconds
-from gateway.backends.remote.breaker import CircuitBreaker
 from gateway.admission.limits import MemoryLimiter, RedisLimiter
+from gateway.backends.remote.backend import RemoteBackend
+from gateway.backends.remote.breaker import CircuitBreaker
+from gateway.backends.remote.provider import retry_after_seconds
 from gateway.settings import LimitSettings, ProviderSettings, RoutingSettings
 
 
@@ -96,8 +96,8 @@ def test_retry_after_forms():
 
 
 async def test_provider_order_and_weights():
-    mk = lambda n, o, w=1.0: ProviderSettings(name=n, base_url="http://127.0.0.1:1/v1", models={"m": "m"},
-                                              order=o, weight=w)
+    def mk(n: str, o: int, w: float = 1.0) -> ProviderSettings:
+        return ProviderSettings(name=n, base_url="http://127.0.0.1:1/v1", models={"m": "m"}, order=o, weight=w)
     rb = RemoteBackend([mk("c", 1), mk("a", 0, 9.0), mk("b", 0, 1.0)], RoutingSettings())
     firsts = [rb.order(rb.chain("m"))[0].name for _ in range(2000)]
     assert rb.order(rb.chain("m"))[-1].name == "c"

@@ -31,23 +31,25 @@ import json
 import logging
 import random
 import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx2
 import openai
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
+from tenacity.stop import stop_base
 
 from engine.request import RequestOutput
 from gateway.backends.base import Backend, ChoiceStream
 from gateway.backends.remote.provider import (
+    AttemptFailure,
+    BadResponse,
     Provider,
     RoundFailed,
-    BadResponse,
-    classify,
     StreamDropped,
-    AttemptFailure,
     UpstreamError,
+    classify,
 )
 from gateway.http.errors import APIError
 from gateway.messages import ChoiceOutput, ErrorOutput, Failure, GenerationRequest
@@ -106,25 +108,41 @@ def _usage_into(parsed: _Parsed, usage: dict[str, Any] | None) -> None:
     parsed.cached_tokens = int((details or {}).get("cached_tokens") or usage.get("prompt_cache_hit_tokens") or 0)
 
 
+class stop_when(stop_base):
+    """A tenacity stop condition from a predicate (so it composes with `|`)."""
+
+    def __init__(self, predicate: Callable[[RetryCallState], bool]):
+        self.predicate = predicate
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return self.predicate(retry_state)
+
+
 class RemoteStream(ChoiceStream):
-    def __init__(self, backend: "RemoteBackend", gen: GenerationRequest, chain: list[Provider]):
+    def __init__(self, backend: RemoteBackend, gen: GenerationRequest, chain: list[Provider]):
         self._remote = backend
         self._gen = gen
         self._chain = chain
-        self.backend = "remote"  # "remote:<provider>" once a provider answers
+        self._backend = "remote"  # "remote:<provider>" once a provider answers
         self.provider: Provider | None = None
-        self.prompt_tokens: int | None = None
-        self.cached_tokens = 0
-        self.completion_tokens: int | None = None
+        self._prompt_tokens: int | None = None
         self._excluded: set[Provider] = set()  # refused our configuration: not retried for this request
         self._last_kind: dict[str, str] = {}  # provider -> its last failure or reason it was skipped
         self._failures: list[AttemptFailure] = []  # every failed try of this request
-        self._it = self._run()
+        self._it: AsyncGenerator[ChoiceOutput, None] = self._run()
         self._resp: httpx2.Response | None = None
         self._closed = False
         self._holding = False  # counted in self.provider.in_flight
 
-    @property  # type: ignore[override]
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        return self._prompt_tokens
+
+    @property
     def provider_settings(self) -> ProviderSettings | None:
         return self.provider.settings if self.provider is not None else None
 
@@ -154,7 +172,8 @@ class RemoteStream(ChoiceStream):
 
     def _body(self, p: Provider) -> dict[str, Any]:
         api = self._gen.api
-        body = api.model_dump(exclude_unset=True, exclude=SLUICE_ONLY_FIELDS)
+        assert api is not None  # the handler always passes the validated request
+        body = api.model_dump(exclude_unset=True, exclude=set(SLUICE_ONLY_FIELDS))
         body["model"] = p.settings.models[self._gen.model]
         if body.get("stream"):
             body["stream_options"] = {"include_usage": True}  # every token is counted
@@ -237,10 +256,8 @@ class RemoteStream(ChoiceStream):
             yield out
 
     def _finish(self, parsed: _Parsed) -> list[ChoiceOutput]:
-        self.prompt_tokens = parsed.prompt_tokens
-        self.cached_tokens = parsed.cached_tokens
+        self._prompt_tokens = parsed.prompt_tokens
         completion = parsed.completion_tokens if parsed.completion_tokens is not None else parsed.text_chunks
-        self.completion_tokens = completion
         n = max(self._gen.n, max(parsed.pending_finish, default=0) + 1)
         outs = []
         for i in range(n):
@@ -295,7 +312,7 @@ class RemoteStream(ChoiceStream):
 
         last: RoundFailed | None = None
         try:
-            async for attempt in AsyncRetrying(stop=stop_after_attempt(r.max_attempts) | past_deadline,
+            async for attempt in AsyncRetrying(stop=stop_after_attempt(r.max_attempts) | stop_when(past_deadline),
                                                wait=wait, retry=retry_if_exception_type(RoundFailed),
                                                reraise=True):
                 with attempt:
@@ -420,9 +437,9 @@ class RemoteStream(ChoiceStream):
 
     # ---------------------------------------------------------------- the stream
 
-    async def _run(self) -> AsyncIterator[ChoiceOutput]:
+    async def _run(self) -> AsyncGenerator[ChoiceOutput, None]:
         p, result = await self._open()
-        self.backend = f"remote:{p.name}"
+        self._backend = f"remote:{p.name}"
         if isinstance(result, list):  # a JSON answer, already turned into outputs
             try:
                 for out in result:
@@ -445,13 +462,13 @@ class RemoteStream(ChoiceStream):
                 f = classify(p, e)
                 what = f.message if f else type(e).__name__
                 log.warning("provider %s failed mid-stream for %s: %s", p.name, self._gen.request_id, what)
-                self.prompt_tokens = parsed.prompt_tokens
-                self.completion_tokens = parsed.completion_tokens or parsed.text_chunks
+                self._prompt_tokens = parsed.prompt_tokens
+                relayed = parsed.completion_tokens or parsed.text_chunks
                 # The usage the client is told is the usage billed: the tokens relayed so far.
                 yield ChoiceOutput(0, ErrorOutput(
                     request_id=self._gen.request_id, finished=True, finish_reason="error",
                     error=f"The provider `{p.name}` failed mid-stream ({what}); the answer is incomplete.",
-                    completion_tokens=self.completion_tokens or 0, prompt_tokens=parsed.prompt_tokens or 0,
+                    completion_tokens=relayed, prompt_tokens=parsed.prompt_tokens or 0,
                     cached_tokens=parsed.cached_tokens, error_code="provider_error", failure=Failure.PROVIDER))
         finally:
             await self._release()

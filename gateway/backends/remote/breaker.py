@@ -7,7 +7,7 @@ Time comes from an injectable clock so tests need no sleeps.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
