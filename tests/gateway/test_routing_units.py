@@ -1,0 +1,255 @@
+"""The routing parts on their own, with a fake view of the local side: the wait estimate, the routing
+decision, accounting and the fallback. No app, no HTTP, no engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.request import EngineRequest, RequestOutput, SamplingParams
+from gateway.admission.limits import MemoryLimiter
+from gateway.admission.usage import UsageStore
+from gateway.backends.base import Backend, ChoiceStream
+from gateway.backends.remote.backend import RemoteBackend
+from gateway.messages import ChoiceOutput, Failure, GenerationRequest, QueueItem, WorkerStats, error_output
+from gateway.observability.metrics import Metrics
+from gateway.queue.base import QueueFull
+from gateway.queue.memory import MemoryQueue
+from gateway.routing.accounting import Accountant
+from gateway.routing.estimate import WaitEstimator
+from gateway.routing.fallback import FallbackStream
+from gateway.routing.router import Router
+from gateway.settings import LimitSettings, ProviderSettings, RoutingSettings, TierSettings
+
+TIERS = {"pro": TierSettings(priority=0, max_queue_wait_ms=10_000),
+         "standard": TierSettings(priority=1, max_queue_wait_ms=2_000)}
+
+
+class Side:
+    """A fake local side: its readiness, model and workers are whatever the test sets."""
+
+    def __init__(self, workers: list[WorkerStats] | None = None, ready: bool = True, model: str = "local-m"):
+        self.workers = workers if workers is not None else [WorkerStats(capacity=2, in_flight=2)]
+        self.ready = ready
+        self.model = model
+
+    def local_ready(self) -> bool:
+        return self.ready
+
+    def local_model(self) -> str | None:
+        return self.model
+
+    def worker_stats(self) -> list[WorkerStats]:
+        return self.workers
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def _queue(pro: int = 0, standard: int = 0) -> MemoryQueue:
+    q = MemoryQueue(max_depth=100)
+    for i in range(pro):
+        await q.put(QueueItem(EngineRequest(f"p{i}", [1], priority=0), tier="pro"))
+    for i in range(standard):
+        await q.put(QueueItem(EngineRequest(f"s{i}", [1], priority=1), tier="standard"))
+    return q
+
+
+# ---------------------------------------------------------------- the estimate
+
+
+async def test_a_free_slot_means_no_wait():
+    side = Side([WorkerStats(capacity=4, in_flight=1)])
+    est = WaitEstimator(side, await _queue(standard=2), TIERS, RoutingSettings())
+    assert await est.estimate_wait("standard") == 0.0  # 2 ahead + itself = 3 <= 3 free slots
+
+
+async def test_wait_from_the_completion_rate_counts_only_tiers_ahead():
+    clock = Clock()
+    est = WaitEstimator(Side(), await _queue(pro=3, standard=5), TIERS, RoutingSettings(completion_window_s=10),
+                        clock=clock)
+    clock.t += 10
+    for _ in range(20):  # 2 completions/s over the window
+        est.completed_local(32)
+    # standard waits behind 3 pro + 5 standard (+1 itself, 0 free): 9 / 2 per s; pro only behind pro: 4 / 2
+    assert await est.estimate_wait("standard") == pytest.approx(4.5)
+    assert await est.estimate_wait("pro") == pytest.approx(2.0)
+
+
+async def test_scarce_completions_fall_back_on_the_step_rate():
+    clock = Clock()
+    worker = WorkerStats(capacity=2, in_flight=2, steps=0, busy_seconds=0.0)
+    est = WaitEstimator(Side([worker]), await _queue(standard=1), TIERS, RoutingSettings(), clock=clock)
+    est.started_local("a", 100)
+    est.started_local("b", 100)
+    est.sample_steps()
+    clock.t += 1.0
+    worker.steps, worker.busy_seconds = 50, 1.0  # 20 ms a step
+    wait = await est.estimate_wait("standard")
+    # need = 1 ahead + 1 - 0 free = 2; 100 tokens a request; 0.02 s a step; 2 slots
+    assert est.step_seconds() == pytest.approx(0.02)
+    assert wait == pytest.approx(2 * 100 * 0.02 / 2)
+
+
+async def test_nothing_known_and_no_free_slot_is_an_infinite_wait():
+    est = WaitEstimator(Side(), await _queue(), TIERS, RoutingSettings())
+    assert math.isinf(await est.estimate_wait("standard"))
+
+
+# ---------------------------------------------------------------- the decision
+
+
+class Stream(ChoiceStream):
+    def __init__(self, outputs: list[RequestOutput], backend: str = "local", settings: ProviderSettings | None = None):
+        self.outputs = list(outputs)
+        self.closed = False
+        self._backend = backend
+        self._settings = settings
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def provider_settings(self) -> ProviderSettings | None:
+        return self._settings
+
+    async def __anext__(self) -> ChoiceOutput:
+        if not self.outputs:
+            raise StopAsyncIteration
+        return ChoiceOutput(0, self.outputs.pop(0))
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class Local(Backend):
+    def __init__(self, outputs: list[RequestOutput] | None = None, full: bool = False):
+        self.submitted: list[str] = []
+        self.outputs = outputs or [RequestOutput("r", text="hi", finished=True, finish_reason="stop",
+                                                 prompt_tokens=3, completion_tokens=1)]
+        self.full = full
+
+    async def submit(self, request: GenerationRequest) -> ChoiceStream:
+        if self.full:
+            raise QueueFull(request.tier, 9)
+        self.submitted.append(request.request_id)
+        return Stream(self.outputs)
+
+
+class Remote(RemoteBackend):
+    """A provider chain that never calls out: its streams are canned."""
+
+    def __init__(self, metrics: Metrics):
+        super().__init__([ProviderSettings(name="p", base_url="http://127.0.0.1:9/v1", models={"local-m": "x"},
+                                           input_price_per_m=1.0, output_price_per_m=2.0)], RoutingSettings(), metrics)
+        self.submitted: list[str] = []
+
+    async def submit(self, gen: GenerationRequest) -> ChoiceStream:
+        self.submitted.append(gen.request_id)
+        return Stream([RequestOutput(gen.request_id, text="remote", finished=True, finish_reason="stop",
+                                     completion_tokens=2)], backend="remote:p", settings=self.providers[0].settings)
+
+
+def _gen(rid: str = "r1", tier: str = "standard", prompt: list[int] | None = None) -> GenerationRequest:
+    return GenerationRequest(request_id=rid, prompt_token_ids=[1, 2, 3] if prompt is None else prompt,
+                             sampling=SamplingParams(max_tokens=8), tier=tier, model="local-m")
+
+
+def _router(side: Side, queue: MemoryQueue, local: Local, clock: Clock | None = None,
+            **routing: object) -> tuple[Router, Remote, Metrics]:
+    metrics = Metrics()
+    remote = Remote(metrics)
+    rs = RoutingSettings(**routing)  # type: ignore[arg-type]
+    est = WaitEstimator(side, queue, TIERS, rs, clock=clock or Clock())
+    acc = Accountant(metrics, UsageStore(), MemoryLimiter(LimitSettings()), est, {})
+    return Router(local=local, remote=remote, side=side, estimator=est, accountant=acc, routing=rs,
+                  metrics=metrics), remote, metrics
+
+
+def _decisions(metrics: Metrics, tier: str, backend: str, reason: str) -> float:
+    return metrics.decisions.labels(tier, backend, reason)._value.get()
+
+
+async def test_local_when_the_wait_is_within_the_target():
+    router, remote, metrics = _router(Side([WorkerStats(capacity=2)]), await _queue(), local := Local())
+    stream = await router.submit(_gen())
+    assert local.submitted == ["r1"] and not remote.submitted and stream.backend == "local"
+    assert _decisions(metrics, "standard", "local", "local") == 1
+
+
+async def test_over_the_target_goes_remote_and_pro_stays_local():
+    clock = Clock()
+    router, remote, metrics = _router(Side(), await _queue(standard=7), local := Local(), clock=clock)
+    clock.t += 10
+    for _ in range(20):
+        router.estimator.completed_local(10)  # 2/s: standard waits 8 / 2 = 4 s > 2 s; pro 1 / 2 s < 10 s
+    assert (await router.submit(_gen("s", "standard"))).backend == "remote:p"
+    assert (await router.submit(_gen("p", "pro"))).backend == "local"
+    assert remote.submitted == ["s"] and local.submitted == ["p"]
+    assert _decisions(metrics, "standard", "remote", "queue_wait") == 1
+
+
+async def test_remote_only_no_worker_and_queue_full():
+    router, remote, metrics = _router(Side(ready=False), await _queue(), Local())
+    await router.submit(_gen("a", prompt=[]))  # not tokenized here: the local side cannot take it
+    assert _decisions(metrics, "standard", "remote", "no_worker") == 1
+    router.side.model = "another"  # type: ignore[attr-defined]
+    await router.submit(_gen("b", prompt=[]))
+    assert _decisions(metrics, "standard", "remote", "remote_only") == 1
+    router, remote, metrics = _router(Side([WorkerStats(capacity=8)]), await _queue(), Local(full=True))
+    assert (await router.submit(_gen("c"))).backend == "remote:p"
+    assert _decisions(metrics, "standard", "remote", "queue_full") == 1
+
+
+# ---------------------------------------------------------------- accounting
+
+
+async def test_accounting_records_what_the_response_reports():
+    clock = Clock()
+    router, remote, metrics = _router(Side([WorkerStats(capacity=2)]), await _queue(), clock=clock,
+                                      local=Local(outputs=[
+        RequestOutput("r1", text="a", completion_tokens=1, prompt_tokens=3, cached_tokens=2),
+        RequestOutput("r1", text="b", completion_tokens=2, finished=True, finish_reason="stop", cached_tokens=2)]))
+    stream = await router.submit(_gen(prompt=[1, 2, 3]))
+    clock.t += 1
+    async with stream:
+        assert [ch.output.text async for ch in stream] == ["a", "b"]
+    totals = (await router.accountant.usage.totals(None))["totals"]
+    assert (totals["requests"], totals["prompt_tokens"], totals["cached_tokens"], totals["completion_tokens"]) == (
+        1, 3, 2, 2)
+    assert metrics.usage_tokens.labels("anonymous", "local-m", "local", "completion")._value.get() == 2
+    assert router.estimator.completion_rate() > 0  # a local completion feeds the estimate
+
+
+async def test_cost_at_the_providers_prices_or_the_local_price():
+    metrics = Metrics()
+    remote = Remote(metrics)
+    acc = Accountant(metrics, UsageStore(), MemoryLimiter(LimitSettings()),
+                     WaitEstimator(Side(), await _queue(), TIERS, RoutingSettings()),
+                     {"input_per_m": 0.5, "output_per_m": 1.0})
+    remote_stream = await remote.submit(_gen())
+    assert acc.cost(remote_stream, 1_000_000, 0, 1_000_000) == pytest.approx(3.0)
+    assert acc.cost(Stream([]), 1_000_000, 0, 2_000_000) == pytest.approx(2.5)
+
+
+# ---------------------------------------------------------------- fallback
+
+
+@pytest.mark.parametrize("failure,falls_back", [(Failure.ENGINE, True), (Failure.UNAVAILABLE, True),
+                                                (Failure.INVALID_REQUEST, False)])
+async def test_a_local_failure_before_the_first_token_falls_back(failure, falls_back):
+    metrics = Metrics()
+    remote = Remote(metrics)
+    local = Stream([error_output("r1", failure, "x", "broke")])
+    stream = FallbackStream(_gen(), local, remote, metrics)
+    first = await stream.__anext__()
+    assert local.closed is falls_back
+    assert (first.output.text == "remote") is falls_back
+    assert (stream.backend == "remote:p") is falls_back
