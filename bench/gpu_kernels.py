@@ -10,7 +10,6 @@ fraction of the H200's HBM peak; in dry-run mode the numbers only prove the scri
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -88,12 +87,17 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
-    from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-    from kernels.kv_cache import write_kv_ref, write_kv_triton
-    from kernels.paged_attention import paged_attention_ref, paged_attention_triton
-    from kernels.rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
-    from kernels.rotary import rotary_inplace_ref, rotary_inplace_triton
+    from kernels.reference.activation import silu_and_mul_ref
+    from kernels.reference.kv_cache import write_kv_ref
+    from kernels.reference.paged_attention import paged_attention_ref
+    from kernels.reference.rms_norm import fused_add_rms_norm_ref
+    from kernels.reference.rotary import rotary_inplace_ref
     from kernels.sampling import sample_tokens
+    from kernels.triton.activation import silu_and_mul_triton
+    from kernels.triton.kv_cache import write_kv_triton
+    from kernels.triton.paged_attention import paged_attention_triton
+    from kernels.triton.rms_norm import fused_add_rms_norm_triton
+    from kernels.triton.rotary import rotary_inplace_triton
 
     dev = "cpu" if a.dry_run else "cuda"
     if dev == "cuda" and not torch.cuda.is_available():

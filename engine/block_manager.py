@@ -45,6 +45,15 @@ def block_hash(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
     return h.digest()
 
 
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Cached blocks holding the longest reusable prefix of a waiting sequence (`match_prefix`): what
+    the scheduler passes back to `can_admit` and `allocate_prefix` without reading the pool itself."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0  # tokens those blocks hold: the sequence computes only the rest
+
+
 @dataclass
 class Block:
     block_id: int
@@ -63,8 +72,6 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self.cached: dict[bytes, int] = {}  # block hash -> block id (full blocks with valid K/V)
-        self.hit_tokens_total = 0
-        self.queried_tokens_total = 0
 
     # -- queries -----------------------------------------------------------------------------------
     @property
@@ -78,15 +85,24 @@ class BlockManager:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         return need <= len(self.free)
 
+    def can_admit(self, match: PrefixMatch, num_new_tokens: int) -> bool:
+        """Whether a waiting sequence fits: its cached prefix `match` plus `num_new_tokens` computed this step.
+
+        Cached blocks that no running sequence holds sit on the free list; taking them for this
+        sequence removes them from it, so they do not count as free room."""
+        need = self.blocks_needed(match.num_tokens + num_new_tokens) - len(match.block_ids)
+        reclaimed = sum(1 for b in match.block_ids if self.blocks[b].ref_count == 0)
+        return need <= len(self.free) - reclaimed
+
     @staticmethod
     def _hash(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
-        return block_hash(parent, tokens)
+        return block_hash(parent, tokens)  # every block hash goes through here: the collision tests replace it
 
     # -- prefix cache ------------------------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> list[int]:
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """Cached blocks for the longest prefix of the sequence's tokens, leaving at least one token to compute."""
         if not self.enable_prefix_caching:
-            return []
+            return PrefixMatch()
         tokens = seq.token_ids()
         usable = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
@@ -102,21 +118,19 @@ class BlockManager:
                 break  # a hash collision: never serve another prefix's K/V
             hits.append(block_id)
             parent = h
-        return hits
+        return PrefixMatch(tuple(hits), len(hits) * self.block_size)
 
-    def allocate_prefix(self, seq: Sequence, hits: list[int]) -> None:
-        """Give a waiting sequence the cached blocks of its prefix; it computes only the rest."""
-        assert not seq.block_table and seq.num_computed_tokens == 0
-        for block_id in hits:
+    def allocate_prefix(self, seq: Sequence, match: PrefixMatch) -> None:
+        """Give a waiting sequence (no blocks yet) the cached blocks of its prefix."""
+        assert not seq.block_table
+        for block_id in match.block_ids:
             block = self.blocks[block_id]
+            assert block.hash is not None
             if block.ref_count == 0:
                 del self.free[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
-            seq.block_hashes.append(block.hash)  # type: ignore[arg-type]
-        seq.num_computed_tokens = len(hits) * self.block_size
-        self.queried_tokens_total += len(seq.prompt_token_ids)
-        self.hit_tokens_total += seq.num_computed_tokens
+            seq.block_hashes.append(block.hash)
 
     # -- allocation --------------------------------------------------------------------------------
     def _take_free_block(self) -> int:
@@ -157,7 +171,8 @@ class BlockManager:
                 self.cached[h] = block.block_id
 
     def free_sequence(self, seq: Sequence) -> None:
-        """Drop the sequence's references; its hashed blocks stay cached, tail blocks first in line for eviction."""
+        """Drop the sequence's references; its hashed blocks stay cached, tail blocks first in line for eviction.
+        The sequence's K/V are gone for it: the scheduler resets its progress."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -169,7 +184,6 @@ class BlockManager:
                     self.free[block_id] = None  # most recently used end
         seq.block_table = []
         seq.block_hashes = []
-        seq.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
         for h, block_id in list(self.cached.items()):

@@ -68,6 +68,7 @@ class EngineConfig:
                 "the GPU memory that is free after loading the weights that the KV pool may take")
         for name in ("dtype", "weight_dtype"):
             if getattr(self, name) not in ("auto", "float32", "bfloat16", "float16"):
-                raise EngineConfigError(f"{name} must be auto, float32, bfloat16 or float16, got {getattr(self, name)!r}")
+                raise EngineConfigError(
+                    f"{name} must be auto, float32, bfloat16 or float16, got {getattr(self, name)!r}")
         if self.priority_aging_s <= 0:
             raise EngineConfigError("priority_aging_s must be positive")

@@ -15,7 +15,7 @@ from .loader import load_model
 from .model_runner import ModelRunner
 from .output import OutputProcessor
 from .request import EngineRequest, RequestOutput, RequestRejected
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .tokenizer import Tokenizer
 
@@ -48,8 +48,8 @@ class LLMEngine:
         self.stats = EngineStats()
         log.info("engine: model %s on %s (%s, weights %s), KV pool %d tokens in %d blocks of %d (%.1f MiB), "
                  "max_running_requests %d, loaded in %.1fs", self.model_name, self.runner.device,
-                 str(self.runner.dtype).removeprefix("torch."), str(self.runner.weight_dtype).removeprefix("torch."), self.capacity_tokens,
-                 self.runner.num_blocks, config.block_size,
+                 str(self.runner.dtype).removeprefix("torch."), str(self.runner.weight_dtype).removeprefix("torch."),
+                 self.capacity_tokens, self.runner.num_blocks, config.block_size,
                  self.capacity_tokens * self.runner.kv_bytes_per_token / 2**20,
                  config.max_running_requests, time.perf_counter() - t0)
 
@@ -86,11 +86,11 @@ class LLMEngine:
                 raise RequestRejected(
                     f"the prompt ({prompt_len} tokens) cannot fit in this engine's KV pool of "
                     f"{self.capacity_tokens} tokens", code="context_length_exceeded", param="messages")
-        seq = Sequence.from_request(req, max_tokens, self.runner.model.args.vocab_size)
+        seq = Sequence.from_request(req, max_tokens, self.runner.model.args.vocab_size, self.eos_token_ids)
         if seq.num_new_outputs < 0 or len(seq.output_token_ids) >= max_tokens:
             raise RequestRejected("the resumed tokens already reach max_tokens", param="max_tokens")
         self._seqs[req.request_id] = seq
-        self._outputs[req.request_id] = OutputProcessor(seq, self.tokenizer, self.eos_token_ids)
+        self._outputs[req.request_id] = OutputProcessor(seq, self.tokenizer)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -111,38 +111,39 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, apply the sampled tokens (scheduler), then turn them into text."""
         sched = self.scheduler.schedule()
+        self.stats.preemptions += len(sched.preempted)
         if not sched.scheduled:
             return []
         t0 = time.perf_counter()
-        computed = {seq: seq.num_computed_tokens for seq in sched.scheduled}
         outputs: list[RequestOutput] = []
         try:
             sampled = self.runner.execute(sched.scheduled)
         except Exception:
             log.exception("a step of %d requests failed; retrying each alone", len(sched.scheduled))
-            sampled = self._isolate_failure(sched.scheduled, computed, outputs)
+            sampled = self._isolate_failure(sched.scheduled, outputs)
         self.stats.record_step(sched, time.perf_counter() - t0)
-        for seq in sched.scheduled:
-            self.block_manager.commit(seq)
+        self.scheduler.update_from_output(sched, sampled)
         for seq, token in sampled.items():
-            out = self._outputs[seq.request_id].on_token(token)
+            proc = self._outputs[seq.request_id]
+            if proc.push(token):
+                self.scheduler.finish(seq, "stop")
+            out = proc.output()
             if seq.finish_reason is not None:
-                self.scheduler.remove(seq)
                 del self._seqs[seq.request_id]
                 del self._outputs[seq.request_id]
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def _isolate_failure(self, scheduled: dict[Sequence, int], computed: dict[Sequence, int],
-                         outputs: list[RequestOutput]) -> dict[Sequence, int]:
+    def _isolate_failure(self, scheduled: dict[Sequence, int], outputs: list[RequestOutput]) -> dict[Sequence, int]:
         """After a failed step: run each sequence's part of it alone; the ones that fail again are
         finished with an error, so one bad request never takes the rest of the batch down with it.
-        Rewriting a sequence's K/V slots with the same tokens is harmless, so the retry is exact."""
+        The runner writes nothing to the sequences, so each retry computes exactly the tokens of the
+        failed step (rewriting their K/V slots with the same values is harmless)."""
         sampled: dict[Sequence, int] = {}
         for seq, n in scheduled.items():
-            seq.num_computed_tokens = computed[seq]
             try:
                 sampled.update(self.runner.execute({seq: n}))
             except Exception as e:
@@ -150,7 +151,8 @@ class LLMEngine:
                 self.abort(seq.request_id)
                 outputs.append(RequestOutput(
                     request_id=seq.request_id, finished=True, finish_reason="error",
-                    error=f"this request failed inside the engine ({type(e).__name__}); other requests were not affected",
+                    error=f"this request failed inside the engine ({type(e).__name__}); "
+                          "other requests were not affected",
                     prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids)))
         return sampled
 
@@ -216,7 +218,7 @@ def validate_limits(c: EngineConfig, max_model_len: int, capacity_tokens: int) -
 
 
 class EngineStats:
-    """Counters a worker can export: steps, tokens, time spent stepping (for the busy ratio)."""
+    """Counters a worker can export: steps, tokens, preemptions, time spent stepping (for the busy ratio)."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -225,7 +227,8 @@ class EngineStats:
         self.busy_seconds = 0.0
         self.preemptions = 0
 
-    def record_step(self, sched, seconds: float) -> None:
+    def record_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """One step that ran (before the scheduler applies it: a decode is a sequence computing its last token)."""
         self.steps += 1
         self.busy_seconds += seconds
         for seq, n in sched.scheduled.items():
@@ -233,4 +236,3 @@ class EngineStats:
                 self.decode_tokens += 1
             else:
                 self.prefill_tokens += n
-        self.preemptions += len(sched.preempted)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata, fused_add_rms_norm, paged_attention, rms_norm, rotary_inplace, silu_and_mul
+
 from . import batch_invariant
 from .loader import ModelArgs
 
@@ -144,5 +145,6 @@ class LlamaModel(nn.Module):
             x = layer.o(attn.reshape(-1, q_size))
             x, residual = fused_add_rms_norm(x, residual, layer.mlp_norm, a.rms_norm_eps)
             x = layer.down(silu_and_mul(layer.gate_up(x)))
+        assert residual is not None  # set by the first layer
         h = rms_norm((residual + x)[logits_indices], self.norm, a.rms_norm_eps)
         return self.logits(h, exact_logits)

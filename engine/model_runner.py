@@ -1,4 +1,7 @@
-"""Owns the model weights and the KV pool; turns `{sequence: num_tokens}` into one forward and sampled tokens."""
+"""Owns the model weights and the KV pool; turns `{sequence: num_tokens}` into one forward and sampled tokens.
+
+It only reads the sequences (tokens, progress, block tables); the scheduler applies what a step did.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[config.dtype]
 
 
-def pick_weight_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+def pick_weight_dtype(config: EngineConfig) -> torch.dtype:
     if config.weight_dtype == "auto" and config.deterministic:
         return torch.float32
     if config.weight_dtype == "auto":
@@ -44,12 +47,12 @@ def pick_weight_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel):
         self.config = config
         self.device = pick_device(config)
         self.dtype = pick_dtype(config, self.device)
         args = loaded.args
-        self.weight_dtype = pick_weight_dtype(config, self.dtype)
+        self.weight_dtype = pick_weight_dtype(config)
         self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, self.weight_dtype,
                                 deterministic=config.deterministic)
         if config.deterministic:
@@ -57,10 +60,8 @@ class ModelRunner:
                      "activations %s (outputs do not depend on batching, chunking or prefix-cache hits)",
                      str(self.weight_dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))
         self.block_size = config.block_size
-        kv_bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * torch.finfo(self.dtype).bits // 8
-        if num_blocks is None:
-            num_blocks = self._pool_blocks(kv_bytes_per_token)
-        self.num_blocks = num_blocks
+        kv_bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * self.dtype.itemsize
+        self.num_blocks = num_blocks = self._pool_blocks(kv_bytes_per_token)
         # One extra block past the pool: the scratch block that CUDA-graph padding rows write to.
         self.scratch_block = num_blocks
         self.kv_cache = torch.zeros(args.num_layers, 2, (num_blocks + 1) * self.block_size, args.num_kv_heads,
@@ -70,9 +71,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and not config.deterministic:
             max_len = config.max_model_len or args.max_position_embeddings
+            max_batch = min(config.cuda_graph_max_batch, config.max_running_requests)
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, -(-max_len // self.block_size),
-                                       self.scratch_block, min(config.cuda_graph_max_batch, config.max_running_requests),
-                                       max_len)
+                                       self.scratch_block, max_batch, max_len)
 
     def _pool_blocks(self, bytes_per_token: int) -> int:
         cfg = self.config
@@ -88,37 +89,38 @@ class ModelRunner:
 
     def execute(self, scheduled: dict[Sequence, int]) -> dict[Sequence, int]:
         """Runs one forward over every scheduled token; returns the sampled token of each sequence
-        whose last uncomputed token was in this step (partial prefill chunks sample nothing)."""
+        whose last uncomputed token was in this step (partial prefill chunks sample nothing).
+        Running it again before the scheduler applies the step recomputes the same tokens."""
         logits, samplers = self._forward(scheduled)
         if not samplers:
             return {}
         return dict(zip(samplers, sample(logits, samplers, self.generator)))
 
-    def logits_for(self, seq: Sequence, n: int):
+    def logits_for(self, seq: Sequence, n: int) -> torch.Tensor:
         """Logits at every one of the sequence's next n positions (tests and scoring)."""
         logits, _ = self._forward({seq: n}, all_logits=True)
         return logits
 
-    def _forward(self, scheduled: dict[Sequence, int], all_logits: bool = False):
+    def _forward(self, scheduled: dict[Sequence, int], all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:
         if (self.graphs is not None and not all_logits and all(n == 1 for n in scheduled.values())
                 and self.graphs.bucket_for(len(scheduled)) is not None):
             return self._forward_graph(scheduled)
         return self._forward_eager(scheduled, all_logits)
 
-    def _forward_graph(self, scheduled: dict[Sequence, int]):
+    def _forward_graph(self, scheduled: dict[Sequence, int]) -> tuple[torch.Tensor, list[Sequence]]:
         """A pure decode step: every sequence computes its one newest token and samples."""
+        assert self.graphs is not None
         bs = self.block_size
         seqs = list(scheduled)
         positions = [s.num_computed_tokens for s in seqs]
         logits = self.graphs.run(
-            tokens=[s.token_at(p, p + 1)[0] for s, p in zip(seqs, positions)], positions=positions,
+            tokens=[s.token_ids(p, p + 1)[0] for s, p in zip(seqs, positions)], positions=positions,
             slots=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
             block_tables=[s.block_table for s in seqs], seq_lens=[p + 1 for p in positions])
-        for s in seqs:
-            s.num_computed_tokens += 1
         return logits, seqs
 
-    def _forward_eager(self, scheduled: dict[Sequence, int], all_logits: bool = False):
+    def _forward_eager(self, scheduled: dict[Sequence, int],
+                       all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:
         # Decodes (one token) first, then prefill chunks: the layout the attention op expects.
         order = sorted(scheduled.items(), key=lambda kv: kv[1] > 1)
         tokens: list[int] = []
@@ -133,7 +135,7 @@ class ModelRunner:
         for seq, n in order:
             start = seq.num_computed_tokens
             num_decodes += n == 1
-            tokens += seq.token_at(start, start + n)
+            tokens += seq.token_ids(start, start + n)
             positions += range(start, start + n)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
@@ -163,6 +165,4 @@ class ModelRunner:
         )
         logits = self.model(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), self.kv_cache,
                             meta, torch.tensor(logits_idx, dtype=torch.long, device=dev), exact_logits=all_logits)
-        for seq, n in order:
-            seq.num_computed_tokens += n
         return logits, samplers

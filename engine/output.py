@@ -1,7 +1,10 @@
-"""Turns each sequence's new tokens into text deltas and applies stop conditions.
+"""Turns each sequence's new tokens into text deltas and finds stop strings.
 
-Stop strings are never emitted, even when a stop string is split across tokens: text that could be
-the start of a stop string is held back until it is either completed (and cut) or ruled out.
+The scheduler has already appended the token and applied the stop tokens and the output limit; this
+only detokenizes, reports a stop string (the engine then finishes the sequence) and decides how much
+text may be sent. Stop strings are never emitted, even when a stop string is split across tokens:
+text that could be the start of a stop string is held back until it is either completed (and cut) or
+ruled out.
 """
 
 from __future__ import annotations
@@ -12,42 +15,41 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class OutputProcessor:
-    def __init__(self, seq: Sequence, tokenizer: Tokenizer, eos_token_ids: list[int]):
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer):
         self.seq = seq
         self.stops = [s for s in seq.sampling.stop if s]
         self.max_stop = max((len(s) for s in self.stops), default=0)
-        stop_ids = set(seq.sampling.stop_token_ids)
-        if not seq.sampling.ignore_eos:
-            stop_ids |= set(eos_token_ids)
-        self.stop_ids = stop_ids
         # Context: the prompt's tail and any resumed tokens, so the first delta keeps its leading space.
         self.detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids[-6:] + seq.output_token_ids)
         self.text = ""  # all text produced by this engine for the request (after resumed tokens)
         self.emitted = 0  # characters of `text` already sent
         self.pending_ids: list[int] = []
 
-    def on_token(self, token_id: int) -> RequestOutput | None:
-        """Record a sampled token; returns the delta to send (None when nothing new to say)."""
-        seq = self.seq
-        seq.output_token_ids.append(token_id)
+    def push(self, token_id: int) -> bool:
+        """Detokenizes a sampled token (a stop token adds no text). True when the text now holds a stop
+        string: the text is cut where it starts and the sequence must finish with "stop"."""
         self.pending_ids.append(token_id)
-        if token_id in self.stop_ids:
-            seq.finish_reason = "stop"
-        else:
-            self.text += self.detok.push([token_id])
-            if self.stops:
-                search_from = max(0, self.emitted - self.max_stop)
-                hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
-                if hits:
-                    self.text = self.text[:min(hits)]
-                    seq.finish_reason = "stop"
-            if seq.finish_reason is None and len(seq.output_token_ids) >= seq.max_tokens:
-                seq.finish_reason = "length"
+        if token_id in self.seq.stop_token_ids:
+            return False
+        self.text += self.detok.push([token_id])
+        if not self.stops:
+            return False
+        search_from = max(0, self.emitted - self.max_stop)
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+        return bool(hits)
+
+    def output(self) -> RequestOutput | None:
+        """The news since the last output: all remaining text once the sequence has finished, else the
+        text that cannot be the start of a stop string (None while there is nothing to send: an
+        incomplete UTF-8 character or a possible stop string)."""
+        seq = self.seq
         finished = seq.finish_reason is not None
         end = len(self.text) if finished else len(self.text) - self._held_back()
         delta = self.text[self.emitted:end] if end > self.emitted else ""
         if not delta and not finished:
-            return None  # wait for more (incomplete UTF-8 or a possible stop string)
+            return None
         self.emitted = max(self.emitted, end)
         ids, self.pending_ids = self.pending_ids, []
         return RequestOutput(request_id=seq.request_id, text=delta, token_ids=ids, finished=finished,

@@ -59,7 +59,7 @@ class EngineRequest:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "EngineRequest":
+    def from_dict(cls, d: dict[str, Any]) -> EngineRequest:
         d = dict(d)
         d["sampling"] = SamplingParams(**d.get("sampling", {}))
         return cls(**d)
@@ -83,7 +83,7 @@ class RequestOutput:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RequestOutput":
+    def from_dict(cls, d: dict[str, Any]) -> RequestOutput:
         return cls(**d)
 
 

@@ -10,36 +10,49 @@ so it goes back ahead of newer arrivals of its tier.
 When blocks run out, the lowest-ranked running sequence is preempted (its blocks freed; its tokens
 recomputed later, mostly from the prefix cache). A waiting request may preempt running ones of a
 strictly worse priority, so pro traffic is never stuck behind standard traffic.
+
+The scheduler is the only writer of a sequence's progress: after the model runner returns the sampled
+tokens, `update_from_output` advances `num_computed_tokens`, registers newly full blocks in the prefix
+cache, appends the tokens and finishes sequences on a stop token or at their output limit (stop
+strings, found by the output processor, arrive through `finish`). Questions about KV memory go to the
+block manager (`can_grow`, `can_admit`); the scheduler never reads the pool.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, PrefixMatch
 from .config import EngineConfig
-from .sequence import Sequence, SeqStatus
+from .request import FinishReason
+from .sequence import SeqStatus, Sequence
+
+Rank = tuple[int, int, float, int]
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: dict[Sequence, int] = field(default_factory=dict)  # sequence -> tokens to compute this step
     preempted: list[Sequence] = field(default_factory=list)
+    num_tokens: int = 0  # sum of `scheduled`'s values
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.scheduled.values())
+    def add(self, seq: Sequence, n: int) -> None:
+        self.scheduled[seq] = n
+        self.num_tokens += n
+
+    def drop(self, seq: Sequence) -> None:
+        self.num_tokens -= self.scheduled.pop(seq, 0)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, clock=time.time):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, clock: Callable[[], float] = time.time):
         self.config = config
         self.bm = block_manager
         self.clock = clock
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -53,7 +66,15 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.bm.free_sequence(seq)
+        seq.num_computed_tokens = 0
         seq.status = SeqStatus.FINISHED
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Ends the sequence with `reason`. On an already finished one only the reason changes: a stop
+        string found in the same token that reached the output limit makes it "stop", not "length"."""
+        seq.finish_reason = reason
+        if seq.status is not SeqStatus.FINISHED:
+            self.remove(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -61,23 +82,26 @@ class Scheduler:
     def _aged(self, seq: Sequence, now: float) -> bool:
         return now - seq.arrival_time > self.config.priority_aging_s
 
-    def _rank(self, seq: Sequence, now: float) -> tuple:
+    def _rank(self, seq: Sequence, now: float) -> Rank:
         aged = self._aged(seq, now)
         return (0, 0, seq.arrival_time, seq.order) if aged else (1, seq.priority, seq.arrival_time, seq.order)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput, budget: list[int]) -> None:
-        if seq in out.scheduled:
-            budget[0] += out.scheduled.pop(seq)
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        out.drop(seq)  # its tokens go back to the step's budget
         self.running.remove(seq)
         self.bm.free_sequence(seq)
+        seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.append(seq)
         out.preempted.append(seq)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        n = min(seq.num_uncomputed, budget)
+    def _budget(self, out: SchedulerOutput) -> int:
+        return self.config.max_num_batched_tokens - out.num_tokens
+
+    def _chunk(self, num_uncomputed: int, out: SchedulerOutput) -> int:
+        """Tokens to compute this step: what is left, within the step's budget and the prefill chunk size."""
+        n = min(num_uncomputed, self._budget(out))
         if self.config.chunked_prefill_size > 0:
             n = min(n, self.config.chunked_prefill_size)
         return n
@@ -86,13 +110,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
         out = SchedulerOutput()
-        budget = [self.config.max_num_batched_tokens]
+        self._schedule_running(out, now)
+        self._admit_waiting(out, now)
+        if out.preempted:
+            self.waiting.sort(key=lambda s: self._rank(s, now))
+        return out
 
-        # 1. Running sequences: decodes first, then prefill chunks, each group in rank order.
+    def _schedule_running(self, out: SchedulerOutput, now: float) -> None:
+        """Running sequences: decodes first, then prefill chunks, each group in rank order. A sequence
+        that needs blocks takes them from the lowest-ranked running one, or yields its own."""
         for seq in sorted(self.running, key=lambda s: (s.is_prefilling, self._rank(s, now))):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk(seq, budget[0])
+            n = self._chunk(seq.num_uncomputed, out)
             if n == 0:
                 continue
             while not self.bm.can_grow(seq, n):
@@ -102,19 +132,18 @@ class Scheduler:
                 victim = max(victims, key=lambda s: self._rank(s, now))
                 if self._rank(victim, now) < self._rank(seq, now):
                     victim = seq  # everything else outranks this one: it yields
-                self._preempt(victim, out, budget)
+                self._preempt(victim, out)
                 if victim is seq:
                     break
-            if seq.status is not SeqStatus.RUNNING or not self.bm.can_grow(seq, n):
-                continue
-            self.bm.grow(seq, n)
-            out.scheduled[seq] = n
-            budget[0] -= n
+            if seq.status is SeqStatus.RUNNING and self.bm.can_grow(seq, n):
+                self.bm.grow(seq, n)
+                out.add(seq, n)
 
-        # 2. Waiting sequences in rank order; stop at the first that cannot be admitted so a large
-        #    request is not starved by a stream of small ones behind it.
+    def _admit_waiting(self, out: SchedulerOutput, now: float) -> None:
+        """Waiting sequences in rank order; stops at the first that cannot be admitted, so a large
+        request is not starved by a stream of small ones behind it."""
         self.waiting.sort(key=lambda s: self._rank(s, now))
-        while self.waiting and budget[0] > 0:
+        while self.waiting and self._budget(out) > 0:
             seq = self.waiting[0]
             if seq in out.preempted:
                 break  # was just preempted for memory: try again next step
@@ -124,26 +153,39 @@ class Scheduler:
             if len(self.running) >= self.config.max_running_requests:
                 if not weaker:
                     break
-                self._preempt(weaker.pop(), out, budget)
-            hits = self.bm.match_prefix(seq)
-            n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget[0])
-            if self.config.chunked_prefill_size > 0:
-                n = min(n, self.config.chunked_prefill_size)
-            need = self.bm.blocks_needed(len(hits) * self.bm.block_size + n) - len(hits)
-            reclaimable = sum(1 for b in hits if self.bm.blocks[b].ref_count == 0)
-            while need > self.bm.num_free_blocks - reclaimable and weaker:
-                self._preempt(weaker.pop(), out, budget)
-            if need > self.bm.num_free_blocks - reclaimable or n <= 0:
+                self._preempt(weaker.pop(), out)
+            match = self.bm.match_prefix(seq)
+            n = self._chunk(seq.num_tokens - match.num_tokens, out)
+            while not self.bm.can_admit(match, n) and weaker:
+                self._preempt(weaker.pop(), out)
+            if not self.bm.can_admit(match, n):
                 break
             self.waiting.pop(0)
-            self.bm.allocate_prefix(seq, hits)
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = seq.num_computed_tokens
-            self.bm.grow(seq, n)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled[seq] = n
-            budget[0] -= n
-        if out.preempted:
-            self.waiting.sort(key=lambda s: self._rank(s, now))
-        return out
+            self._admit(seq, match, n, out)
+
+    def _admit(self, seq: Sequence, match: PrefixMatch, n: int, out: SchedulerOutput) -> None:
+        self.bm.allocate_prefix(seq, match)
+        seq.num_computed_tokens = match.num_tokens
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = match.num_tokens
+        self.bm.grow(seq, n)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        out.add(seq, n)
+
+    # -- after the step ----------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, sampled: dict[Sequence, int]) -> None:
+        """Applies a finished step: every scheduled sequence's tokens now have K/V in the cache (its
+        full blocks join the prefix cache), and each sequence that sampled gets its token and
+        finishes on a stop token or at its output limit. Sequences that left during the step (a
+        request whose step failed on its own is aborted) are skipped."""
+        for seq, n in sched.scheduled.items():
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += n
+            self.bm.commit(seq)
+        for seq, token in sampled.items():
+            seq.output_token_ids.append(token)
+            reason = seq.stop_reason()
+            if reason is not None:
+                self.finish(seq, reason)

@@ -1,10 +1,16 @@
-"""One request's state inside the engine: its tokens, how many have KV in the cache, and its blocks."""
+"""One request's state inside the engine: its tokens, how many have KV in the cache, and its blocks.
+
+Writers: the scheduler owns progress (`status`, `num_computed_tokens`, `output_token_ids`,
+`finish_reason`); the block manager owns `block_table` and `block_hashes`. The model runner and the
+output processor only read.
+"""
 
 from __future__ import annotations
 
 import enum
 import itertools
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +42,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks, in order
     cache_salt: str | None = None  # prefix-cache isolation: only sequences with the same salt share blocks
+    stop_token_ids: frozenset[int] = frozenset()  # sampling a token in this set finishes with "stop"
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
@@ -45,11 +52,16 @@ class Sequence:
     order: int = field(default_factory=lambda: next(_order))  # tie-break for equal arrival times
 
     @classmethod
-    def from_request(cls, req: EngineRequest, max_tokens: int, vocab_size: int = 0) -> "Sequence":
+    def from_request(cls, req: EngineRequest, max_tokens: int, vocab_size: int = 0,
+                     eos_token_ids: Iterable[int] = ()) -> Sequence:
+        """`eos_token_ids` stop the sequence too, unless the request sets `ignore_eos`."""
+        stop_ids = set(req.sampling.stop_token_ids)
+        if not req.sampling.ignore_eos:
+            stop_ids.update(eos_token_ids)
         seq = cls(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), sampling=req.sampling,
                   priority=req.priority, arrival_time=req.arrival_time, max_tokens=max_tokens,
                   output_token_ids=list(req.resume_token_ids), num_resumed_tokens=len(req.resume_token_ids),
-                  cache_salt=req.cache_salt)
+                  cache_salt=req.cache_salt, stop_token_ids=frozenset(stop_ids))
         if req.sampling.seed is not None:
             seq.noise_seed = req.sampling.seed & (2**62 - 1)
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
@@ -63,14 +75,14 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def token_at(self, start: int, end: int) -> list[int]:
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        """The tokens at positions [start, end) of prompt + output (all of them by default)."""
         p = len(self.prompt_token_ids)
-        if end <= p:
+        if end is not None and end <= p:
             return self.prompt_token_ids[start:end]
-        return self.token_ids()[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:None if end is None else end - p]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
     @property
     def num_uncomputed(self) -> int:
@@ -84,3 +96,11 @@ class Sequence:
     @property
     def num_new_outputs(self) -> int:
         return len(self.output_token_ids) - self.num_resumed_tokens
+
+    def stop_reason(self) -> FinishReason | None:
+        """Why the sequence ends after its newest token: a stop token, else the output limit (None: it goes on)."""
+        if self.output_token_ids[-1] in self.stop_token_ids:
+            return "stop"
+        if len(self.output_token_ids) >= self.max_tokens:
+            return "length"
+        return None

@@ -14,7 +14,8 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from .loader import LoadedModel, load_model
 
@@ -113,9 +114,6 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def token_text(self, token_id: int) -> str:
-        return self._tok.id_to_token(token_id) or ""
-
     # -- chat ------------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         if self._template is None:
@@ -125,7 +123,8 @@ class Tokenizer:
                 text_parts += [(f"{m['role']}: ", True), (str(m.get("content") or ""), False), ("\n", True)]
             if add_generation_prompt:
                 text_parts.append(("assistant: ", True))
-            return [t for part, trusted in text_parts for t in (self._encode_trusted(part) if trusted else self.encode(part))]
+            return [t for part, trusted in text_parts
+                    for t in (self._encode_trusted(part) if trusted else self.encode(part))]
 
         marker = f"\x00{secrets.token_hex(8)}:"
         placeholders: dict[str, str] = {}

@@ -16,7 +16,8 @@ def test_defaults_are_valid():
     ({"req_max_input_len": 8192}, 65536, "req_max_input_len"),
     ({"req_max_input_len": 5000}, 4096, "KV pool"),
     ({"max_running_requests": 300}, 4096, "max_running_requests"),
-    ({"max_running_requests": 64, "max_num_batched_tokens": 32, "chunked_prefill_size": 16}, 65536, "max_num_batched_tokens"),
+    ({"max_running_requests": 64, "max_num_batched_tokens": 32, "chunked_prefill_size": 16}, 65536,
+     "max_num_batched_tokens"),
     ({"chunked_prefill_size": 4096}, 65536, "chunked_prefill_size"),
     ({"chunked_prefill_size": 0}, 65536, "without chunked prefill"),
 ])

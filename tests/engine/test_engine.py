@@ -79,9 +79,11 @@ def test_seeded_output_independent_of_batch(engine):
 
 def test_stop_token_ids_and_max_tokens(engine):
     ids = chat(engine, PROMPTS[2])
-    free = tokens_of(engine.generate([EngineRequest("f", ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))])["f"])
+    unstopped = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = tokens_of(engine.generate([EngineRequest("f", ids, unstopped)])["f"])
     stop_at = free[5]
-    r = engine.generate([EngineRequest("s", ids, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]))])
+    stopped = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at])
+    r = engine.generate([EngineRequest("s", ids, stopped)])
     assert tokens_of(r["s"]) == free[:free.index(stop_at) + 1]
     assert r["s"][-1].finish_reason == "stop"
     r = engine.generate([EngineRequest("m", ids, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))])

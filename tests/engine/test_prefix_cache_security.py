@@ -9,7 +9,7 @@ from __future__ import annotations
 from engine.block_manager import BlockManager, block_hash, root_hash
 from engine.request import EngineRequest, SamplingParams
 from engine.sequence import Sequence
-from gateway.queue.base import QueueItem
+from gateway.messages import QueueItem
 
 BLOCK = 4
 
@@ -21,13 +21,13 @@ def seq(rid: str, tokens: list[int], salt: str | None = None) -> Sequence:
 
 def run_prefill(bm: BlockManager, s: Sequence) -> int:
     """Admit `s` the way the scheduler does, compute its whole prompt, register its blocks; returns the hit tokens."""
-    hits = bm.match_prefix(s)
-    bm.allocate_prefix(s, hits)
-    cached = s.num_computed_tokens
-    bm.grow(s, s.num_tokens - cached)
+    match = bm.match_prefix(s)
+    bm.allocate_prefix(s, match)
+    s.num_computed_tokens = match.num_tokens
+    bm.grow(s, s.num_tokens - match.num_tokens)
     s.num_computed_tokens = s.num_tokens
     bm.commit(s)
-    return cached
+    return match.num_tokens
 
 
 def test_block_keys_are_keyed_sha256_digests():
@@ -56,9 +56,9 @@ def test_forced_hash_collision_with_other_tokens_is_refused(monkeypatch):
     run_prefill(bm, seq("victim", [1, 2, 3, 4, 5]))
     assert len(bm.cached) == 1
     attacker = seq("attacker", [7, 7, 7, 7, 7])
-    assert bm.match_prefix(attacker) == []
+    assert bm.match_prefix(attacker).num_tokens == 0
     # ...and a real match is still served.
-    assert len(bm.match_prefix(seq("again", [1, 2, 3, 4, 6]))) == 1
+    assert bm.match_prefix(seq("again", [1, 2, 3, 4, 6])).num_tokens == BLOCK
 
 
 def test_forced_hash_collision_with_other_parent_is_refused(monkeypatch):
@@ -66,8 +66,8 @@ def test_forced_hash_collision_with_other_parent_is_refused(monkeypatch):
     monkeypatch.setattr(BlockManager, "_hash", staticmethod(lambda parent, tokens: block_hash(b"", tokens)))
     bm = BlockManager(16, BLOCK)
     run_prefill(bm, seq("victim", [1, 2, 3, 4, 5, 6, 7, 8, 9], salt="tenant-a"))
-    assert bm.match_prefix(seq("other-tenant", [1, 2, 3, 4, 5, 6, 7, 8, 9], salt="tenant-b")) == []
-    assert bm.match_prefix(seq("same-tenant", [1, 2, 3, 4, 5, 6, 7, 8, 9], salt="tenant-a")) != []
+    assert bm.match_prefix(seq("other-tenant", [1, 2, 3, 4, 5, 6, 7, 8, 9], salt="tenant-b")).num_tokens == 0
+    assert bm.match_prefix(seq("same-tenant", [1, 2, 3, 4, 5, 6, 7, 8, 9], salt="tenant-a")).num_tokens > 0
 
 
 def test_different_salts_do_not_share_blocks():

@@ -19,8 +19,14 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
 from engine.loader import default_model_path, load_model
@@ -56,7 +62,8 @@ TOKENIZER_TEXTS = [
 
 def _engine(model: str | None) -> LLMEngine:
     # CPU float32 even on a GPU machine: the point is rounding-level agreement, not bf16 agreement.
-    return LLMEngine(EngineConfig(model=model, kv_cache_tokens=8192, device="cpu", dtype="float32", weight_dtype="float32"))
+    return LLMEngine(EngineConfig(model=model, kv_cache_tokens=8192, device="cpu", dtype="float32",
+                                  weight_dtype="float32"))
 
 
 def _ids(encoded) -> list[int]:

@@ -1,4 +1,4 @@
-"""Property-based tests of the block manager and scheduler (no model: a fake runner advances sequences).
+"""Property-based tests of the block manager and scheduler (no model: a fake runner samples tokens).
 
 Under any sequence of add, step, finish, abort and preemption: no block leaks, no block is used
 without a reference, reference counts equal the block-table references, every scheduled sequence has
@@ -8,14 +8,16 @@ room for its tokens, and all blocks are free again once every request has ended.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.request import EngineRequest, SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SeqStatus
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import SeqStatus, Sequence
 
 BLOCK = 4
 
@@ -35,20 +37,32 @@ def check_invariants(bm: BlockManager, sched: Scheduler) -> None:
     assert len(sched.running) <= sched.config.max_running_requests
 
 
+def sample_all(out: SchedulerOutput, token: Callable[[Sequence], int] = lambda seq: 0) -> dict[Sequence, int]:
+    """A fake model runner: every sequence whose last uncomputed token was scheduled samples a token."""
+    return {seq: token(seq) for seq, n in out.scheduled.items() if n == seq.num_uncomputed}
+
+
+def run_step(sched: Scheduler) -> SchedulerOutput:
+    out = sched.schedule()
+    sched.update_from_output(out, sample_all(out))
+    return out
+
+
 def fake_step(bm: BlockManager, sched: Scheduler, rng: st.DataObject) -> None:
     out = sched.schedule()
-    assert out.num_tokens <= sched.config.max_num_batched_tokens
+    assert out.num_tokens == sum(out.scheduled.values()) <= sched.config.max_num_batched_tokens
     for seq, n in out.scheduled.items():
         assert seq.status is SeqStatus.RUNNING
         assert len(seq.block_table) * BLOCK >= seq.num_computed_tokens + n, "scheduled without room"
         assert 1 <= n <= seq.num_uncomputed
-        seq.num_computed_tokens += n
-        bm.commit(seq)
+    computed = {seq: seq.num_computed_tokens + n for seq, n in out.scheduled.items()}
+    sampled = sample_all(out, lambda seq: rng.draw(st.integers(0, 3), label="token"))
+    sched.update_from_output(out, sampled)
     for seq in out.scheduled:
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.output_token_ids.append(rng.draw(st.integers(0, 3), label="token"))
-            if len(seq.output_token_ids) >= seq.max_tokens:
-                sched.remove(seq)
+        if seq.status is SeqStatus.RUNNING:
+            assert seq.num_computed_tokens == computed[seq]
+        else:  # no stop tokens here: only the output limit ends a sequence
+            assert seq.finish_reason == "length" and len(seq.output_token_ids) == seq.max_tokens
     check_invariants(bm, sched)
 
 
@@ -118,14 +132,8 @@ def test_priority_then_arrival_then_aging():
         sched.add(s)
     order = []
     while sched.has_unfinished():
-        out = sched.schedule()
-        for seq, n in out.scheduled.items():
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.output_token_ids.append(0)
-                if len(seq.output_token_ids) >= seq.max_tokens:
-                    order.append(seq.request_id)
-                    sched.remove(seq)
+        out = run_step(sched)
+        order += [seq.request_id for seq in out.scheduled if seq.status is SeqStatus.FINISHED]
     assert order == ["old-standard", "pro", "pro-late", "standard"]
 
 
@@ -137,11 +145,8 @@ def test_waiting_pro_preempts_running_standard_which_keeps_its_place():
     s1, s2 = _seq("std1", [1] * 5, 1, 1.0, 50), _seq("std2", [2] * 5, 1, 2.0, 50)
     sched.add(s1)
     sched.add(s2)
-    out = sched.schedule()
+    out = run_step(sched)
     assert set(out.scheduled) == {s1, s2}
-    for seq, n in out.scheduled.items():
-        seq.num_computed_tokens += n
-        seq.output_token_ids.append(0)
     now[0] = 3.0
     pro = _seq("pro", [3] * 5, 0, 3.0, 50)
     std3 = _seq("std3", [4] * 5, 1, 3.5, 50)
@@ -165,15 +170,9 @@ def test_memory_pressure_preempts_lowest_rank_and_recovers():
     for _ in range(200):
         if not sched.has_unfinished():
             break
-        out = sched.schedule()
+        out = run_step(sched)
         preempted += len(out.preempted)
-        for seq, n in out.scheduled.items():
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.output_token_ids.append(0)
-                if len(seq.output_token_ids) >= seq.max_tokens:
-                    finished.append(seq.request_id)
-                    sched.remove(seq)
+        finished += [seq.request_id for seq in out.scheduled if seq.status is SeqStatus.FINISHED]
     assert sorted(finished) == ["s0", "s1", "s2"]
     assert preempted > 0
     assert bm.num_free_blocks == 6
@@ -186,13 +185,38 @@ def test_prefix_cache_hit_skips_cached_tokens():
     shared = list(range(100, 120))  # 5 full blocks
     a = _seq("a", shared + [1, 2], 0, 1.0, 1)
     sched.add(a)
-    out = sched.schedule()
+    out = run_step(sched)
     assert out.scheduled[a] == 22
-    a.num_computed_tokens += 22
-    bm.commit(a)
-    sched.remove(a)
+    assert a.finish_reason == "length" and len(bm.cached) == 5  # finished; its full blocks stay cached
     b = _seq("b", shared + [7, 8, 9], 0, 2.0, 1)
     sched.add(b)
     out = sched.schedule()
     assert out.scheduled[b] == 3  # only the uncached tail is computed
     assert b.num_cached_tokens == 20
+
+
+def test_update_from_output_advances_commits_appends_and_stops():
+    cfg = EngineConfig(max_running_requests=4, max_num_batched_tokens=8, chunked_prefill_size=8, block_size=BLOCK)
+    bm = BlockManager(16, BLOCK)
+    sched = Scheduler(cfg, bm, clock=lambda: 0.0)
+    req = EngineRequest("s", list(range(10)), SamplingParams(max_tokens=5, stop_token_ids=[7]))
+    seq = Sequence.from_request(req, 5, eos_token_ids=[9])
+    assert seq.stop_token_ids == {7, 9}
+    sched.add(seq)
+    out = sched.schedule()
+    assert out.scheduled[seq] == 8
+    sched.update_from_output(out, {})  # a partial prefill chunk samples nothing
+    assert seq.num_computed_tokens == 8 and not seq.output_token_ids and len(bm.cached) == 2
+    out = sched.schedule()
+    assert out.scheduled[seq] == 2
+    sched.update_from_output(out, {seq: 3})
+    assert seq.num_computed_tokens == 10 and seq.output_token_ids == [3] and seq.finish_reason is None
+    out = sched.schedule()
+    sched.update_from_output(out, {seq: 9})  # eos
+    assert seq.finish_reason == "stop" and seq.status is SeqStatus.FINISHED and not sched.has_unfinished()
+    assert bm.num_free_blocks == 16
+
+
+def test_ignore_eos_keeps_only_the_requested_stop_ids():
+    req = EngineRequest("s", [1], SamplingParams(stop_token_ids=[7], ignore_eos=True))
+    assert Sequence.from_request(req, 5, eos_token_ids=[9]).stop_token_ids == {7}

@@ -1,4 +1,4 @@
-"""One request that makes a step fail must not fail the other requests of that step (issue 9, item 3)."""
+"""One request that makes a step fail must not fail the other requests of that step."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_a_request_that_breaks_the_step_fails_alone(engine, tokenizer):
 
     engine.add_request(_greedy("good", prompt))
     engine.add_request(EngineRequest("evil", prompt, SamplingParams(temperature=0.8, top_k=5, max_tokens=12)))
-    # What validation now refuses at the edge, smuggled past it: a top_k that overflows int64 in the sampler.
+    # What validation refuses at the edge, smuggled past it: a top_k that overflows int64 in the sampler.
     engine._seqs["evil"].sampling.top_k = 2**63
     outs: dict[str, list] = {"good": [], "evil": []}
     while engine.has_unfinished():

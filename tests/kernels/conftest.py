@@ -1,9 +1,11 @@
 """Kernel tests: each Triton kernel against its torch reference.
 
 Without a GPU they run on the CPU under TRITON_INTERPRET=1, which must be set before `triton` is
-imported (Triton builds its own library functions as interpreted or compiled at import). `kernels`
-imports Triton only at the first launch, so setting it here, at collection, is early enough; the rest
-of the suite never launches a Triton kernel on CPU tensors, so the variable changes nothing for it.
+imported (Triton builds its own library functions as interpreted or compiled at import, and each
+`@triton.jit` kernel when its module is imported). `import kernels` never imports Triton, and the test
+modules import `kernels.triton` after this file has run, so setting it here, at collection, is early
+enough; the rest of the suite never launches a Triton kernel on CPU tensors, so the variable changes
+nothing for it.
 With a CUDA GPU (and TRITON_INTERPRET unset) the same tests run the compiled kernels on the GPU.
 """
 
@@ -12,8 +14,8 @@ import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
     DEV = "cuda"

@@ -5,9 +5,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.decode_attention import decode_attention_ref, decode_attention_triton  # noqa: E402
+from kernels.reference.decode_attention import decode_attention_ref
+from kernels.triton.decode_attention import decode_attention_triton
 
-from .conftest import DEV, close, paged_layout  # noqa: E402
+from .conftest import DEV, close, paged_layout
 
 pytestmark = pytest.mark.triton
 

@@ -9,7 +9,7 @@ import torch
 
 import kernels
 from kernels import dispatch
-from kernels.paged_attention import paged_attention_ref
+from kernels.reference.paged_attention import paged_attention_ref
 
 
 def test_import_without_triton():
@@ -21,7 +21,7 @@ def test_import_without_triton():
 
 
 def rms_norm(x, weight, eps):
-    """The textbook formulas (the engine's math before it moved behind the dispatch point)."""
+    """The textbook formulas, written out independently of kernels/."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (x32 * weight.float()).to(x.dtype)
@@ -56,16 +56,14 @@ def test_torch_branches_match_the_reference_math_exactly(monkeypatch):
 
 
 def test_cpu_defaults_to_torch_and_env_forces(monkeypatch):
-    from kernels import _triton
-
     x = torch.randn(2, 2)
     monkeypatch.delenv("SLUICE_KERNELS", raising=False)
-    assert not _triton.use_triton(x)
+    assert not dispatch.use_triton(x)
     monkeypatch.setenv("SLUICE_KERNELS", "torch")
-    assert not _triton.use_triton(x)
+    assert not dispatch.use_triton(x)
     monkeypatch.setenv("SLUICE_KERNELS", "bogus")
     with pytest.raises(ValueError):
-        _triton.use_triton(x)
+        dispatch.use_triton(x)
 
 
 @pytest.mark.triton
@@ -76,11 +74,15 @@ def test_forced_triton_runs_the_kernels(monkeypatch):
 
     monkeypatch.setenv("SLUICE_KERNELS", "triton")
     calls = []
-    real = dispatch.paged_attention_triton
-    monkeypatch.setattr(dispatch, "paged_attention_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    from kernels.triton import paged_attention as triton_paged_attention
+
+    real = triton_paged_attention.paged_attention_triton
+    monkeypatch.setattr(triton_paged_attention, "paged_attention_triton",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     bs, hkv, d = 4, 2, 64
     meta = kernels.AttentionMetadata(
-        slot_mapping=torch.tensor([5, 8, 9, 10], device=DEV), block_tables=torch.tensor([[1, 0], [2, 0]], dtype=torch.int32, device=DEV),
+        slot_mapping=torch.tensor([5, 8, 9, 10], device=DEV),
+        block_tables=torch.tensor([[1, 0], [2, 0]], dtype=torch.int32, device=DEV),
         seq_lens=torch.tensor([2, 3], dtype=torch.int32, device=DEV),
         query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32, device=DEV),
         num_decodes=1, block_size=bs, query_lens_host=[1, 3], seq_lens_host=[2, 3], max_decode_len=2)

@@ -1,16 +1,21 @@
-"""Fused add+RMSNorm, in-place RoPE, SiLU-and-mul and the K/V cache write (Triton, interpreted) against the references."""
+"""Fused add+RMSNorm, in-place RoPE, SiLU-and-mul and the K/V cache write (Triton, interpreted) against
+the references."""
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
-from kernels.kv_cache import write_kv_ref, write_kv_triton  # noqa: E402
-from kernels.rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton  # noqa: E402
-from kernels.rotary import rotary_inplace_ref, rotary_inplace_triton  # noqa: E402
+from kernels.reference.activation import silu_and_mul_ref
+from kernels.reference.kv_cache import write_kv_ref
+from kernels.reference.rms_norm import fused_add_rms_norm_ref
+from kernels.reference.rotary import rotary_inplace_ref
+from kernels.triton.activation import silu_and_mul_triton
+from kernels.triton.kv_cache import write_kv_triton
+from kernels.triton.rms_norm import fused_add_rms_norm_triton
+from kernels.triton.rotary import rotary_inplace_triton
 
-from .conftest import DEV, DTYPES, close  # noqa: E402
+from .conftest import DEV, DTYPES, close
 
 pytestmark = pytest.mark.triton
 

@@ -5,17 +5,20 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.extend_attention import extend_attention_ref, extend_attention_triton  # noqa: E402
-from kernels.paged_attention import (AttentionMetadata, paged_attention_ref,  # noqa: E402
-                                     paged_attention_triton)
+from kernels.metadata import AttentionMetadata
+from kernels.reference.extend_attention import extend_attention_ref
+from kernels.reference.paged_attention import paged_attention_ref
+from kernels.triton.extend_attention import extend_attention_triton
+from kernels.triton.paged_attention import paged_attention_triton
 
-from .conftest import DEV, close, paged_layout  # noqa: E402
+from .conftest import DEV, close, paged_layout
 
 pytestmark = pytest.mark.triton
 
 # (dtype, H, Hkv, D, block_size, [(cached prefix, new tokens)]); BLOCK_M = BLOCK_N = 16 on CPU.
 CASES = [
-    (torch.float32, 4, 4, 64, 4, [(0, 1), (0, 5), (3, 17), (16, 16)]),  # GQA 1; fresh prefill of 1; prefix at a block edge
+    # GQA 1; fresh prefill of 1; prefix at a block edge
+    (torch.float32, 4, 4, 64, 4, [(0, 1), (0, 5), (3, 17), (16, 16)]),
     (torch.float32, 8, 2, 128, 16, [(0, 33), (15, 2), (17, 1)]),  # GQA 4, D 128; a 1-token chunk after a prefix
     (torch.float32, 8, 1, 64, 8, [(7, 9), (0, 20)]),  # GQA 8
     (torch.float16, 8, 2, 64, 4, [(5, 11), (0, 18)]),

@@ -2,7 +2,6 @@
 
 import math
 
-import pytest
 import torch
 
 from kernels.sampling import sample_tokens, sample_tokens_ref, uniform_noise

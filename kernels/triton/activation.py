@@ -1,24 +1,15 @@
-"""SiLU-and-multiply over a fused gate/up projection: the torch reference and the Triton kernel.
-
-`silu_and_mul(gate_up)` with `gate_up = [..., 2 * I]` (gate first, then up) returns
-`silu(gate) * up` of shape `[..., I]`, as the engine's `gate, up = x.chunk(2, -1)` does.
-"""
+"""SiLU-and-multiply (contract: `kernels.reference.activation`): one program per row and column block."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from ._triton import jit, next_pow2
-
-tl = None  # triton.language, set by _triton.jit at the first launch (kernels import without Triton)
-
-
-def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+from .common import cdiv, next_pow2
 
 
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -39,10 +30,6 @@ def silu_and_mul_triton(gate_up: torch.Tensor, block: int | None = None) -> torc
     out = torch.empty((n_rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     if n_rows:
         block = block or min(1024, next_pow2(inter))
-        jit(_silu_and_mul_kernel)[(n_rows, triton_cdiv(inter, block))](
+        _silu_and_mul_kernel[(n_rows, cdiv(inter, block))](
             x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out.view(*shape[:-1], inter)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b

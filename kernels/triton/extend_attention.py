@@ -1,9 +1,5 @@
-"""Prefill/extend attention over a paged KV cache: a chunk of new tokens attends causally to itself
-and to its sequence's cached prefix (prefix-cache hits, earlier chunks of a chunked prefill).
+"""Prefill/extend attention over a paged KV cache (contract: `kernels.reference.extend_attention`).
 
-The new tokens' K/V must already be in the cache (`write_kv` first). Sequence s's query tokens are
-`q[query_start_loc[s]:query_start_loc[s+1]]`; its context is `seq_lens[s]` tokens, the last
-`query_len` of which are the new ones, so query i sits at position `seq_len - query_len + i`.
 Triton grid: (sequences, query heads, query tiles of BLOCK_M); K/V are gathered through the block
 table tile by tile and the causal bound stops each tile at its last query's position.
 """
@@ -13,39 +9,18 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from ._triton import dot_in_f32, dot_precision, jit, next_pow2
-
-tl = None  # triton.language, set by _triton.jit at the first launch (kernels import without Triton)
-
-
-def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
-                         first_seq: int = 0, scale: float | None = None, out: torch.Tensor | None = None,
-                         ) -> torch.Tensor:
-    """q [T, H, D]. Fills rows of `out` for sequences first_seq.. (per-sequence host loop)."""
-    out = torch.empty_like(q) if out is None else out
-    h = q.shape[1]
-    hkv = k_cache.shape[1]
-    for s in range(first_seq, len(seq_lens)):
-        a, b = int(query_start_loc[s]), int(query_start_loc[s + 1])
-        n, qlen = int(seq_lens[s]), b - a
-        pos = torch.arange(n, device=q.device)
-        slots = block_tables[s, pos // block_size].long() * block_size + pos % block_size
-        k = k_cache[slots].float().repeat_interleave(h // hkv, dim=1).transpose(0, 1)  # [H, n, D]
-        v = v_cache[slots].float().repeat_interleave(h // hkv, dim=1).transpose(0, 1)
-        qpos = torch.arange(n - qlen, n, device=q.device)
-        mask = pos[None, :] <= qpos[:, None]
-        o = F.scaled_dot_product_attention(q[a:b].float().transpose(0, 1), k, v, attn_mask=mask, scale=scale)
-        out[a:b] = o.transpose(0, 1).to(q.dtype)
-    return out
+from .common import dot_in_f32, dot_precision, next_pow2
 
 
+@triton.jit
 def _extend_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, scale, first_seq,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_vs, stride_vh,
                    stride_bt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+                   DOT_F32: tl.constexpr):
     s = first_seq + tl.program_id(0)
     h = tl.program_id(1)
     tile = tl.program_id(2)
@@ -118,10 +93,10 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_n = (64 if d <= 64 else 32) if q.is_cuda else 16
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     grid = (num_seqs, h, (max_query_len + block_m - 1) // block_m)
-    jit(_extend_kernel)[grid](
+    _extend_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, float(scale), first_seq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), GROUP=h // hkv, HEAD_DIM=d,
-        BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=block_size, DOT_PREC=dot_precision(q.dtype), DOT_F32=dot_in_f32(q.dtype),
-        num_warps=4)
+        BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=block_size, DOT_PREC=dot_precision(q.dtype),
+        DOT_F32=dot_in_f32(q.dtype), num_warps=4)
     return out

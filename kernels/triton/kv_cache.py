@@ -1,25 +1,16 @@
-"""Writing this step's K/V into their cache slots: the torch reference and the Triton kernel.
-
-Cache of one layer: `[num_slots, kv_heads, head_dim]`, slot = block * block_size + offset.
-`slot_mapping[t]` is token t's slot; a negative slot skips the token (padding rows of a CUDA-graph
-batch bucket). k, v `[T, Hkv, D]` may be strided views of a fused QKV output.
-"""
+"""Writing this step's K/V into their cache slots (contract: `kernels.reference.kv_cache`): one program
+per token. A negative slot skips the token (padding rows of a CUDA-graph batch bucket)."""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from ._triton import jit, next_pow2
-
-tl = None  # triton.language, set by _triton.jit at the first launch (kernels import without Triton)
-
-
-def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+from .common import next_pow2
 
 
+@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcs, stride_kch, stride_vcs, stride_vch, NUM_HEADS: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
@@ -42,7 +33,7 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     t, hkv, d = k.shape
     if t == 0:
         return
-    jit(_write_kv_kernel)[(t,)](
+    _write_kv_kernel[(t,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         NUM_HEADS=hkv, HEAD_DIM=d, BLOCK=next_pow2(hkv * d), num_warps=4)

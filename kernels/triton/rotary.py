@@ -1,35 +1,16 @@
-"""Rotary position embedding applied in place to q and k: the torch reference and the Triton kernel.
-
-Rotate-half layout (Hugging Face Llama): for x = [x1, x2] split at head_dim / 2,
-rope(x) = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]. `cos`/`sin` are the full tables
-`[max_positions, head_dim // 2]` (fp32) and `positions` `[T]` picks each token's row; q `[T, H, D]`
-and k `[T, Hkv, D]` may be strided views (e.g. slices of a fused QKV output) with unit stride on D.
-"""
+"""Rotary position embedding in place (contract: `kernels.reference.rotary`): one program per token,
+rotating its query heads and then its key heads."""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from ._triton import jit, next_pow2
-
-tl = None  # triton.language, set by _triton.jit at the first launch (kernels import without Triton)
-
-
-def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The engine's math: x [tokens, heads, head_dim]; cos/sin [tokens, head_dim // 2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+from .common import next_pow2
 
 
-def rotary_inplace_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       positions: torch.Tensor) -> None:
-    c, s = cos[positions], sin[positions]
-    q.copy_(apply_rope_ref(q, c, s))
-    k.copy_(apply_rope_ref(k, c, s))
-
-
+@triton.jit
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_cos, num_q_heads, num_k_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_HALF: tl.constexpr):
@@ -69,6 +50,6 @@ def rotary_inplace_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, s
         return
     half = d // 2
     block_h = min(16, next_pow2(max(hq, hk)))
-    jit(_rotary_kernel)[(t,)](q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                              cos.stride(0), hq, hk, HALF=half, BLOCK_H=block_h, BLOCK_HALF=next_pow2(half),
-                              num_warps=4)
+    _rotary_kernel[(t,)](q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                         cos.stride(0), hq, hk, HALF=half, BLOCK_H=block_h, BLOCK_HALF=next_pow2(half),
+                         num_warps=4)

@@ -1,32 +1,15 @@
-"""RMSNorm fused with the residual add: the torch reference and the Triton kernel.
-
-`fused_add_rms_norm(x, residual, weight, eps)` returns `(rms_norm(residual + x), residual + x)`;
-with `residual=None` it is a plain RMSNorm and the second result is `x`. Statistics in fp32, the
-sum rounded to the activation dtype before normalising (what the engine's
-`h = h + out; rms_norm(h)` does).
-"""
+"""RMSNorm fused with the residual add (contract: `kernels.reference.rms_norm`): one program per row."""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from ._triton import jit, next_pow2
-
-tl = None  # triton.language, set by _triton.jit at the first launch (kernels import without Triton)
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * weight.float()).to(x.dtype)
+from .common import next_pow2
 
 
-def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    h = x if residual is None else residual + x
-    return rms_norm_ref(h, weight, eps), h
-
-
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_r, stride_o,
                      stride_ro, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -63,7 +46,7 @@ def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, we
         r2, res_out = x2, out  # unused
     if n_rows:
         block = next_pow2(n_cols)
-        jit(_rms_norm_kernel)[(n_rows,)](
+        _rms_norm_kernel[(n_rows,)](
             x2, r2, weight, out, res_out, n_cols, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             float(eps), HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     if residual is None:

@@ -1,4 +1,5 @@
-"""Paged decode attention: one query token per sequence, K/V read through block tables.
+"""Paged decode attention (contract: `kernels.reference.decode_attention`): one query token per
+sequence, K/V read through block tables.
 
 Grouped-query attention with any ratio of query to KV heads, variable context lengths in one launch,
 fp16/bf16/fp32 inputs with fp32 accumulation. The Triton path is split-KV ("flash decoding"): grid
@@ -15,34 +16,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from ._triton import dot_in_f32, dot_precision, jit, next_pow2, num_sms
-
-tl = None  # triton.language, set by _triton.jit at the first launch (kernels import without Triton)
-
-
-def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                         seq_lens: torch.Tensor, block_size: int, scale: float | None = None) -> torch.Tensor:
-    """q [S, H, D]; caches [slots, Hkv, D]; block_tables [S, max_blocks]; seq_lens [S]. Returns [S, H, D].
-
-    Straightforward per-sequence reference (host loop), independent of `paged_attention_ref`'s batching.
-    """
-    out = torch.empty_like(q)
-    s_count, h, d = q.shape
-    hkv = k_cache.shape[1]
-    for s in range(s_count):
-        n = int(seq_lens[s])
-        pos = torch.arange(n, device=q.device)
-        slots = block_tables[s, pos // block_size].long() * block_size + pos % block_size
-        k = k_cache[slots].float().repeat_interleave(h // hkv, dim=1)  # [n, H, D]
-        v = v_cache[slots].float().repeat_interleave(h // hkv, dim=1)
-        o = F.scaled_dot_product_attention(q[s].float()[:, None, :], k.transpose(0, 1), v.transpose(0, 1),
-                                           scale=scale)
-        out[s] = o[:, 0, :].to(q.dtype)
-    return out
+from .common import dot_in_f32, dot_precision, next_pow2, num_sms
 
 
+@triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, po_ptr, pm_ptr, pl_ptr, scale,
                    stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -99,6 +79,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, po_ptr, pm_ptr, 
     tl.store(po_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
 
 
+@triton.jit
 def _merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, stride_os, stride_oh, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
@@ -109,11 +90,11 @@ def _merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, stride_os, stride_oh, HEAD_DI
     smask = sp < NUM_SPLITS
     row = (s * num_heads + h) * NUM_SPLITS + sp
     m = tl.load(pm_ptr + row, mask=smask, other=float("-inf"))
-    l = tl.load(pl_ptr + row, mask=smask, other=0.0)
+    lsum = tl.load(pl_ptr + row, mask=smask, other=0.0)
     acc = tl.load(po_ptr + row[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
-    total = tl.sum(w * l, 0)
+    total = tl.sum(w * lsum, 0)
     o = tl.sum(acc * w[:, None], 0) / total
     tl.store(out_ptr + s * stride_os + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -155,12 +136,13 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     part_o = torch.empty((s_count, h, splits, block_d), dtype=torch.float32, device=q.device)
     part_m = torch.empty((s_count, h, splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty((s_count, h, splits), dtype=torch.float32, device=q.device)
-    jit(_decode_kernel)[(s_count, hkv, splits)](
+    _decode_kernel[(s_count, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_m, part_l, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_D=block_d,
-        BLOCK_N=block_n, PAGE=block_size, NUM_SPLITS=splits, DOT_PREC=dot_precision(q.dtype), DOT_F32=dot_in_f32(q.dtype), num_warps=4)
-    jit(_merge_kernel)[(s_count, h)](
+        BLOCK_N=block_n, PAGE=block_size, NUM_SPLITS=splits, DOT_PREC=dot_precision(q.dtype),
+        DOT_F32=dot_in_f32(q.dtype), num_warps=4)
+    _merge_kernel[(s_count, h)](
         part_o, part_m, part_l, out, out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=block_d,
         NUM_SPLITS=splits, BLOCK_SPLITS=max(2, next_pow2(splits)), num_warps=4)
     return out

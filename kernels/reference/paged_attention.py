@@ -1,0 +1,48 @@
+"""Attention over a paged KV cache for one step: write this step's K/V, then attend.
+
+Sequences are ordered decodes first (one query token each), then prefill/extend chunks; a chunk
+attends causally to itself and to everything already cached for its sequence (prefix-cache hits and
+earlier chunks), which is what chunked prefill and prefix caching need.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..metadata import AttentionMetadata
+from .kv_cache import write_kv_ref
+
+
+def paged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's new tokens). Writes k/v into the cache, returns [T, H, D]."""
+    write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        blocks, mask = meta.decode_gather()
+        paged = (-1, meta.block_size, *k_cache.shape[1:])
+        kk = k_cache.view(paged)[blocks].flatten(1, 2).transpose(1, 2)  # [Nd, Hkv, L, D]
+        vv = v_cache.view(paged)[blocks].flatten(1, 2).transpose(1, 2)
+        qq = q[:nd].unsqueeze(2)  # [Nd, H, 1, D]
+        out[:nd] = F.scaled_dot_product_attention(qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=mask,
+                                                  enable_gqa=True).squeeze(2)
+    start = nd
+    for s in range(nd, len(meta.query_lens_host)):
+        qlen, ctx = meta.query_lens_host[s], meta.seq_lens_host[s]
+        qs = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if ctx == qlen:  # nothing cached before this chunk: attend to the new keys directly
+            ks, vs = k[start:start + qlen], v[start:start + qlen]
+            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                                               is_causal=True, enable_gqa=True)
+        else:
+            idx = meta.context_slots(s)
+            ks, vs = k_cache[idx].to(q.dtype), v_cache[idx].to(q.dtype)
+            qpos = torch.arange(ctx - qlen, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                                               attn_mask=mask, enable_gqa=True)
+        out[start:start + qlen] = o.squeeze(0).transpose(0, 1)
+        start += qlen
+    return out
