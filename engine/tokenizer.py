@@ -17,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .loader import LoadedModel, load_model
+from .loader import LoadedModel
 
 # llama.cpp's pre-tokenizer names for byte-level BPE vocabularies, mapped to their split regexes.
 _GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -184,8 +184,3 @@ class IncrementalDetokenizer:
             self._prefix, self._read = self._read, len(self.ids)
             return delta
         return ""
-
-
-def load_tokenizer(model_path: str | None = None) -> Tokenizer:
-    """The model's tokenizer and chat template without its weights (for a gateway with no local engine)."""
-    return Tokenizer(load_model(model_path, with_weights=False))

@@ -172,11 +172,6 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_not_implemented(args: argparse.Namespace) -> int:
-    print(f"sluice {args.command}: not implemented yet", file=sys.stderr)
-    return 2
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice", description="OpenAI-compatible LLM gateway")
     p.add_argument("--log-level", default=os.environ.get("SLUICE_LOG_LEVEL", "INFO"))

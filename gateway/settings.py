@@ -240,9 +240,6 @@ class Settings(BaseSettings):
             raise ValueError("at least one tier must be configured")
         return v
 
-    def tier_priority(self, tier: str) -> int:
-        return self.tiers[tier].priority
-
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `EngineConfig`: the engine section plus the model section."""
         kw = dict(self.engine)

@@ -40,11 +40,6 @@ KEY_NAME: web.RequestKey[str] = web.RequestKey("sluice_key_name", str)
 RESPONSE: web.RequestKey[web.StreamResponse] = web.RequestKey("sluice_response", web.StreamResponse)
 
 
-async def remember_response(request: web.Request, response: web.StreamResponse) -> None:
-    """An `on_response_prepare` signal handler: keeps the response that is being sent."""
-    request[RESPONSE] = response
-
-
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

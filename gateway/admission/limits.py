@@ -11,11 +11,9 @@ LiteLLM and most gateways do it. The budget is checked against the key's recorde
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from gateway.settings import KeyLimits, LimitSettings
 
@@ -154,13 +152,3 @@ def make_limiter(settings: LimitSettings, queue_redis_url: str | None = None) ->
     if url:
         return RedisLimiter(settings, url)
     return MemoryLimiter(settings)
-
-
-def retry_after_header(seconds: float | None) -> dict[str, str]:
-    if seconds is None:
-        return {}
-    return {"Retry-After": str(max(1, math.ceil(seconds)))}
-
-
-def describe(v: Verdict) -> dict[str, Any]:
-    return {"reason": v.reason, "limit": v.limit}

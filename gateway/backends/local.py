@@ -66,12 +66,12 @@ class _LocalStream(ChoiceStream):
         pending = list(self._unfinished)
         # Shielded: a second cancellation of the handler must not skip the engine abort.
         if pending:
-            await asyncio.shield(_cancel_all(self._queue, pending))
+            await asyncio.shield(_cancel_requests(self._queue, pending))
         for s in self._subs:
             await s.close()
 
 
-async def _cancel_all(queue: RequestQueue, request_ids: list[str]) -> None:
+async def _cancel_requests(queue: RequestQueue, request_ids: list[str]) -> None:
     for rid in request_ids:
         await queue.cancel(rid)
 
@@ -112,6 +112,6 @@ class LocalBackend(Backend):
         finally:
             if not ok:  # QueueFull (or cancellation) halfway: undo what was queued
                 if queued:
-                    await asyncio.shield(_cancel_all(self.queue, queued))
+                    await asyncio.shield(_cancel_requests(self.queue, queued))
                 for s in subs:
                     await s.close()

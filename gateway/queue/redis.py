@@ -45,6 +45,7 @@ from typing import Any
 from engine.request import RequestOutput
 from gateway.messages import QueueItem, WorkerStats, output_from_dict, output_to_dict, queue_timeout_output
 from gateway.queue.base import CancellationInbox, QueueFull, RequestQueue, Subscription
+from gateway.tasks import cancel_and_wait, cancel_requested
 
 log = logging.getLogger("sluice.queue.redis")
 
@@ -315,13 +316,6 @@ def _now() -> float:
     return time.time()
 
 
-def cancel_requested() -> bool:
-    """True when the current task was asked to stop. redis-py can turn a CancelledError that lands
-    mid-command into a ConnectionError, so retry loops check this before retrying."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
 class _RedisSubscription(Subscription):
     """Reads one request's result stream from the last id seen; drops repeated sequence numbers."""
 
@@ -394,7 +388,6 @@ class RedisQueue(RequestQueue):
                 raise ValueError("RedisQueue needs a url or a client")
             client = make_redis_client(url, decode_responses=True)
         self._r = client
-        self._url = url
         self.prefix = prefix
         self.lease_s = lease_s
         self.renew_interval_s = lease_s / 3
@@ -443,16 +436,12 @@ class RedisQueue(RequestQueue):
                 log.warning("reaper: %s; retrying", e)
 
     async def close(self) -> None:
-        pending = {t for t in (self._reaper_task, self._cancel_task) if t is not None and not t.done()}
-        while pending:  # re-cancel: redis-py can absorb a CancelledError mid-command
-            for t in pending:
-                t.cancel()
-            _, pending = await asyncio.wait(pending, timeout=0.5)
+        await cancel_and_wait([t for t in (self._reaper_task, self._cancel_task) if t is not None])
         self._reaper_task = self._cancel_task = None
         try:
             await self._r.aclose()
-        except Exception:
-            pass
+        except Exception as e:  # closing anyway: the connections go with the process
+            log.debug("closing the Redis client failed: %s", e)
 
     # ------------------------------------------------------------ requests
 
@@ -590,8 +579,8 @@ class RedisQueue(RequestQueue):
             finally:
                 try:
                     await pubsub.aclose()
-                except Exception:
-                    pass
+                except Exception as e:  # resubscribing next: the old connection is dropped either way
+                    log.debug("closing the cancel subscription failed: %s", e)
 
     async def start_cancel_listener(self) -> None:
         if self._cancel_task is None:

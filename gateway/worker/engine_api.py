@@ -8,10 +8,6 @@ from typing import Any, Protocol
 from engine.request import EngineRequest, RequestOutput
 
 
-class EngineConfigView(Protocol):
-    max_running_requests: int
-
-
 class ModelFrontend(Protocol):
     """What the HTTP layer needs of the model: an engine, or a `Frontend` when engines run elsewhere."""
 
@@ -22,7 +18,7 @@ class ModelFrontend(Protocol):
 
 
 class Engine(ModelFrontend, Protocol):
-    config: Any  # an EngineConfigView: only max_running_requests is read
+    config: Any  # the engine's config: only max_running_requests is read
 
     def add_request(self, req: EngineRequest) -> None: ...
 

@@ -43,7 +43,7 @@ class Frontend:
         from engine.loader import load_model
         from engine.tokenizer import Tokenizer
 
-        loaded = load_model(settings.model.path, with_weights=False)
+        loaded = load_model(settings.model.path, with_weights=False)  # the tokenizer and config, no weights
         self.tokenizer = Tokenizer(loaded)
         self.model_name: str = (settings.model.served_model_name or settings.engine.get("served_model_name")
                                 or loaded.name)

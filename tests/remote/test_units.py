@@ -111,7 +111,7 @@ def test_cost():
     assert p.cost(1_000_000, 200_000, 500_000) == pytest.approx(0.8 + 0.1 + 2.0)
 
 
-async def test_transport_errors_are_classified_like_httpx_did():
+async def test_transport_errors_are_classified_as_connection_failures():
     """The aiohttp transport maps every aiohttp connection error to httpx2's ConnectTimeout; a refused
     connection or a server that hangs up is still a connection failure, a slow answer a timeout."""
     import asyncio

@@ -217,8 +217,8 @@ class RemoteStream(ChoiceStream):
             resp, self._resp = self._resp, None
             try:
                 await resp.aclose()
-            except Exception:
-                pass
+            except Exception as e:  # the upstream connection is discarded either way
+                log.debug("closing an upstream response failed: %s", e)
 
     async def _outputs(self, lines: AsyncIterator[str], parsed: _Parsed) -> AsyncIterator[ChoiceOutput]:
         """Upstream SSE lines -> ChoiceOutputs. Finish reasons are held until the usage chunk (or the

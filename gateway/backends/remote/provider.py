@@ -139,7 +139,7 @@ def classify(p: Provider, e: BaseException) -> AttemptFailure | None:
         if cause is not None:
             if isinstance(cause, (aiohttp.ServerTimeoutError, asyncio.TimeoutError, TimeoutError)):
                 return AttemptFailure(p.name, "timeout", "timed out")
-            # named as with the httpx transport: the SDK's error type, or httpx2's mid-stream
+            # the SDK's error type (before any byte), or the transport's (mid-stream)
             name = "APIConnectionError" if isinstance(e, openai.APIError) else type(e).__name__
             return AttemptFailure(p.name, "connection", f"connection failed ({name})")
     if isinstance(e, openai.APIStatusError):
