@@ -9,9 +9,17 @@ at each concurrency (closed loop for `--seconds`), it reports requests/s, p50/p9
 gateway adds to the direct figures, TTFT, the gateway's CPU per request (and per streamed chunk) from
 /proc, and errors (a fast 429/503 under overload counts as an error, not a success). A second pass
 streams from a mock with `--itl-ms` between tokens and compares the relayed inter-token time with the
-upstream's (bunching would show as a smaller median gap and a larger p99).
+upstream's (bunching would show as a smaller median gap and a larger p99). Last, a summary against
+issue 10's goals: Sluice's CPU per JSON and streamed request at c=64 and c=256, its req/s as a multiple
+of LiteLLM's, and the p50 it adds at c=1.
 
     python -m bench.remote_overhead [--seconds 6] [--concurrency 1,64,256] [--no-litellm]
+                                    [--modes json,stream] [--no-fidelity] [--keyed]
+                                    [--gateway-env KEY=VALUE ...] [--gateway-python PATH]
+
+`--keyed` serves Sluice in key mode (a key from `sluice keys create`, as a deployment runs) instead of
+anonymous loopback mode; `--gateway-env`/`--gateway-python` run the gateway with other settings or
+another interpreter (e.g. one whose sitecustomize installs uvloop) to compare variants run by run.
 """
 
 from __future__ import annotations
@@ -58,8 +66,8 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def start(cmd: list[str], env: dict | None = None, log: str = "/dev/null") -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=open(log, "w"),
+def start(cmd: list[str], env: dict | None = None, log: str = "/dev/null", cwd: Path | None = None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=cwd or ROOT, env={**os.environ, **(env or {})}, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -93,7 +101,12 @@ def start_mock(itl_ms: float = 0.0, tokens: int = 16) -> tuple[subprocess.Popen,
     raise RuntimeError("mock provider did not start")
 
 
-def start_sluice(mock: str, tmp: str) -> tuple[subprocess.Popen, str]:
+def start_sluice(mock: str, tmp: str, *, extra_env: dict[str, str] | None = None, python: str | None = None,
+                 keyed: bool = False, root: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """`sluice serve` in front of `mock`; returns the process and its base URL. `keyed`: a key is created
+    first, so the gateway runs in key mode (its token: `sluice_token(tmp)`). `root`: another source tree
+    to run the gateway from (default: this checkout)."""
+    root = root or ROOT
     port = free_port()
     cfg = Path(tmp) / "sluice.toml"
     cfg.write_text(f"""
@@ -116,14 +129,29 @@ output_price_per_m = 0.60
 timeout_s = 30
 max_concurrent = 512
 """)
-    p = start([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
-              env={"OMP_WAIT_POLICY": "PASSIVE", "SLUICE_AUTH__KEYS_FILE": f"{tmp}/keys.json",
-                   "BENCH_MOCK_KEY": "sk-mock", "PYTHONPATH": str(ROOT)}, log=f"{tmp}/sluice.log")
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "SLUICE_AUTH__KEYS_FILE": f"{tmp}/keys.json",
+           "BENCH_MOCK_KEY": "sk-mock", "PYTHONPATH": str(root), **(extra_env or {})}
+    keys = Path(tmp) / "keys.json"
+    if keyed and not keys.exists():
+        out = subprocess.run([python or sys.executable, "-m", "gateway.cli", "keys", "create", "--config", str(cfg),
+                              "--keys-file", str(keys), "--name", "bench", "--tier", "standard"],
+                             cwd=root, env={**os.environ, **env}, capture_output=True, text=True, check=True)
+        (Path(tmp) / "key.txt").write_text(out.stdout.strip().splitlines()[-1])
+    elif not keyed and keys.exists():
+        keys.unlink()
+    p = start([python or sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], env=env,
+              log=f"{tmp}/sluice.log", cwd=root)
     # /ready, not /health: the engine loads in the background, and its load (and the gc.freeze the router
     # does once it is loaded, within a second) must not be billed to the first rows' requests.
     wait_ready(f"http://127.0.0.1:{port}/ready", proc=p)
     time.sleep(1.5)
     return p, f"http://127.0.0.1:{port}/v1"
+
+
+def sluice_token(tmp: str) -> str:
+    """The bearer token for the gateway started by `start_sluice(..., keyed=True)`, else any string."""
+    f = Path(tmp) / "key.txt"
+    return f.read_text().strip() if f.exists() else LITELLM_KEY
 
 
 def start_litellm(mock: str, tmp: str) -> tuple[subprocess.Popen, str]:
@@ -138,17 +166,20 @@ model_list:
       api_key: sk-mock
 """)
     p = start([str(LITELLM), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port)],
-              env={"LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": LITELLM_KEY}, log=f"{tmp}/litellm.log")
+              # the bundled cost map: no fetch from GitHub at start (retries for seconds offline)
+              env={"LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": LITELLM_KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+              log=f"{tmp}/litellm.log")
     wait_ready(f"http://127.0.0.1:{port}/health/liveliness", timeout=180, proc=p)
     return p, f"http://127.0.0.1:{port}/v1"
 
 
-async def one(s: aiohttp.ClientSession, base: str, model: str, stream: bool, rec: dict) -> None:
+async def one(s: aiohttp.ClientSession, base: str, model: str, stream: bool, rec: dict,
+              token: str = LITELLM_KEY) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": "Say something short."}], "max_tokens": 16}
     if stream:
         body["stream"] = True
     t0 = time.perf_counter()
-    async with s.post(base + "/chat/completions", json=body, headers={"Authorization": f"Bearer {LITELLM_KEY}"}) as r:
+    async with s.post(base + "/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"}) as r:
         if r.status != 200:
             await r.read()
             rec["errors"].append(time.perf_counter() - t0)
@@ -172,14 +203,14 @@ async def one(s: aiohttp.ClientSession, base: str, model: str, stream: bool, rec
 
 
 async def run_load(base: str, model: str, stream: bool, conc: int, seconds: float, pid: int | None,
-                   grace: float) -> dict:
+                   grace: float, token: str = LITELLM_KEY) -> dict:
     rec: dict = {"lat": [], "ttft": [], "itl": [], "errors": [], "chunks": 0}
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
         # warm-up (connections, first-request costs)
         await asyncio.gather(*[one(s, base, model, stream, {"lat": [], "ttft": [], "itl": [], "errors": [],
-                                                             "chunks": 0}) for _ in range(min(conc, 8))])
+                                                             "chunks": 0}, token) for _ in range(min(conc, 8))])
         stop_at = time.perf_counter() + seconds
         cpu0 = cpu_seconds(pid) if pid else 0.0
         t0 = time.perf_counter()
@@ -187,7 +218,7 @@ async def run_load(base: str, model: str, stream: bool, conc: int, seconds: floa
         async def loop() -> None:
             while time.perf_counter() < stop_at:
                 try:
-                    await one(s, base, model, stream, rec)
+                    await one(s, base, model, stream, rec, token)
                 except Exception:
                     rec["errors"].append(0.0)
 
@@ -207,6 +238,38 @@ async def run_load(base: str, model: str, stream: bool, conc: int, seconds: floa
             "cpu_ms_chunk": cpu * 1e3 / max(1, rec["chunks"]) if stream else float("nan")}
 
 
+GOALS = {"cpu_json": 0.6, "cpu_stream": 1.0, "x_litellm": 15.0, "added_p50_c1_json": 1.0}
+
+
+def summary(results: dict, concs: list[int], modes: list[str]) -> list[str]:
+    """Issue 10's goals against this run's rows (absent rows are skipped)."""
+    out = ["# summary against the goals (issue 10 item 5)"]
+
+    def ok(good: bool) -> str:
+        return "ok  " if good else "MISS"
+
+    for mode in modes:
+        goal = GOALS["cpu_json" if mode == "json" else "cpu_stream"]
+        for c in (64, 256):
+            r = results.get(("sluice", mode, c))
+            if r is None:
+                continue
+            ll = results.get(("litellm", mode, c))
+            line = f"{ok(r['cpu_ms'] <= goal)} sluice {mode:6} c={c:<4} cpu/req {r['cpu_ms']:6.3f} ms (goal <= {goal})"
+            if ll is not None and ll["rps"] > 0:
+                x = r["rps"] / ll["rps"]
+                cpu_x = ll["cpu_ms"] / r["cpu_ms"] if r["cpu_ms"] > 0 else float("nan")
+                line += (f"   {ok(x >= GOALS['x_litellm'])} req/s {x:5.1f}x LiteLLM's (goal >= {GOALS['x_litellm']:g}x;"
+                         f" cpu/req {cpu_x:4.1f}x less)")
+            out.append(line)
+    r, d = results.get(("sluice", "json", 1)), results.get(("direct", "json", 1))
+    if r is not None and d is not None:
+        add = r["p50"] - d["p50"]
+        out.append(f"{ok(add <= GOALS['added_p50_c1_json'])} sluice json   c=1    added p50 {add:+6.2f} ms "
+                   f"(goal <= {GOALS['added_p50_c1_json']:g} ms)")
+    return out
+
+
 def fmt(name: str, mode: str, c: int, r: dict, direct: dict | None) -> str:
     add50 = r["p50"] - direct["p50"] if direct else float("nan")
     add99 = r["p99"] - direct["p99"] if direct else float("nan")
@@ -219,29 +282,40 @@ async def main_async(args: argparse.Namespace) -> None:
     tmp = tempfile.mkdtemp(prefix="sluice-remote-bench-")
     procs = []
     try:
+        genv = dict(kv.split("=", 1) for kv in args.gateway_env)
         mock_p, mock = start_mock()
         procs.append(mock_p)
-        targets = [("direct", mock, mock_p.pid, "up-model")]
-        sl_p, sl = start_sluice(mock, tmp)
+        targets = [("direct", mock, mock_p.pid, "up-model", LITELLM_KEY)]
+        sl_p, sl = start_sluice(mock, tmp, extra_env=genv, python=args.gateway_python, keyed=args.keyed)
         procs.append(sl_p)
-        targets.append(("sluice", sl, sl_p.pid, MODEL))
+        targets.append(("sluice", sl, sl_p.pid, MODEL, sluice_token(tmp)))
         if not args.no_litellm and LITELLM.exists():
             ll_p, ll = start_litellm(mock, tmp)
             procs.append(ll_p)
-            targets.append(("litellm", ll, ll_p.pid, MODEL))
+            targets.append(("litellm", ll, ll_p.pid, MODEL, LITELLM_KEY))
         elif not args.no_litellm:
             print("# LiteLLM not installed (bench/setup_litellm.sh); skipping it", flush=True)
         concs = [int(c) for c in args.concurrency.split(",")]
+        modes = args.modes.split(",")
         results: dict = {}
         print(f"# zero-latency mock, 16 tokens per answer, {args.seconds}s closed loop per row; cpu = the "
-              "target process (direct: the mock itself)", flush=True)
-        for mode in ("json", "stream"):
+              f"target process (direct: the mock itself); sluice {'keyed' if args.keyed else 'anonymous'}"
+              + (f", gateway env {genv}" if genv else "") + (f", gateway python {args.gateway_python}"
+                                                          if args.gateway_python else ""), flush=True)
+        for mode in modes:
             for c in concs:
-                for name, base, pid, model in targets:
-                    r = await run_load(base, model, mode == "stream", c, args.seconds, pid, args.grace)
+                for name, base, pid, model, token in targets:
+                    r = await run_load(base, model, mode == "stream", c, args.seconds, pid, args.grace, token)
                     results[(name, mode, c)] = r
                     print(fmt(name, mode, c, r, results.get(("direct", mode, c)) if name != "direct" else None),
                           flush=True)
+        for line in summary(results, concs, modes):
+            print(line, flush=True)
+        results_file = Path(tmp) / "results.json"
+        results_file.write_text(json.dumps({f"{k[0]}/{k[1]}/{k[2]}": v for k, v in results.items()}, indent=1))
+        if args.no_fidelity:
+            print(f"# raw results: {results_file}")
+            return
         # relay fidelity: upstream tokens 20 ms apart
         stop(mock_p)
         for p in procs[1:]:
@@ -249,21 +323,19 @@ async def main_async(args: argparse.Namespace) -> None:
         procs = []
         mock_p, mock = start_mock(itl_ms=args.itl_ms, tokens=16)
         procs.append(mock_p)
-        sl_p, sl = start_sluice(mock, tmp)
+        sl_p, sl = start_sluice(mock, tmp, extra_env=genv, python=args.gateway_python, keyed=args.keyed)
         procs.append(sl_p)
-        fid = [("direct", mock, "up-model"), ("sluice", sl, MODEL)]
+        fid = [("direct", mock, "up-model", LITELLM_KEY), ("sluice", sl, MODEL, sluice_token(tmp))]
         if not args.no_litellm and LITELLM.exists():
             ll_p, ll = start_litellm(mock, tmp)
             procs.append(ll_p)
-            fid.append(("litellm", ll, MODEL))
+            fid.append(("litellm", ll, MODEL, LITELLM_KEY))
         print(f"# relay fidelity: upstream sends a token every {args.itl_ms} ms", flush=True)
         for c in (1, 64):
-            for name, base, model in fid:
-                r = await run_load(base, model, True, c, args.seconds, None, args.grace)
+            for name, base, model, token in fid:
+                r = await run_load(base, model, True, c, args.seconds, None, args.grace, token)
                 print(f"{name:8} stream c={c:<4} inter-token p50 {r['itl50']:6.2f} mean {r['itl_mean']:6.2f} "
                       f"p99 {r['itl99']:6.2f} ms  ttft50 {r['ttft50']:6.1f} ms  n={r['n']}", flush=True)
-        results_file = Path(tmp) / "results.json"
-        results_file.write_text(json.dumps({f"{k[0]}/{k[1]}/{k[2]}": v for k, v in results.items()}, indent=1))
         print(f"# raw results: {results_file}")
     finally:
         for p in procs:
@@ -277,6 +349,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", default="1,64,256")
     p.add_argument("--itl-ms", type=float, default=20.0)
     p.add_argument("--no-litellm", action="store_true")
+    p.add_argument("--modes", default="json,stream")
+    p.add_argument("--no-fidelity", action="store_true", help="skip the relay-fidelity pass (--itl-ms)")
+    p.add_argument("--keyed", action="store_true", help="Sluice in key mode (a created key), not anonymous")
+    p.add_argument("--gateway-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable for the Sluice process (repeatable)")
+    p.add_argument("--gateway-python", default=None, help="interpreter for the Sluice process")
     asyncio.run(main_async(p.parse_args(argv)))
 
 

@@ -9,9 +9,9 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.servers import real_gateway, redis_server  # noqa: E402,F401  (session fixtures for every folder)
+from tests.servers import real_gateway, redis_server  # noqa: F401  (session fixtures for every folder)
