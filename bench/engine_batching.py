@@ -11,9 +11,8 @@ Both use the same engine, the same requests and the same slot count; the ratio i
 from __future__ import annotations
 
 import argparse
-import time
-
 import dataclasses
+import time
 
 from bench.common import mixed_workload
 from engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams

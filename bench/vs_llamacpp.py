@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> None:
                 results[(name, c)] = r
                 print(r.line(f"{name:9s}"), flush=True)
     for c in (1, 16):
-        l, s = results[("llama.cpp", c)], results[("sluice", c)]
-        print(f"c={c:<2d} sluice/llama.cpp: output tokens/s {(s.output_tokens / s.wall) / (l.output_tokens / l.wall):5.2f}x   "
-              f"TTFT p50 {pct(s.ttft, 50) / pct(l.ttft, 50):6.3f}x (lower is better)")
+        ref, s = results[("llama.cpp", c)], results[("sluice", c)]
+        print(f"c={c:<2d} sluice/llama.cpp: output tokens/s {(s.output_tokens / s.wall) / (ref.output_tokens / ref.wall):5.2f}x   "
+              f"TTFT p50 {pct(s.ttft, 50) / pct(ref.ttft, 50):6.3f}x (lower is better)")
 
 
 if __name__ == "__main__":
