@@ -30,12 +30,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import pct  # noqa: E402
-from engine.request import EngineRequest, SamplingParams  # noqa: E402
-from gateway.messages import QueueItem  # noqa: E402
-from gateway.queue.memory import MemoryQueue  # noqa: E402
-from gateway.worker.worker import EngineWorker  # noqa: E402
-from tests.gateway.fake_engine import FakeEngine  # noqa: E402
+from bench.common import pct
+from engine.request import EngineRequest, SamplingParams
+from gateway.messages import QueueItem
+from gateway.queue.memory import MemoryQueue
+from gateway.worker.worker import EngineWorker
+from tests.gateway.fake_engine import FakeEngine
 
 
 def _item(rid: str) -> QueueItem:

@@ -42,7 +42,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.logits_idx = torch.arange(n, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, hidden states)
         if capture:
             self._capture()
 
@@ -56,9 +56,12 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[:b + 1], num_decodes=b, block_size=self.block_size,
             query_lens_host=[1] * b, seq_lens_host=[1] * b, max_decode_len=max_len)
 
-    def _run_model(self, b: int, max_len: int) -> torch.Tensor:
-        return self.model(self.tokens[:b], self.positions[:b], self.kv_cache, self._meta(b, max_len),
-                          self.logits_idx[:b])
+    def _run_model(self, b: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, final hidden states): the runner recomputes exact logits from the hidden states of
+        rows that want logprobs, outside the graph."""
+        h = self.model.hidden(self.tokens[:b], self.positions[:b], self.kv_cache, self._meta(b, max_len),
+                              self.logits_idx[:b])
+        return self.model.logits(h), h
 
     def _capture(self) -> None:
         """Largest bucket first so the smaller graphs reuse its memory pool."""
@@ -79,8 +82,8 @@ class DecodeGraphs:
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
-            seq_lens: list[int]) -> torch.Tensor:
-        """Logits [n, vocab] for n decode sequences (n at most the largest bucket)."""
+            seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, vocab] and hidden states [n, hidden] for n decode sequences (n at most the largest bucket)."""
         n = len(tokens)
         b = self.bucket_for(n)
         assert b is not None, "batch larger than the largest bucket"
@@ -95,5 +98,7 @@ class DecodeGraphs:
         self.tables[:b].copy_(tables, non_blocking=True)
         if b in self.graphs:
             self.graphs[b].replay()
-            return self.outputs[b][:n]
-        return self._run_model(b, max(seq_lens))[:n]
+            logits, h = self.outputs[b]
+        else:
+            logits, h = self._run_model(b, max(seq_lens))
+        return logits[:n], h[:n]

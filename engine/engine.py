@@ -11,10 +11,12 @@ import time
 
 from .block_manager import BlockManager
 from .config import EngineConfig, EngineConfigError
+from .guide import Guides, GuideStats
 from .loader import load_model
 from .model_runner import ModelRunner
 from .output import OutputProcessor
 from .request import EngineRequest, RequestOutput, RequestRejected
+from .sampler import Sampled
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .tokenizer import Tokenizer
@@ -37,7 +39,11 @@ class LLMEngine:
             raise EngineConfigError(
                 f"max_model_len {self.max_model_len} exceeds the model's context length "
                 f"{loaded.args.max_position_embeddings}")
-        self.runner = ModelRunner(config, loaded)
+        self.stats = EngineStats()
+        vocab = loaded.args.vocab_size  # the logits' width
+        self.guides = Guides(self.tokenizer.to_json(), vocab, self.eos_token_ids, self.stats.guide)
+        self.max_token_id = min(vocab, self.tokenizer.vocab_size) - 1  # ids a request may name
+        self.runner = ModelRunner(config, loaded, self.guides)
         del loaded
         self.capacity_tokens = self.runner.num_blocks * config.block_size
         self.max_input_len = validate_limits(config, self.max_model_len, self.capacity_tokens)
@@ -45,7 +51,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self._seqs: dict[str, Sequence] = {}
         self._outputs: dict[str, OutputProcessor] = {}
-        self.stats = EngineStats()
         log.info("engine: model %s on %s (%s, weights %s), KV pool %d tokens in %d blocks of %d (%.1f MiB), "
                  "max_running_requests %d, loaded in %.1fs", self.model_name, self.runner.device,
                  str(self.runner.dtype).removeprefix("torch."), str(self.runner.weight_dtype).removeprefix("torch."),
@@ -72,9 +77,12 @@ class LLMEngine:
             req.sampling.validate()
         except ValueError as e:
             raise RequestRejected(str(e)) from e
-        bad = [t for t in req.sampling.stop_token_ids if not 0 <= t < self.tokenizer.vocab_size]
+        bad = [t for t in req.sampling.stop_token_ids if not 0 <= t <= self.max_token_id]
         if bad:
             raise RequestRejected(f"stop token id {bad[0]} is outside the vocabulary", param="stop_token_ids")
+        bad = [t for t in req.sampling.logit_bias if not 0 <= t <= self.max_token_id]
+        if bad:
+            raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary", param="logit_bias")
         room = self.max_model_len - prompt_len
         if self.config.req_max_output_len is not None:
             room = min(room, self.config.req_max_output_len)
@@ -89,6 +97,10 @@ class LLMEngine:
         seq = Sequence.from_request(req, max_tokens, self.runner.model.args.vocab_size, self.eos_token_ids)
         if seq.num_new_outputs < 0 or len(seq.output_token_ids) >= max_tokens:
             raise RequestRejected("the resumed tokens already reach max_tokens", param="max_tokens")
+        if req.sampling.guide is not None:
+            # Compiled here (cached per grammar), so a grammar that cannot be used is a rejection, never
+            # an error inside step(); a resumed request replays its tokens into its new matcher.
+            seq.guide = self.guides.matcher(req.sampling.guide, seq.output_token_ids)
         self._seqs[req.request_id] = seq
         self._outputs[req.request_id] = OutputProcessor(seq, self.tokenizer)
         self.scheduler.add(seq)
@@ -124,10 +136,10 @@ class LLMEngine:
             log.exception("a step of %d requests failed; retrying each alone", len(sched.scheduled))
             sampled = self._isolate_failure(sched.scheduled, outputs)
         self.stats.record_step(sched, time.perf_counter() - t0)
-        self.scheduler.update_from_output(sched, sampled)
-        for seq, token in sampled.items():
+        self.scheduler.update_from_output(sched, {seq: s.token for seq, s in sampled.items()})
+        for seq, s in sampled.items():
             proc = self._outputs[seq.request_id]
-            if proc.push(token):
+            if proc.push(s.token, s.logprob):
                 self.scheduler.finish(seq, "stop")
             out = proc.output()
             if seq.finish_reason is not None:
@@ -137,12 +149,13 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
-    def _isolate_failure(self, scheduled: dict[Sequence, int], outputs: list[RequestOutput]) -> dict[Sequence, int]:
+    def _isolate_failure(self, scheduled: dict[Sequence, int],
+                         outputs: list[RequestOutput]) -> dict[Sequence, Sampled]:
         """After a failed step: run each sequence's part of it alone; the ones that fail again are
         finished with an error, so one bad request never takes the rest of the batch down with it.
         The runner writes nothing to the sequences, so each retry computes exactly the tokens of the
         failed step (rewriting their K/V slots with the same values is harmless)."""
-        sampled: dict[Sequence, int] = {}
+        sampled: dict[Sequence, Sampled] = {}
         for seq, n in scheduled.items():
             try:
                 sampled.update(self.runner.execute({seq: n}))
@@ -218,9 +231,11 @@ def validate_limits(c: EngineConfig, max_model_len: int, capacity_tokens: int) -
 
 
 class EngineStats:
-    """Counters a worker can export: steps, tokens, preemptions, time spent stepping (for the busy ratio)."""
+    """Counters a worker can export: steps, tokens, preemptions, time spent stepping (for the busy ratio),
+    and constrained decoding's grammar compiles and token masks (`guide`: counts and host seconds)."""
 
     def __init__(self) -> None:
+        self.guide = GuideStats()
         self.steps = 0
         self.prefill_tokens = 0
         self.decode_tokens = 0

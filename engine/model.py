@@ -113,6 +113,7 @@ class LlamaModel(nn.Module):
             ))
         self.cos, self.sin = rope_tables(args, device)
 
+    @torch.inference_mode()
     def logits(self, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
         if self.lm_head_fast is None or exact:
             return self.lm_head(h).float()
@@ -130,6 +131,12 @@ class LlamaModel(nn.Module):
         sequence that samples this step), so a long prefill never builds a [T, vocab] matrix.
         `exact_logits`: every logit at full precision (scoring and tests), not only the top candidates.
         """
+        return self.logits(self.hidden(token_ids, positions, kv_cache, meta, logits_indices), exact_logits)
+
+    @torch.inference_mode()
+    def hidden(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The final normalised hidden states at `logits_indices` ([n, hidden]): what `logits` multiplies."""
         a = self.args
         x = self.embed[token_ids]
         residual = None
@@ -146,5 +153,4 @@ class LlamaModel(nn.Module):
             x, residual = fused_add_rms_norm(x, residual, layer.mlp_norm, a.rms_norm_eps)
             x = layer.down(silu_and_mul(layer.gate_up(x)))
         assert residual is not None  # set by the first layer
-        h = rms_norm((residual + x)[logits_indices], self.norm, a.rms_norm_eps)
-        return self.logits(h, exact_logits)
+        return rms_norm((residual + x)[logits_indices], self.norm, a.rms_norm_eps)

@@ -13,9 +13,10 @@ from kernels import AttentionMetadata
 
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
+from .guide import Guides
 from .loader import LoadedModel
 from .model import LlamaModel
-from .sampler import sample
+from .sampler import Sampled, sample
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,9 @@ def pick_weight_dtype(config: EngineConfig) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, guides: Guides | None = None):
         self.config = config
+        self.guides = guides  # constrained decoding: the token masks of guided sequences
         self.device = pick_device(config)
         self.dtype = pick_dtype(config, self.device)
         args = loaded.args
@@ -87,40 +89,55 @@ class ModelRunner:
             tokens = cfg.kv_cache_tokens
         return max(1, tokens // cfg.block_size)
 
-    def execute(self, scheduled: dict[Sequence, int]) -> dict[Sequence, int]:
-        """Runs one forward over every scheduled token; returns the sampled token of each sequence
-        whose last uncomputed token was in this step (partial prefill chunks sample nothing).
-        Running it again before the scheduler applies the step recomputes the same tokens."""
-        logits, samplers = self._forward(scheduled)
+    def execute(self, scheduled: dict[Sequence, int]) -> dict[Sequence, Sampled]:
+        """Runs one forward over every scheduled token; returns the sampled token (and its logprobs,
+        when asked) of each sequence whose last uncomputed token was in this step (partial prefill
+        chunks sample nothing). Running it again before the scheduler applies the step recomputes the
+        same tokens."""
+        logits, hidden, samplers = self._forward(scheduled)
         if not samplers:
             return {}
-        return dict(zip(samplers, sample(logits, samplers, self.generator)))
+        logits = self._exact_for_logprobs(logits, hidden, samplers)
+        return dict(zip(samplers, sample(logits, samplers, self.generator, self.guides)))
+
+    def _exact_for_logprobs(self, logits: torch.Tensor, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """With the bf16 output layer only each row's top candidates are exact: rows that want logprobs
+        get all their logits recomputed at full precision (a new tensor; graph outputs stay untouched)."""
+        if self.model.lm_head_fast is None:
+            return logits
+        rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
+        if not rows:
+            return logits
+        idx = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return logits.index_copy(0, idx, self.model.logits(hidden.index_select(0, idx), exact=True))
 
     def logits_for(self, seq: Sequence, n: int) -> torch.Tensor:
         """Logits at every one of the sequence's next n positions (tests and scoring)."""
-        logits, _ = self._forward({seq: n}, all_logits=True)
+        logits, _, _ = self._forward({seq: n}, all_logits=True)
         return logits
 
-    def _forward(self, scheduled: dict[Sequence, int], all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:
+    def _forward(self, scheduled: dict[Sequence, int],
+                 all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[Sequence]]:
+        """(logits, final hidden states, the sequences that sample, in row order)."""
         if (self.graphs is not None and not all_logits and all(n == 1 for n in scheduled.values())
                 and self.graphs.bucket_for(len(scheduled)) is not None):
             return self._forward_graph(scheduled)
         return self._forward_eager(scheduled, all_logits)
 
-    def _forward_graph(self, scheduled: dict[Sequence, int]) -> tuple[torch.Tensor, list[Sequence]]:
+    def _forward_graph(self, scheduled: dict[Sequence, int]) -> tuple[torch.Tensor, torch.Tensor, list[Sequence]]:
         """A pure decode step: every sequence computes its one newest token and samples."""
         assert self.graphs is not None
         bs = self.block_size
         seqs = list(scheduled)
         positions = [s.num_computed_tokens for s in seqs]
-        logits = self.graphs.run(
+        logits, hidden = self.graphs.run(
             tokens=[s.token_ids(p, p + 1)[0] for s, p in zip(seqs, positions)], positions=positions,
             slots=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
             block_tables=[s.block_table for s in seqs], seq_lens=[p + 1 for p in positions])
-        return logits, seqs
+        return logits, hidden, seqs
 
     def _forward_eager(self, scheduled: dict[Sequence, int],
-                       all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:
+                       all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[Sequence]]:
         # Decodes (one token) first, then prefill chunks: the layout the attention op expects.
         order = sorted(scheduled.items(), key=lambda kv: kv[1] > 1)
         tokens: list[int] = []
@@ -163,6 +180,6 @@ class ModelRunner:
             num_decodes=num_decodes, block_size=bs, query_lens_host=query_lens, seq_lens_host=seq_lens,
             max_decode_len=max(seq_lens[:num_decodes], default=0),
         )
-        logits = self.model(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), self.kv_cache,
-                            meta, torch.tensor(logits_idx, dtype=torch.long, device=dev), exact_logits=all_logits)
-        return logits, samplers
+        hidden = self.model.hidden(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+                                   self.kv_cache, meta, torch.tensor(logits_idx, dtype=torch.long, device=dev))
+        return self.model.logits(hidden, exact=all_logits), hidden, samplers

@@ -9,7 +9,7 @@ ruled out.
 
 from __future__ import annotations
 
-from .request import RequestOutput
+from .request import RequestOutput, TokenLogprob
 from .sequence import Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -24,11 +24,14 @@ class OutputProcessor:
         self.text = ""  # all text produced by this engine for the request (after resumed tokens)
         self.emitted = 0  # characters of `text` already sent
         self.pending_ids: list[int] = []
+        self.pending_logprobs: list[TokenLogprob] = []  # aligned with pending_ids when the request wants them
 
-    def push(self, token_id: int) -> bool:
+    def push(self, token_id: int, logprob: TokenLogprob | None = None) -> bool:
         """Detokenizes a sampled token (a stop token adds no text). True when the text now holds a stop
         string: the text is cut where it starts and the sequence must finish with "stop"."""
         self.pending_ids.append(token_id)
+        if logprob is not None:
+            self.pending_logprobs.append(logprob)
         if token_id in self.seq.stop_token_ids:
             return False
         self.text += self.detok.push([token_id])
@@ -52,9 +55,14 @@ class OutputProcessor:
             return None
         self.emitted = max(self.emitted, end)
         ids, self.pending_ids = self.pending_ids, []
+        logprobs, self.pending_logprobs = self.pending_logprobs, []
+        error = None
+        if seq.finish_reason == "error" and seq.guide is not None and seq.guide.error is not None:
+            error = f"constrained decoding failed: {seq.guide.error}"
         return RequestOutput(request_id=seq.request_id, text=delta, token_ids=ids, finished=finished,
                              finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_token_ids),
-                             completion_tokens=len(seq.output_token_ids), cached_tokens=seq.num_cached_tokens)
+                             completion_tokens=len(seq.output_token_ids), cached_tokens=seq.num_cached_tokens,
+                             error=error, logprobs=logprobs if seq.sampling.logprobs is not None else None)
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""

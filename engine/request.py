@@ -7,11 +7,41 @@ The engine knows nothing of tiers or HTTP; a request's `priority` is just a numb
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+GuideKind = Literal["json_schema", "json_object", "lark", "regex"]
+GUIDE_KINDS: tuple[GuideKind, ...] = ("json_schema", "json_object", "lark", "regex")
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class Guide:
+    """Constrained decoding: every sampled token keeps the output a prefix of the grammar's language.
+
+    `spec`: the JSON schema's text (json_schema), "" (json_object: any JSON object), a Lark grammar
+    (lark, llguidance's dialect) or a regular expression (regex). A guided sequence finishes with "stop"
+    once the grammar is complete."""
+
+    kind: GuideKind
+    spec: str = ""
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log-probability and the `top` alternatives (most likely first).
+
+    Values come from the distribution the token was sampled from (after logit_bias, penalties, the
+    grammar mask, temperature and top-k/top-p), in float32; a token that distribution excludes has
+    -9999.0 (OpenAI's floor), so every value is finite JSON."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -24,6 +54,24 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None  # same seed, same output
     ignore_eos: bool = False
+    # OpenAI: logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0), counting the
+    # generated tokens only (resumed ones included), before temperature.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM / Hugging Face: over prompt and generated tokens, positive logits are divided by it, negative
+    # ones multiplied.
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # the stop tokens (eos included) cannot be sampled before this many outputs
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
+    logprobs: int | None = None  # None: none; k in 0..20: the sampled token's logprob and the top k
+    guide: Guide | None = None
+
+    def __post_init__(self) -> None:
+        # Through JSON (the Redis queue) the bias's keys arrive as strings and the guide as a dict.
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.guide, dict):
+            self.guide = Guide(**self.guide)
 
     def validate(self) -> None:
         if not 0.0 <= self.temperature <= 2.0:
@@ -39,6 +87,29 @@ class SamplingParams:
             raise ValueError("seed must fit in 64 bits")
         if any(not 0 <= t < 2**31 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be token ids")
+        # `not lo <= x <= hi` also refuses NaN.
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError("presence_penalty must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError("frequency_penalty must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError("repetition_penalty must be in (0, 10]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+        if any(not 0 <= t < 2**31 for t in self.logit_bias):
+            raise ValueError("logit_bias keys must be token ids")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if self.guide is not None and self.guide.kind not in GUIDE_KINDS:
+            raise ValueError(f"guide kind must be one of {', '.join(GUIDE_KINDS)}")
+        if self.guide is not None and not isinstance(self.guide.spec, str):
+            raise ValueError("guide spec must be a string")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass
@@ -78,6 +149,13 @@ class RequestOutput:
     completion_tokens: int = 0  # total so far
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    # When the request asked for logprobs: one per token of `token_ids`, in order (None otherwise).
+    logprobs: list[TokenLogprob] | None = None
+
+    def __post_init__(self) -> None:
+        # Rebuilt from plain dicts (JSON), however the output was constructed (`from_dict` or `cls(**d)`).
+        if self.logprobs is not None:
+            self.logprobs = [TokenLogprob(**lp) if isinstance(lp, dict) else lp for lp in self.logprobs]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +163,11 @@ class RequestOutput:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RequestOutput:
         return cls(**d)
+
+
+def finite_logprob(x: float) -> float:
+    """A logprob JSON can carry: -inf (and NaN) become OpenAI's floor of -9999.0."""
+    return x if not math.isnan(x) and x > -9999.0 else -9999.0
 
 
 class RequestRejected(ValueError):

@@ -13,8 +13,9 @@ strictly worse priority, so pro traffic is never stuck behind standard traffic.
 
 The scheduler is the only writer of a sequence's progress: after the model runner returns the sampled
 tokens, `update_from_output` advances `num_computed_tokens`, registers newly full blocks in the prefix
-cache, appends the tokens and finishes sequences on a stop token or at their output limit (stop
-strings, found by the output processor, arrive through `finish`). Questions about KV memory go to the
+cache, appends the tokens (which advances a guided sequence's grammar) and finishes sequences on a stop
+token, a completed grammar or at their output limit (stop strings, found by the output processor,
+arrive through `finish`). Questions about KV memory go to the
 block manager (`can_grow`, `can_admit`); the scheduler never reads the pool.
 """
 
@@ -185,7 +186,7 @@ class Scheduler:
             seq.num_computed_tokens += n
             self.bm.commit(seq)
         for seq, token in sampled.items():
-            seq.output_token_ids.append(token)
+            seq.append_output(token)
             reason = seq.stop_reason()
             if reason is not None:
                 self.finish(seq, reason)

@@ -1,8 +1,8 @@
 """One request's state inside the engine: its tokens, how many have KV in the cache, and its blocks.
 
-Writers: the scheduler owns progress (`status`, `num_computed_tokens`, `output_token_ids`,
-`finish_reason`); the block manager owns `block_table` and `block_hashes`. The model runner and the
-output processor only read.
+Writers: the scheduler owns progress (`status`, `num_computed_tokens`, `output_token_ids` through
+`append_output`, which also advances the grammar matcher and the penalty counts, `finish_reason`); the
+block manager owns `block_table` and `block_hashes`. The model runner and the output processor only read.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .guide import GuideMatcher
 from .request import EngineRequest, FinishReason, SamplingParams
 
 _order = itertools.count()
@@ -50,6 +51,11 @@ class Sequence:
     # random seed of their own.
     noise_seed: int = field(default_factory=lambda: random.getrandbits(62))
     order: int = field(default_factory=lambda: next(_order))  # tie-break for equal arrival times
+    guide: GuideMatcher | None = None  # constrained decoding: the grammar's state after output_token_ids
+    # Penalties, kept up to date token by token (only for requests that use them): counts of the
+    # generated tokens (frequency/presence), and the distinct prompt + generated tokens (repetition).
+    output_counts: dict[int, int] = field(default_factory=dict)
+    seen_token_ids: dict[int, None] = field(default_factory=dict)  # an ordered set
 
     @classmethod
     def from_request(cls, req: EngineRequest, max_tokens: int, vocab_size: int = 0,
@@ -62,6 +68,12 @@ class Sequence:
                   priority=req.priority, arrival_time=req.arrival_time, max_tokens=max_tokens,
                   output_token_ids=list(req.resume_token_ids), num_resumed_tokens=len(req.resume_token_ids),
                   cache_salt=req.cache_salt, stop_token_ids=frozenset(stop_ids))
+        sp = req.sampling
+        if sp.presence_penalty != 0 or sp.frequency_penalty != 0:
+            for t in seq.output_token_ids:
+                seq.output_counts[t] = seq.output_counts.get(t, 0) + 1
+        if sp.repetition_penalty != 1:
+            seq.seen_token_ids = dict.fromkeys(seq.prompt_token_ids + seq.output_token_ids)
         if req.sampling.seed is not None:
             seq.noise_seed = req.sampling.seed & (2**62 - 1)
             seq.generator = torch.Generator().manual_seed(req.sampling.seed)
@@ -70,6 +82,17 @@ class Sequence:
             if seq.num_resumed_tokens and req.sampling.temperature > 0:
                 torch.empty(seq.num_resumed_tokens, vocab_size).exponential_(generator=seq.generator)
         return seq
+
+    def append_output(self, token_id: int) -> None:
+        """The scheduler's one way to add a sampled token: the penalty state and the grammar follow it."""
+        self.output_token_ids.append(token_id)
+        sp = self.sampling
+        if sp.presence_penalty != 0 or sp.frequency_penalty != 0:
+            self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+        if sp.repetition_penalty != 1:
+            self.seen_token_ids[token_id] = None
+        if self.guide is not None:
+            self.guide.advance(token_id)
 
     @property
     def num_tokens(self) -> int:
@@ -99,7 +122,11 @@ class Sequence:
 
     def stop_reason(self) -> FinishReason | None:
         """Why the sequence ends after its newest token: a stop token, else the output limit (None: it goes on)."""
+        if self.guide is not None and self.guide.error is not None:
+            return "error"
         if self.output_token_ids[-1] in self.stop_token_ids:
+            return "stop"
+        if self.guide is not None and self.guide.complete:
             return "stop"
         if len(self.output_token_ids) >= self.max_tokens:
             return "length"

@@ -99,6 +99,10 @@ class Tokenizer:
         plain.encode_special_tokens = True  # special-token strings in user text stay plain text
         return plain
 
+    def to_json(self) -> str:
+        """The Hugging Face `tokenizers` JSON of the model's tokenizer (the grammar engine builds its own from it)."""
+        return self._tok.to_str()
+
     # -- encoding --------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         """Plain text, never control tokens (for user-supplied text)."""

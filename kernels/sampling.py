@@ -5,6 +5,11 @@ tensor on the logits' device and returns the tokens as a device tensor: no `.ite
 `bool(tensor)` or data-dependent shapes, so it can sit inside a captured CUDA graph and the host only
 synchronises when it finally reads the tokens.
 
+Before sampling, `apply_logits_controls` applies the per-row logit controls (logit_bias, min_tokens bans,
+repetition / frequency / presence penalties, a grammar's token bitmask) from a `LogitsControls` of
+host-built tensors, and `token_logprobs` gives the logprobs of the distribution that was sampled from:
+both in device ops only too (shapes come from the host's inputs, never from device values).
+
 Sampling is the exponential race (argmax of p / q, q ~ Exp(1)) with the noise drawn by a counter-based
 hash of (row seed, row offset, vocabulary index) instead of a stateful generator: a row's token depends
 only on its own logits, parameters, seed and offset (e.g. its number of generated tokens), never on the
@@ -14,6 +19,8 @@ sorted distribution whose mass before each kept token is < top_p (the first toke
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -110,3 +117,82 @@ def sample_tokens_ref(logits: torch.Tensor, temperature: list[float], top_k: lis
         u = uniform_noise(torch.tensor([seeds[i]]), torch.tensor([offsets[i]]), vocab)[0]
         out.append(int((probs / -torch.log(u)).argmax()))
     return out
+
+
+@dataclass
+class LogitsControls:
+    """Per-row logit controls of one batch, as flat (row, token) lists on the logits' device.
+
+    Only rows that use a control have entries; a field left None means no row of the batch uses it. The
+    (row, token) pairs of each list are unique. Built by the host (`engine.sampler`), applied on the
+    device by `apply_logits_controls`."""
+
+    bias_rows: torch.Tensor | None = None  # int64 [N]: logit_bias
+    bias_tokens: torch.Tensor | None = None  # int64 [N]
+    bias_values: torch.Tensor | None = None  # float32 [N], added
+    ban_rows: torch.Tensor | None = None  # int64 [M]: set to -inf (min_tokens: the stop tokens)
+    ban_tokens: torch.Tensor | None = None
+    rep_rows: torch.Tensor | None = None  # int64 [R]: repetition penalty over prompt + output tokens
+    rep_tokens: torch.Tensor | None = None
+    rep_penalty: torch.Tensor | None = None  # float32 [R], the row's penalty (> 0)
+    pen_rows: torch.Tensor | None = None  # int64 [P]: frequency / presence penalty over generated tokens
+    pen_tokens: torch.Tensor | None = None
+    pen_values: torch.Tensor | None = None  # float32 [P]: frequency * count + presence, subtracted
+    guided_rows: torch.Tensor | None = None  # int64 [G]: rows constrained by a grammar
+    bitmask: torch.Tensor | None = None  # int32 [G, ceil(vocab / 32)]: bit t % 32 of word t // 32 = allowed
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 [G, W] bitmask (llguidance's layout) -> bool [G, vocab], True where the token is allowed."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.flatten(1)[:, :vocab].bool()
+
+
+def apply_logits_controls(logits: torch.Tensor, c: LogitsControls) -> torch.Tensor:
+    """float32 logits [B, V] -> the processed logits (a new tensor; the input is not modified).
+
+    Order: the grammar mask, logit_bias, bans, repetition penalty, frequency/presence penalties (-inf
+    stays -inf through all of them). A row the bans would leave with no token at all (min_tokens against
+    a grammar that only allows a stop token) keeps its grammar-masked logits instead."""
+    out = logits.float().clone()
+    if c.guided_rows is not None and c.bitmask is not None:
+        allowed = unpack_bitmask(c.bitmask, out.shape[-1])
+        out[c.guided_rows] = out[c.guided_rows].masked_fill(~allowed, float("-inf"))
+    fallback = out.clone() if c.ban_rows is not None and c.guided_rows is not None else None
+    if c.bias_rows is not None and c.bias_tokens is not None and c.bias_values is not None:
+        out.index_put_((c.bias_rows, c.bias_tokens), c.bias_values, accumulate=True)
+    if c.ban_rows is not None and c.ban_tokens is not None:
+        out.index_put_((c.ban_rows, c.ban_tokens), out.new_full((), float("-inf")))
+    if c.rep_rows is not None and c.rep_tokens is not None and c.rep_penalty is not None:
+        vals = out[c.rep_rows, c.rep_tokens]
+        out[c.rep_rows, c.rep_tokens] = torch.where(vals > 0, vals / c.rep_penalty, vals * c.rep_penalty)
+    if c.pen_rows is not None and c.pen_tokens is not None and c.pen_values is not None:
+        out.index_put_((c.pen_rows, c.pen_tokens), -c.pen_values, accumulate=True)
+    if fallback is not None:
+        dead = out.amax(dim=-1, keepdim=True) == float("-inf")
+        out = torch.where(dead, fallback, out)
+    return out
+
+
+def distribution_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                        top_p: torch.Tensor, filter_top: bool = True) -> torch.Tensor:
+    """The (unnormalised) log-distribution each row samples from: logits / temperature after top-k/top-p;
+    temperature 0 rows (greedy) keep their logits as they are. `filter_top=False`: as in `sample_tokens`."""
+    logits = logits.float()
+    scaled = logits / temperature.clamp(min=1e-5)[:, None]
+    if filter_top:
+        scaled = filter_top_k_top_p(scaled, top_k, top_p.float())
+    return torch.where((temperature == 0)[:, None], logits, scaled)
+
+
+def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   tokens: torch.Tensor, k: int,
+                   filter_top: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of the sampled `tokens` [R] and each row's top k: (float32 [R], float32 [R, k], int64 [R, k]).
+
+    `logits` are the processed full-precision logits of the R rows that want logprobs; excluded tokens
+    come out as -inf (the host clamps them for JSON)."""
+    lp = distribution_logits(logits, temperature, top_k, top_p, filter_top).log_softmax(dim=-1)
+    top = lp.topk(k, dim=-1)
+    return lp.gather(1, tokens[:, None]).squeeze(1), top.values, top.indices

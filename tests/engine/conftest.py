@@ -1,3 +1,4 @@
+import dataclasses
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -20,3 +21,22 @@ def engine():
 @pytest.fixture(scope="session")
 def tokenizer(engine):
     return engine.tokenizer
+
+
+@pytest.fixture
+def configured(engine):
+    """Run the shared engine under other scheduling settings and a smaller KV pool, then restore it."""
+    saved = (engine.config, engine.block_manager, engine.scheduler)
+
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+
+    def apply(num_blocks: int | None = None, **changes):
+        engine.config = dataclasses.replace(saved[0], **changes)
+        engine.block_manager = BlockManager(num_blocks or engine.runner.num_blocks, engine.config.block_size,
+                                            engine.config.enable_prefix_caching)
+        engine.scheduler = Scheduler(engine.config, engine.block_manager)
+        return engine
+
+    yield apply
+    engine.config, engine.block_manager, engine.scheduler = saved

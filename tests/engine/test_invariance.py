@@ -2,35 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from engine import EngineRequest, SamplingParams
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.model
 
 CONTEXT = ("Sluice is a gateway that serves chat requests from a local engine and sends overflow to remote "
            "providers. It batches requests continuously, caches shared prompt prefixes, and never loses an "
            "accepted request. ") * 3
-
-
-@pytest.fixture
-def configured(engine):
-    """Run the shared engine under other scheduling settings and a smaller KV pool, then restore it."""
-    saved = (engine.config, engine.block_manager, engine.scheduler)
-
-    def apply(num_blocks: int | None = None, **changes):
-        engine.config = dataclasses.replace(saved[0], **changes)
-        engine.block_manager = BlockManager(num_blocks or engine.runner.num_blocks, engine.config.block_size,
-                                            engine.config.enable_prefix_caching)
-        engine.scheduler = Scheduler(engine.config, engine.block_manager)
-        return engine
-
-    yield apply
-    engine.config, engine.block_manager, engine.scheduler = saved
 
 
 def requests(engine, tag, n=4, max_tokens=24):

@@ -192,7 +192,7 @@ async def test_200_concurrent_across_two_gateways_and_two_workers(cluster, refer
         answers = await asyncio.gather(*(ask(s, url, p, 6) for p, url in jobs))
     wrong = [(p, a) for (p, _), a in zip(jobs, answers) if a != reference[(p, 6)]]
     assert not wrong, wrong[:5]
-    served = {w["id"] for w in cluster.live_workers()}
+    served = {w["worker_id"] for w in cluster.live_workers()}
     assert len(served) == 2
 
 

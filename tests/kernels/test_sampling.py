@@ -88,3 +88,92 @@ def test_noise_is_uniform_and_deterministic():
     assert abs(float(u.mean()) - 0.5) < 0.02 and abs(float(u.var()) - 1 / 12) < 0.01
     assert not torch.equal(u[0], u[1])
     assert math.isclose(float((-torch.log(u)).mean()), 1.0, abs_tol=0.05)
+
+
+# -- logit controls and logprobs (the same functions serve the CPU sampler and the device sampler) ------
+
+def _controls(dev):
+    from kernels.sampling import LogitsControls
+
+    def t(v, dtype=torch.int64):
+        return torch.tensor(v, dtype=dtype, device=dev)
+
+    mask = torch.zeros(2, 2, dtype=torch.int32)
+    mask[0, 0] = 0b1011  # row 1 may only take tokens 0, 1 and 3
+    mask[1, 1] = 1 << 3  # row 3 only token 35
+    return LogitsControls(
+        bias_rows=t([0, 0]), bias_tokens=t([4, 7]), bias_values=t([5.0, -100.0], torch.float32),
+        ban_rows=t([2, 3]), ban_tokens=t([9, 35]),
+        rep_rows=t([2, 2]), rep_tokens=t([1, 2]), rep_penalty=t([1.5, 1.5], torch.float32),
+        pen_rows=t([0]), pen_tokens=t([3]), pen_values=t([2.5], torch.float32),
+        guided_rows=t([1, 3]), bitmask=mask.to(dev))
+
+
+def test_logit_controls_apply_each_control_to_its_rows_only():
+    from kernels.sampling import apply_logits_controls
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 40)
+    logits[2, 1], logits[2, 2] = 3.0, -3.0
+    out = apply_logits_controls(logits.to(DEV), _controls(DEV)).cpu()
+    want = logits.clone()
+    want[0, 4] += 5.0
+    want[0, 7] -= 100.0
+    want[0, 3] -= 2.5
+    want[1, [i for i in range(40) if i not in (0, 1, 3)]] = float("-inf")
+    want[2, 9] = float("-inf")
+    want[2, 1], want[2, 2] = 2.0, -4.5
+    want[3] = torch.where(torch.arange(40) == 35, logits[3], float("-inf"))  # the ban would empty the row
+    torch.testing.assert_close(out, want)
+    assert torch.equal(out[4], logits[4])
+
+
+def test_logit_controls_and_logprobs_never_synchronise(monkeypatch):
+    from kernels.sampling import apply_logits_controls, token_logprobs
+
+    def boom(*a, **k):
+        raise AssertionError("synchronised with the host")
+
+    logits = torch.randn(5, 40, device=DEV)
+    controls = _controls(DEV)
+    temps, top_k, top_p, seeds, offsets = _tensors(*_params(5))
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    processed = apply_logits_controls(logits, controls)
+    tokens = sample_tokens(processed, temps, top_k, top_p, seeds, offsets)
+    lp, top_lp, top_ids = token_logprobs(processed, temps, top_k, top_p, tokens, 4)
+    monkeypatch.undo()
+    assert lp.shape == (5,) and top_lp.shape == top_ids.shape == (5, 4)
+
+
+def test_token_logprobs_are_the_sampled_distribution():
+    from kernels.sampling import token_logprobs
+
+    torch.manual_seed(2)
+    logits = torch.randn(3, 30, device=DEV)
+    temps = torch.tensor([0.0, 0.5, 1.0], device=DEV)
+    top_k = torch.tensor([0, 0, 3], device=DEV)
+    top_p = torch.ones(3, device=DEV)
+    tokens = logits.argmax(-1)
+    lp, top_lp, top_ids = token_logprobs(logits, temps, top_k, top_p, tokens, 5)
+    want0 = logits[0].log_softmax(-1)  # greedy: the plain log_softmax
+    torch.testing.assert_close(top_lp[0], want0.topk(5).values)
+    torch.testing.assert_close(lp[0], want0.max())
+    torch.testing.assert_close(top_lp[1], (logits[1] / 0.5).log_softmax(-1).topk(5).values)
+    # top_k 3: the distribution sampled from has three tokens; the rest are excluded (-inf)
+    torch.testing.assert_close(top_lp[2, :3], logits[2].topk(3).values.log_softmax(-1))
+    assert torch.isinf(top_lp[2, 3:]).all()
+    assert top_ids[:, 0].tolist() == tokens.tolist()
+
+
+def test_unpack_bitmask_matches_llguidance_layout():
+    import numpy as np
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    from kernels.sampling import unpack_bitmask
+
+    rng = np.random.default_rng(0)
+    mask = rng.integers(-(2**31), 2**31, size=(3, 4), dtype=np.int64).astype(np.int32)
+    logits = np.zeros((3, 100), dtype=np.float32)
+    apply_token_bitmask_inplace(logits, mask)
+    assert torch.equal(unpack_bitmask(torch.from_numpy(mask), 100), torch.from_numpy(logits == 0))
