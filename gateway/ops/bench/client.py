@@ -1,0 +1,180 @@
+"""One streamed chat request through the official `openai` SDK, timed.
+
+`Sender` holds one `AsyncOpenAI` client (the SDK's aiohttp transport, no retries: a failure is a
+result) and the API key of each tier. Each request is sent with `stream=True` and
+`stream_options.include_usage`, through `.with_streaming_response` so the response headers are read
+(`x-sluice-backend`: where Sluice served it; "unknown" when absent, as from any other server).
+
+Measured per request, from just before the SDK call:
+* TTFT: the first chunk that carries text (content, or a reasoning model's reasoning text); a
+  role-only first chunk does not count;
+* inter-token latencies: the gaps between successive chunks that carry text (one per chunk: a server
+  that packs several tokens into one chunk shows fewer, longer gaps);
+* end-to-end: until the stream ends;
+* output tokens: `usage.completion_tokens` of the final usage chunk, else the text chunks counted;
+* error kind: `http_<status>` for an HTTP error status, `stream_error(<code>)` for an error event
+  inside a 200 stream, `not_sse` for a 200 that is not `text/event-stream` (a proxy's HTML page),
+  `empty_stream` for one without a chunk, `timeout` past `--timeout`, else the exception's class
+  name (`APIConnectionError`, `APITimeoutError`, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import cast
+
+import httpx2
+import openai
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam
+
+from gateway.ops.bench.workload import RequestSpec
+
+BACKEND_HEADER = "x-sluice-backend"  # as gateway/routing/router.py sets it; not imported: bench is a plain client
+UNKNOWN = "unknown"
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+@dataclass
+class RequestResult:
+    """What happened to one request. Times are milliseconds (rounded to the microsecond, so the JSON
+    and the summary computed from it agree to the last digit); `start_s` is seconds since its level
+    started."""
+
+    index: int
+    tier: str
+    model: str
+    backend: str = UNKNOWN
+    ok: bool = False
+    error: str | None = None
+    error_detail: str | None = None
+    start_s: float = 0.0
+    ttft_ms: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    e2e_ms: float = 0.0
+    output_tokens: int = 0
+    output_tokens_from: str = "chunks"  # "usage": the final usage chunk reported it
+    text_chunks: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    prompt_words: int = 0
+    cost: float | None = None  # set by stats.Prices; None: no price for this model / backend
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _has_text(chunk: openai.types.chat.ChatCompletionChunk) -> bool:
+    for choice in chunk.choices:
+        delta = choice.delta
+        if delta.content:
+            return True
+        extra = delta.model_extra or {}
+        if extra.get("reasoning_content") or extra.get("reasoning"):
+            return True
+    return False
+
+
+class BadStream(Exception):
+    """A 200 that is not a usable stream: not `text/event-stream` (a proxy's HTML page), or no chunk."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+
+
+def _error_kind(e: BaseException) -> tuple[str, str]:
+    if isinstance(e, BadStream):
+        return e.kind, str(e)
+    if isinstance(e, openai.APIStatusError):
+        return f"http_{e.status_code}", str(e.message)[:200]
+    if isinstance(e, TimeoutError):
+        return "timeout", "no complete answer within --timeout"
+    if isinstance(e, openai.APIError) and not isinstance(e, openai.APIConnectionError):
+        code = e.code or (e.body.get("code") if isinstance(e.body, dict) else None)
+        return (f"stream_error({code})" if code else "stream_error"), str(e.message)[:200]
+    return type(e).__name__, str(e)[:200]
+
+
+class Sender:
+    """Sends RequestSpecs to one base URL. `keys`: the API key per tier (`default_key` for the others)."""
+
+    def __init__(self, base_url: str, keys: dict[str, str], default_key: str, *, timeout_s: float = 300.0,
+                 max_connections: int = 1024):
+        self.keys = keys
+        self.timeout_s = timeout_s
+        limits = httpx2.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.http = openai.DefaultAioHttpClient(limits=limits, timeout=timeout_s, follow_redirects=False)
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=default_key, max_retries=0, timeout=timeout_s,
+                                         http_client=self.http)
+
+    def key(self, tier: str) -> str | None:
+        return self.keys.get(tier)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def models(self) -> list[str]:
+        """Model ids from `GET /models`."""
+        page = await self.client.models.list()
+        return [m.id for m in page.data]
+
+    async def send(self, spec: RequestSpec, level_t0: float) -> RequestResult:
+        body = dict(spec.body)
+        model = str(body.pop("model"))
+        messages = cast(Iterable[ChatCompletionMessageParam], body.pop("messages"))
+        body.pop("stream", None)
+        options = body.pop("stream_options", None)
+        stream_options = cast(ChatCompletionStreamOptionsParam,
+                              {**(options if isinstance(options, dict) else {}), "include_usage": True})
+        key = self.key(spec.tier)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        res = RequestResult(index=spec.index, tier=spec.tier, model=model, prompt_words=spec.prompt_words)
+        t0 = time.perf_counter()
+        res.start_s = round(t0 - level_t0, 6)
+        last = t0
+        usage_tokens: int | None = None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self.client.chat.completions.with_streaming_response.create(
+                        model=model, messages=messages, stream=True, stream_options=stream_options,
+                        extra_body=body or None, extra_headers=headers) as resp:
+                    res.backend = resp.headers.get(BACKEND_HEADER) or UNKNOWN
+                    content_type = resp.headers.get("content-type", "")
+                    if "text/event-stream" not in content_type:
+                        raise BadStream("not_sse", f"HTTP {resp.status_code} with content-type {content_type!r}")
+                    stream = await resp.parse()
+                    chunks = 0
+                    async for chunk in stream:
+                        chunks += 1
+                        now = time.perf_counter()
+                        if chunk.usage is not None:
+                            usage_tokens = chunk.usage.completion_tokens
+                            res.prompt_tokens = chunk.usage.prompt_tokens
+                            details = chunk.usage.prompt_tokens_details
+                            res.cached_tokens = details.cached_tokens if details is not None else None
+                        if _has_text(chunk):
+                            if res.ttft_ms is None:
+                                res.ttft_ms = _ms(now - t0)
+                            else:
+                                res.itl_ms.append(_ms(now - last))
+                            last = now
+                            res.text_chunks += 1
+                    if not chunks:
+                        raise BadStream("empty_stream", "the stream ended without a chunk")
+            res.ok = True
+        except Exception as e:  # every failure is a result, by kind
+            res.error, res.error_detail = _error_kind(e)
+            if isinstance(e, openai.APIStatusError):
+                res.backend = e.response.headers.get(BACKEND_HEADER) or res.backend
+        res.e2e_ms = _ms(time.perf_counter() - t0)
+        if usage_tokens is not None:
+            res.output_tokens, res.output_tokens_from = usage_tokens, "usage"
+        else:
+            res.output_tokens = res.text_chunks
+        return res
