@@ -15,7 +15,7 @@ of LiteLLM's, and the p50 it adds at c=1.
 
     python -m bench.remote_overhead [--seconds 6] [--concurrency 1,64,256] [--no-litellm]
                                     [--modes json,stream] [--no-fidelity] [--keyed]
-                                    [--gateway-env KEY=VALUE ...] [--gateway-python PATH]
+                                    [--gateway-env KEY=VALUE ...] [--gateway-python PATH] [--gateway-root TREE]
 
 `--keyed` serves Sluice in key mode (a key from `sluice keys create`, as a deployment runs) instead of
 anonymous loopback mode; `--gateway-env`/`--gateway-python` run the gateway with other settings or
@@ -213,6 +213,7 @@ async def run_load(base: str, model: str, stream: bool, conc: int, seconds: floa
                                                              "chunks": 0}, token) for _ in range(min(conc, 8))])
         stop_at = time.perf_counter() + seconds
         cpu0 = cpu_seconds(pid) if pid else 0.0
+        client0 = time.process_time()
         t0 = time.perf_counter()
 
         async def loop() -> None:
@@ -229,12 +230,15 @@ async def run_load(base: str, model: str, stream: bool, conc: int, seconds: floa
         await asyncio.gather(*pending, return_exceptions=True)
         elapsed = time.perf_counter() - t0
         cpu = (cpu_seconds(pid) - cpu0) if pid else 0.0
+        client_cpu = time.process_time() - client0
     n = len(rec["lat"])
     return {"n": n, "rps": n / elapsed, "p50": pct(rec["lat"], 50) * 1e3, "p99": pct(rec["lat"], 99) * 1e3,
             "ttft50": pct(rec["ttft"], 50) * 1e3, "ttft99": pct(rec["ttft"], 99) * 1e3,
             "itl50": pct(rec["itl"], 50) * 1e3, "itl99": pct(rec["itl"], 99) * 1e3, "itl_mean": mean(rec["itl"]) * 1e3,
             "errors": len(rec["errors"]), "err_p50": pct(rec["errors"], 50) * 1e3 if rec["errors"] else float("nan"),
             "unfinished": len(pending), "cpu_ms": cpu * 1e3 / max(1, n + len(rec["errors"])),
+            # the load generator's own CPU per request: when it nears a core, it (not the target) is the limit
+            "client_cpu_ms": client_cpu * 1e3 / max(1, n + len(rec["errors"])), "client_cpu_util": client_cpu / elapsed,
             "cpu_ms_chunk": cpu * 1e3 / max(1, rec["chunks"]) if stream else float("nan")}
 
 
@@ -275,7 +279,8 @@ def fmt(name: str, mode: str, c: int, r: dict, direct: dict | None) -> str:
     add99 = r["p99"] - direct["p99"] if direct else float("nan")
     return (f"{name:8} {mode:6} c={c:<4} {r['rps']:8.1f} req/s  p50 {r['p50']:8.1f}  p99 {r['p99']:9.1f} ms  "
             f"added p50 {add50:+7.1f} p99 {add99:+8.1f}  ttft50 {r['ttft50']:7.1f}  cpu/req {r['cpu_ms']:6.2f} ms"
-            f"  cpu/chunk {r['cpu_ms_chunk']:5.3f}  err {r['errors']} (p50 {r['err_p50']:.1f} ms) unfinished {r['unfinished']}")
+            f"  cpu/chunk {r['cpu_ms_chunk']:5.3f}  err {r['errors']} (p50 {r['err_p50']:.1f} ms) unfinished {r['unfinished']}"
+            f"  [client {r['client_cpu_util'] * 100:3.0f}% cpu]")
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -283,10 +288,14 @@ async def main_async(args: argparse.Namespace) -> None:
     procs = []
     try:
         genv = dict(kv.split("=", 1) for kv in args.gateway_env)
+        groot = Path(args.gateway_root).resolve() if args.gateway_root else None
+        if groot is not None and "PYTHONPATH" in genv:
+            genv["PYTHONPATH"] = f"{groot}:{genv['PYTHONPATH']}"
         mock_p, mock = start_mock()
         procs.append(mock_p)
         targets = [("direct", mock, mock_p.pid, "up-model", LITELLM_KEY)]
-        sl_p, sl = start_sluice(mock, tmp, extra_env=genv, python=args.gateway_python, keyed=args.keyed)
+        sl_p, sl = start_sluice(mock, tmp, extra_env=genv, python=args.gateway_python, keyed=args.keyed,
+                                root=groot)
         procs.append(sl_p)
         targets.append(("sluice", sl, sl_p.pid, MODEL, sluice_token(tmp)))
         if not args.no_litellm and LITELLM.exists():
@@ -301,7 +310,8 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"# zero-latency mock, 16 tokens per answer, {args.seconds}s closed loop per row; cpu = the "
               f"target process (direct: the mock itself); sluice {'keyed' if args.keyed else 'anonymous'}"
               + (f", gateway env {genv}" if genv else "") + (f", gateway python {args.gateway_python}"
-                                                          if args.gateway_python else ""), flush=True)
+                                                          if args.gateway_python else "")
+              + (f", gateway tree {groot}" if groot else ""), flush=True)
         for mode in modes:
             for c in concs:
                 for name, base, pid, model, token in targets:
@@ -323,7 +333,8 @@ async def main_async(args: argparse.Namespace) -> None:
         procs = []
         mock_p, mock = start_mock(itl_ms=args.itl_ms, tokens=16)
         procs.append(mock_p)
-        sl_p, sl = start_sluice(mock, tmp, extra_env=genv, python=args.gateway_python, keyed=args.keyed)
+        sl_p, sl = start_sluice(mock, tmp, extra_env=genv, python=args.gateway_python, keyed=args.keyed,
+                                root=groot)
         procs.append(sl_p)
         fid = [("direct", mock, "up-model", LITELLM_KEY), ("sluice", sl, MODEL, sluice_token(tmp))]
         if not args.no_litellm and LITELLM.exists():
@@ -355,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gateway-env", action="append", default=[], metavar="KEY=VALUE",
                    help="an environment variable for the Sluice process (repeatable)")
     p.add_argument("--gateway-python", default=None, help="interpreter for the Sluice process")
+    p.add_argument("--gateway-root", default=None, help="run Sluice from another source tree (a modified copy)")
     asyncio.run(main_async(p.parse_args(argv)))
 
 
