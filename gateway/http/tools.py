@@ -1,0 +1,234 @@
+"""Tool calling on the local engine, in one documented format (Hermes style) for models whose chat
+template does not render tools itself (SmolLM2's does not).
+
+The prompt: the system turn gains the tool list as JSON inside `<tools></tools>` and the instruction to
+answer a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; earlier assistant calls are
+rendered the same way and tool results as `tool` turns wrapped in `<tool_response></tool_response>`.
+A model whose template takes a `tools` variable gets the tools through its template instead.
+
+The answer: with `tool_choice` "required" or a named function, decoding is constrained by a grammar
+(`<tool_call>` + the JSON schema of {name, arguments} for the allowed functions + `</tool_call>`), so a
+call always parses and its arguments validate; with "auto", the grammar lets the model write free text
+(not starting with "<") or calls that then must be valid. The text is parsed into OpenAI's
+`tool_calls` (ids `call_...`, `arguments` a JSON string), streamed as tool-call deltas (index, id and
+name first, then the arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.request import Guide
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+
+SYSTEM_PROMPT = (
+    "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
+    "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions "
+    "about what values to plug into functions. Here are the available tools: <tools>{tools}</tools> "
+    "For each function call return a json object with function name and arguments within <tool_call>"
+    "</tool_call> XML tags as follows:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}}\n</tool_call>"
+)
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as text
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+# ---------------------------------------------------------------- the prompt
+
+
+def system_block(tools: list[ToolSpec]) -> str:
+    listed = "\n".join(json.dumps(t.as_openai(), ensure_ascii=False) for t in tools)
+    return SYSTEM_PROMPT.format(tools="\n" + listed + "\n")
+
+
+def render_call(name: str, arguments: str) -> str:
+    """An earlier assistant call, as the model is asked to write one."""
+    try:
+        args: Any = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        args = arguments  # what the client sent back, verbatim
+    return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CALL_CLOSE}"
+
+
+def render_tool_result(content: str) -> str:
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def with_tool_system(messages: list[dict[str, str]], tools: list[ToolSpec]) -> list[dict[str, str]]:
+    """The conversation with the tool list in its system turn (added when there is none)."""
+    block = system_block(tools)
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0])
+        first["content"] = (first.get("content") or "") + "\n\n" + block
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
+
+
+# ---------------------------------------------------------------- the grammar
+
+
+def _call_schema(tools: list[ToolSpec]) -> dict[str, Any]:
+    variants = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters or
+                                                  {"type": "object"}},
+                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+def tool_guide(tools: list[ToolSpec], required: bool, parallel: bool) -> Guide:
+    """A Lark grammar (llguidance): calls only (`required`), or free text or calls (`auto`)."""
+    call = f'call: "{CALL_OPEN}\\n" %json {json.dumps(_call_schema(tools))} "\\n{CALL_CLOSE}"'
+    calls = "calls: call (\"\\n\" call)*" if parallel else "calls: call"
+    if required:
+        lark = f"start: calls\n{calls}\n{call}\n"
+    else:
+        lark = f"start: calls | text\ntext: /(?s:[^<].*)/ | \"\"\n{calls}\n{call}\n"
+    return Guide(kind="lark", spec=lark)
+
+
+# ---------------------------------------------------------------- the answer
+
+
+def _parse_call(body: str, index: int, ids: list[str]) -> ToolCall | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", {})
+    call_id = ids[index] if index < len(ids) else new_call_id()
+    return ToolCall(id=call_id, name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+
+
+def parse_tool_calls(text: str, ids: list[str] | None = None) -> tuple[str | None, list[ToolCall]]:
+    """(content before the first call or the whole text, calls). Text that is not a well-formed call stays
+    content (with "auto" and no grammar violation this does not happen, but a free answer may mention tags)."""
+    calls: list[ToolCall] = []
+    start = text.find(CALL_OPEN)
+    if start < 0:
+        return text, []
+    content = text[:start].rstrip() or None
+    pos = start
+    while True:
+        open_at = text.find(CALL_OPEN, pos)
+        if open_at < 0:
+            break
+        close_at = text.find(CALL_CLOSE, open_at)
+        if close_at < 0:
+            break
+        call = _parse_call(text[open_at + len(CALL_OPEN):close_at], len(calls), ids or [])
+        if call is None:
+            return text, []
+        calls.append(call)
+        pos = close_at + len(CALL_CLOSE)
+    return (content, calls) if calls else (text, [])
+
+
+@dataclass
+class ContentDelta:
+    text: str
+
+
+@dataclass
+class CallDelta:
+    index: int
+    id: str | None  # first delta of a call: id and name
+    name: str | None
+    arguments: str
+
+
+class ToolCallStreamer:
+    """Turns streamed text into content deltas and tool-call deltas. Text that might be the start of a
+    call is held back until it is clearly not one; a call is emitted once complete (id and name, then
+    its arguments), so the SDK's stream helpers reassemble exactly the non-streamed answer."""
+
+    def __init__(self, ids: list[str] | None = None):
+        self._buf = ""
+        self._in_call = False
+        self._seen_call = False
+        self._n = 0
+        self._ids = ids or []
+
+    @property
+    def made_calls(self) -> bool:
+        return self._n > 0
+
+    def feed(self, text: str) -> list[ContentDelta | CallDelta]:
+        self._buf += text
+        out: list[ContentDelta | CallDelta] = []
+        while True:
+            if not self._in_call:
+                at = self._buf.find(CALL_OPEN)
+                if at < 0:
+                    # Hold back what may be the start of a tag, and trailing whitespace (dropped if a call follows).
+                    keep = _partial_suffix(self._buf, CALL_OPEN)
+                    head = self._buf[:len(self._buf) - keep]
+                    keep += len(head) - len(head.rstrip())
+                    emit, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+                    if emit and not self._seen_call:
+                        out.append(ContentDelta(emit))
+                    return out
+                before = self._buf[:at]
+                if before.rstrip() and not self._seen_call:
+                    out.append(ContentDelta(before.rstrip()))
+                self._buf = self._buf[at + len(CALL_OPEN):]
+                self._in_call = True
+            close = self._buf.find(CALL_CLOSE)
+            if close < 0:
+                return out
+            body, self._buf = self._buf[:close], self._buf[close + len(CALL_CLOSE):]
+            self._in_call = False
+            call = _parse_call(body, self._n, self._ids)
+            if call is not None:
+                self._seen_call = True
+                out.append(CallDelta(self._n, call.id, call.name, ""))
+                out.append(CallDelta(self._n, None, None, call.arguments))
+                self._n += 1
+
+    def finish(self) -> list[ContentDelta | CallDelta]:
+        """The held-back rest at the end of the answer (text after the last call is dropped, as parsing does)."""
+        rest, self._buf = self._buf, ""
+        if self._seen_call:
+            return []
+        return [ContentDelta((CALL_OPEN if self._in_call else "") + rest)] if (rest or self._in_call) else []
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a beginning of `tag` (held back: maybe a tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def names(tools: Iterable[ToolSpec]) -> set[str]:
+    return {t.name for t in tools}

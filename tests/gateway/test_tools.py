@@ -1,0 +1,119 @@
+"""The Hermes tool-call format: rendering, the grammar, parsing, and streamed deltas that reassemble to
+exactly the non-streamed answer. No model: the grammar is checked with llguidance and the real tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.guide import Guides, GuideStats
+from gateway.http import tools
+from gateway.http.tools import CallDelta, ContentDelta, ToolCallStreamer, ToolSpec
+
+WEATHER = ToolSpec("get_weather", "Weather in a city", {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city"], "additionalProperties": False})
+TIME = ToolSpec("get_time", "Time in a zone", {"type": "object", "properties": {"zone": {"type": "string"}},
+                                                "required": ["zone"]})
+
+
+@pytest.fixture(scope="module")
+def guides():
+    from engine.loader import load_model
+    from engine.tokenizer import Tokenizer
+
+    loaded = load_model(None, with_weights=False)
+    tok = Tokenizer(loaded)
+    return Guides(tok._tok.to_str(), tok.vocab_size, tok.eos_token_ids, GuideStats()), tok
+
+
+def _accepts(guides_tok, guide, text: str) -> bool:
+    guides, tok = guides_tok
+    m = guides.matcher(guide, [])
+    for t in tok.encode(text):
+        if m.matcher.is_stopped():
+            return False
+        m.advance(t)
+        if m.error is not None:
+            return False
+    return m.matcher.is_accepting()
+
+
+def test_required_grammar_accepts_valid_calls_only(guides):
+    g = tools.tool_guide([WEATHER, TIME], required=True, parallel=True)
+    ok = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    assert _accepts(guides, g, ok)
+    second = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    assert _accepts(guides, g, ok + "\n" + second)
+    assert not _accepts(guides, g, "Sure, it is sunny.")
+    assert not _accepts(guides, g, '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>')
+    assert not _accepts(guides, g, '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
+    single = tools.tool_guide([WEATHER], required=True, parallel=False)
+    assert not _accepts(guides, single, ok + "\n" + ok)
+
+
+def test_auto_grammar_allows_text_or_valid_calls(guides):
+    g = tools.tool_guide([WEATHER], required=False, parallel=True)
+    assert _accepts(guides, g, "It is sunny in Paris today.")
+    assert _accepts(guides, g, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+    assert not _accepts(guides, g, '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Rome"}}\n</tool_call>')
+
+
+def test_parse_calls_and_content():
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+    content, calls = tools.parse_tool_calls(text)
+    assert content is None and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris"} and calls[0].id.startswith("call_")
+    assert tools.parse_tool_calls("no calls here") == ("no calls here", [])
+    assert tools.parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+def _reassemble(events):
+    content, calls = "", {}
+    for e in events:
+        if isinstance(e, ContentDelta):
+            content += e.text
+        else:
+            c = calls.setdefault(e.index, {"id": None, "name": None, "arguments": ""})
+            c["id"] = c["id"] or e.id
+            c["name"] = c["name"] or e.name
+            c["arguments"] += e.arguments
+    return content, [calls[i] for i in sorted(calls)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12),
+       prefix=st.sampled_from(["", "Let me check. "]))
+def test_streamed_deltas_reassemble_to_the_parsed_answer(cuts, prefix):
+    text = prefix + ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich \\"Z\\""}}\n</tool_call>\n'
+                     '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    ids = ["call_a", "call_b"]
+    content, calls = tools.parse_tool_calls(text, ids)
+    points = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+    s = ToolCallStreamer(ids)
+    events = [e for p in pieces for e in s.feed(p)] + s.finish()
+    got_content, got_calls = _reassemble(events)
+    assert (got_content or None) == content
+    assert got_calls == [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+    firsts = [e for e in events if isinstance(e, CallDelta) and e.id is not None]
+    assert [e.name for e in firsts] == ["get_weather", "get_time"]  # id and name come first, once
+
+
+def test_plain_text_streams_through_with_partial_tags_held_back():
+    s = ToolCallStreamer()
+    out = s.feed("Hello <tool") + s.feed("s are fun") + s.finish()
+    assert "".join(e.text for e in out if isinstance(e, ContentDelta)) == "Hello <tools are fun"
+
+
+def test_rendering_the_conversation():
+    msgs = tools.with_tool_system([{"role": "user", "content": "weather?"}], [WEATHER])
+    assert msgs[0]["role"] == "system" and "<tools>" in msgs[0]["content"] and "get_weather" in msgs[0]["content"]
+    call = tools.render_call("get_weather", '{"city": "Paris"}')
+    assert call.startswith("<tool_call>") and json.loads(call.split("\n")[1]) == {
+        "name": "get_weather", "arguments": {"city": "Paris"}}
+    assert tools.render_tool_result("21C") == "<tool_response>\n21C\n</tool_response>"
