@@ -107,10 +107,6 @@ class SamplingParams:
         if self.guide is not None and not isinstance(self.guide.spec, str):
             raise ValueError("guide spec must be a string")
 
-    @property
-    def uses_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
 
 @dataclass
 class EngineRequest:

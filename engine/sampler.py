@@ -101,7 +101,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], guides: Guides 
     return _sample_device(logits, seqs)
 
 
-def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _tensor(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 

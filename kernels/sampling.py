@@ -149,6 +149,24 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.flatten(1)[:, :vocab].bool()
 
 
+_BYTE_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def bitmask_bias(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 [G, W] bitmask -> float32 [G, vocab]: 0 where the token is allowed, -inf where not.
+
+    A lookup of each byte in a 256 x 8 table (token t is bit t % 8 of byte t // 8 of the little-endian
+    words): an embedding gather and one add, several times cheaper than a masked_fill / where with a
+    random boolean mask, which branches per element on a CPU."""
+    table = _BYTE_TABLES.get(bitmask.device)
+    if table is None:
+        bits = (torch.arange(256, device=bitmask.device)[:, None] >> torch.arange(8, device=bitmask.device)) & 1
+        table = _BYTE_TABLES[bitmask.device] = torch.zeros(256, 8, device=bitmask.device).masked_fill_(
+            bits == 0, float("-inf"))
+    as_bytes = bitmask.contiguous().view(torch.uint8).long()  # [G, 4W]
+    return torch.nn.functional.embedding(as_bytes, table).flatten(1)[:, :vocab]
+
+
 def apply_logits_controls(logits: torch.Tensor, c: LogitsControls) -> torch.Tensor:
     """float32 logits [B, V] -> the processed logits (a new tensor; the input is not modified).
 
@@ -157,8 +175,7 @@ def apply_logits_controls(logits: torch.Tensor, c: LogitsControls) -> torch.Tens
     a grammar that only allows a stop token) keeps its grammar-masked logits instead."""
     out = logits.float().clone()
     if c.guided_rows is not None and c.bitmask is not None:
-        allowed = unpack_bitmask(c.bitmask, out.shape[-1])
-        out[c.guided_rows] = out[c.guided_rows].masked_fill(~allowed, float("-inf"))
+        out.index_add_(0, c.guided_rows, bitmask_bias(c.bitmask, out.shape[-1]))
     fallback = out.clone() if c.ban_rows is not None and c.guided_rows is not None else None
     if c.bias_rows is not None and c.bias_tokens is not None and c.bias_values is not None:
         out.index_put_((c.bias_rows, c.bias_tokens), c.bias_values, accumulate=True)

@@ -96,11 +96,16 @@ def with_tool_system(messages: list[dict[str, str]], tools: list[ToolSpec]) -> l
 # ---------------------------------------------------------------- the grammar
 
 
+# The JSON layout json.dumps writes: a small model given free whitespace may pad forever.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def _call_schema(tools: list[ToolSpec]) -> dict[str, Any]:
     variants = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters or
                                                   {"type": "object"}},
                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return {**schema, "x-guidance": _JSON_LAYOUT}
 
 
 def tool_guide(tools: list[ToolSpec], required: bool, parallel: bool) -> Guide:

@@ -25,7 +25,8 @@ def tokenizer(engine):
 
 @pytest.fixture
 def configured(engine):
-    """Run the shared engine under other scheduling settings and a smaller KV pool, then restore it."""
+    """Run the shared engine under other scheduling settings and a smaller KV pool, then restore its
+    settings with an empty prefix cache."""
     saved = (engine.config, engine.block_manager, engine.scheduler)
 
     from engine.block_manager import BlockManager
@@ -39,4 +40,8 @@ def configured(engine):
         return engine
 
     yield apply
-    engine.config, engine.block_manager, engine.scheduler = saved
+    # A fresh block manager, not the saved one: the other pool reused the same KV slots, so the saved
+    # one's prefix-cache entries would now point at overwritten K/V.
+    engine.config = saved[0]
+    engine.block_manager = BlockManager(saved[1].num_blocks, saved[0].block_size, saved[0].enable_prefix_caching)
+    engine.scheduler = Scheduler(engine.config, engine.block_manager)

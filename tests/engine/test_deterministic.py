@@ -49,10 +49,10 @@ def run(engine, reqs, monkeypatch, fresh_cache: bool, **config) -> dict[str, tup
     forward = engine.runner._forward
 
     def recording_forward(scheduled, all_logits=False):
-        out, samplers = forward(scheduled, all_logits)
+        out, hidden, samplers = forward(scheduled, all_logits)
         for i, seq in enumerate(samplers):
             logits[seq.request_id].append(out[i].clone())
-        return out, samplers
+        return out, hidden, samplers
 
     monkeypatch.setattr(engine.runner, "_forward", recording_forward)
     res = engine.generate(reqs)

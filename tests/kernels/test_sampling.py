@@ -177,3 +177,13 @@ def test_unpack_bitmask_matches_llguidance_layout():
     logits = np.zeros((3, 100), dtype=np.float32)
     apply_token_bitmask_inplace(logits, mask)
     assert torch.equal(unpack_bitmask(torch.from_numpy(mask), 100), torch.from_numpy(logits == 0))
+
+
+def test_bitmask_bias_is_the_unpacked_mask():
+    from kernels.sampling import bitmask_bias, unpack_bitmask
+
+    g = torch.Generator().manual_seed(3)
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32, generator=g)
+    bias = bitmask_bias(mask.to(DEV), 150).cpu()
+    allowed = unpack_bitmask(mask, 150)
+    assert torch.equal(bias == 0, allowed) and torch.equal(bias == float("-inf"), ~allowed)
