@@ -71,8 +71,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.no_engine and not settings.redis_url:
         print("sluice serve --no-engine needs a Redis queue: --redis-url or SLUICE_REDIS_URL", file=sys.stderr)
         return 2
+    from gateway.http.server import loop_factory
+
     try:
-        asyncio.run(_serve(settings, no_engine=args.no_engine))
+        factory = loop_factory(settings.server.event_loop)
+    except RuntimeError as e:
+        print(f"sluice: {e}", file=sys.stderr)
+        return 2
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(_serve(settings, no_engine=args.no_engine))
     except InsecureBindError as e:
         print(f"sluice: {e}", file=sys.stderr)
         return 2

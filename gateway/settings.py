@@ -8,6 +8,7 @@ not have to mirror every engine knob (the engine validates them at start).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -166,6 +167,8 @@ class ServerSettings(BaseModel):
     # One request's size: more messages or prompt characters than this is a 400 before any templating.
     max_messages: int = Field(2048, ge=1)
     max_prompt_chars: int = Field(1_000_000, ge=1)
+    # `sluice serve`'s event loop: "auto" is uvloop when it is installed (a Linux dependency), else asyncio's.
+    event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
 
 
 class ModelSettings(BaseModel):
@@ -264,6 +267,7 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+@functools.lru_cache(maxsize=4096)  # per request; the arguments are few and short (a salt <= 256 chars)
 def cache_salt(scope: str, key: str | None, tier: str, client_salt: str | None) -> str | None:
     """The engine's prefix-cache salt for one request: requests share cached blocks only when it is equal.
 

@@ -7,6 +7,9 @@ Key mode is sticky (see admission/keys.py): a keys file that is deleted, emptied
 no keys while the gateway runs never opens it; every authenticated route answers 503
 `keys_unavailable` (and the error is logged, rate-limited) until the file is fixed.
 
+Every authenticated request looks at the keys file (one `stat`, about a microsecond; a re-read only
+when it changed), so a key created, a key revoked and a file that breaks take effect at once.
+
 `/health` and `/ready` are public. `/metrics` is public only while no keys exist; in key mode it
 needs an admin key (`sluice keys create --admin`). Revoking a key stops its running requests: each
 keyed request is registered while it runs, and a watcher re-reads the keys file every
@@ -167,7 +170,7 @@ def make_auth_middleware(keys: KeyStore, anonymous_tier: str):
         if token is None:
             raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
                            type="authentication_error", code="invalid_api_key")
-        record = keys.lookup(token)
+        record = keys.lookup(token, reload=False)  # the file was looked at above
         if record is None:
             raise APIError(401, "Incorrect API key provided.", type="authentication_error",
                            code="invalid_api_key")

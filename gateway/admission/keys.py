@@ -68,7 +68,9 @@ class KeyStore:
 
     def __init__(self, path: str | os.PathLike[str], *, strict: bool = False):
         self.path = Path(path)
+        self._path = str(self.path)  # os.stat on a str: a stat per request, without pathlib's overhead
         self._records: list[KeyRecord] = []
+        self._label_by_name: dict[str, str] = {}
         self._by_hash: dict[str, KeyRecord] = {}
         self._sig: object = ()  # never equal to a real signature: the next call reads the file
         self._loaded = False
@@ -82,7 +84,7 @@ class KeyStore:
     # ------------------------------------------------------------ reading
 
     def _signature(self) -> tuple[int, int, int] | None:
-        st = self.path.stat()  # FileNotFoundError / other OSError: the caller decides
+        st = os.stat(self._path)  # FileNotFoundError / other OSError: the caller decides
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
     def reload_if_changed(self, _quiet: bool = False) -> None:
@@ -102,7 +104,7 @@ class KeyStore:
             except KeyStoreError as e:
                 self.key_mode = True  # someone wrote keys here; never fall back to anonymous
                 self._set_problem(str(e))
-                self._records, self._by_hash = [], {}
+                self._records, self._by_hash, self._label_by_name = [], {}, {}
                 self._sig = sig
                 self._loaded = True
                 return
@@ -118,6 +120,7 @@ class KeyStore:
                 self.key_mode = True
             self._records = records
             self._by_hash = {r.key_hash: r for r in records}
+            self._label_by_name = {r.name: r.short_id for r in records}  # the last record of a name wins
             self._sig = sig
             self._loaded = True
             if self.key_mode and not records:
@@ -165,9 +168,11 @@ class KeyStore:
         self.reload_if_changed()
         return self.key_mode
 
-    def lookup(self, key: str) -> KeyRecord | None:
-        """The live record for a presented key, or None; constant-time in the key's content."""
-        self.reload_if_changed()
+    def lookup(self, key: str, *, reload: bool = True) -> KeyRecord | None:
+        """The live record for a presented key, or None; constant-time in the key's content.
+        `reload=False`: as of the last look at the file (the caller just looked)."""
+        if reload:
+            self.reload_if_changed()
         digest = hash_key(key)
         match = None
         for record in self._records:  # few keys: scan all, compare each in constant time
@@ -187,9 +192,9 @@ class KeyStore:
 
     def label_for(self, name: str) -> str:
         """A metrics label for a key name that does not reveal it: the key's short id."""
-        for r in reversed(self._records):
-            if r.name == name:
-                return r.short_id
+        label = self._label_by_name.get(name)
+        if label is not None:
+            return label
         return "n" + hashlib.sha256(name.encode("utf-8")).hexdigest()[:7]
 
     # ------------------------------------------------------------ writing

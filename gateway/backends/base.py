@@ -42,6 +42,11 @@ class ChoiceStream(ABC):
     @abstractmethod
     async def aclose(self) -> None: ...
 
+    async def next_batch(self) -> list[ChoiceOutput]:
+        """The outputs available now, at least one (StopAsyncIteration at the end). A stream that gets
+        several per read (a remote SSE answer) returns them together, so the relay writes them at once."""
+        return [await self.__anext__()]
+
     async def __aenter__(self) -> ChoiceStream:
         return self
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -33,7 +33,7 @@ def request_id(request: web.Request) -> str:
     rid = request.get(REQUEST_ID)
     if rid is None:
         client = request.headers.get(REQUEST_ID_HEADER, "")
-        rid = client if _VALID_REQUEST_ID.match(client) else uuid.uuid4().hex
+        rid = client if _VALID_REQUEST_ID.match(client) else os.urandom(16).hex()
         request[REQUEST_ID] = rid
     return rid
 

@@ -3,43 +3,30 @@
 Chat and legacy completions share one path: parse (http/offload.py), decide whether this gateway
 tokenizes (the local engine may serve it) or only remote providers can, fit the prompt, build the
 `GenerationRequest` (http/prompt.py), submit it to the router, and answer as JSON or SSE (http/sse.py)
-in the endpoint's format. Every exit path closes the backend stream, so a vanished client frees its
-engine slot.
+in the endpoint's format (http/chunks.py). Every exit path closes the backend stream, so a vanished
+client frees its engine slot.
 """
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.request import RequestOutput
+from gateway import jsonio
 from gateway.admission.auth import KEY_NAME, TIER_KEY
 from gateway.backends.base import ChoiceStream
-from gateway.http import prompt
+from gateway.http import chunks, prompt
+from gateway.http.chunks import ChoiceAcc, ChunkEncoder, TokenUsage
 from gateway.http.errors import APIError
 from gateway.http.middleware import END_USER, request_id
-from gateway.http.openai_schema import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessageOut,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    ModelCard,
-    ModelList,
-    Usage,
-)
-from gateway.http.sse import ChoiceAcc, collect, stream_sse, usage_of
+from gateway.http.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.http.sse import collect, stream_sse
 from gateway.messages import GenerationRequest
 from gateway.queue.base import QueueFull
 from gateway.routing.router import BACKEND_HEADER
@@ -80,77 +67,15 @@ def _tokenize_here(state: GatewayState, model: str) -> bool:
 # ---------------------------------------------------------------- the two formats of an answer
 
 
-class _Format(Protocol):
+@dataclass(frozen=True)
+class _Format:
     id_prefix: str
-
-    def response(self, rid: str, created: int, model: str, accs: list[ChoiceAcc], usage: Usage) -> dict[str, Any]: ...
-
-    def chunks(self, rid: str, created: int, model: str, index: int, out: RequestOutput,
-               acc: ChoiceAcc) -> list[dict[str, Any]]: ...
-
-    def usage_chunk(self, rid: str, created: int, model: str, usage: Usage) -> dict[str, Any]: ...
+    response: Callable[[str, int, str, list[ChoiceAcc], TokenUsage], dict[str, object]]  # the JSON answer
+    chunks: Callable[[str, int, str, bool], ChunkEncoder]  # (rid, created, model, include_usage)
 
 
-@dataclass
-class _ChatFormat:
-    include_usage: bool
-    id_prefix: str = "chatcmpl"
-
-    def response(self, rid: str, created: int, model: str, accs: list[ChoiceAcc], usage: Usage) -> dict[str, Any]:
-        return ChatCompletionResponse(
-            id=rid, created=created, model=model, usage=usage,
-            choices=[ChatChoice(index=i, message=ChatMessageOut(content="".join(a.text)),
-                                finish_reason=a.finish_reason) for i, a in enumerate(accs)]).model_dump()
-
-    def _chunk(self, rid: str, created: int, model: str, index: int, delta: ChatDelta,
-               finish: str | None = None) -> dict[str, Any]:
-        d = ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-            ChatChunkChoice(index=index, delta=delta, finish_reason=finish)]).model_dump()
-        d["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
-        if not self.include_usage:
-            d.pop("usage")
-        return d
-
-    def chunks(self, rid: str, created: int, model: str, index: int, out: RequestOutput,
-               acc: ChoiceAcc) -> list[dict[str, Any]]:
-        chunks = []
-        if not acc.started:
-            acc.started = True
-            chunks.append(self._chunk(rid, created, model, index, ChatDelta(role="assistant", content="")))
-        if out.text:
-            chunks.append(self._chunk(rid, created, model, index, ChatDelta(content=out.text)))
-        if out.finished:
-            chunks.append(self._chunk(rid, created, model, index, ChatDelta(), out.finish_reason))
-        return chunks
-
-    def usage_chunk(self, rid: str, created: int, model: str, usage: Usage) -> dict[str, Any]:
-        return ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage).model_dump()
-
-
-@dataclass
-class _CompletionFormat:
-    include_usage: bool
-    id_prefix: str = "cmpl"
-
-    def response(self, rid: str, created: int, model: str, accs: list[ChoiceAcc], usage: Usage) -> dict[str, Any]:
-        return CompletionResponse(
-            id=rid, created=created, model=model, usage=usage,
-            choices=[CompletionChoice(index=i, text="".join(a.text), finish_reason=a.finish_reason)
-                     for i, a in enumerate(accs)]).model_dump()
-
-    def chunks(self, rid: str, created: int, model: str, index: int, out: RequestOutput,
-               acc: ChoiceAcc) -> list[dict[str, Any]]:  # noqa: ARG002 (no per-choice state here)
-        if not out.text and not out.finished:
-            return []
-        d = CompletionResponse(id=rid, created=created, model=model, choices=[
-            CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason if out.finished else None)
-        ]).model_dump()
-        if not self.include_usage:
-            d.pop("usage")
-        return [d]
-
-    def usage_chunk(self, rid: str, created: int, model: str, usage: Usage) -> dict[str, Any]:
-        return CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage).model_dump()
+_CHAT = _Format("chatcmpl", chunks.chat_response, chunks.ChatChunks)
+_COMPLETION = _Format("cmpl", chunks.completion_response, chunks.CompletionChunks)
 
 
 # ---------------------------------------------------------------- the shared generation path
@@ -167,7 +92,7 @@ async def _generate(request: web.Request, state: GatewayState, req: ChatCompleti
         raise APIError(400, f"n={n} choices cannot be queued: the {tier} tier queues at most "
                             f"{state.queue.depth_limit(tier)} requests at once. Lower n.", param="n",
                        code="invalid_value")
-    rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+    rid = f"{fmt.id_prefix}-{os.urandom(16).hex()}"
     key = request.get(KEY_NAME)
     gen = GenerationRequest(
         request_id=rid, prompt_token_ids=list(prompt_ids),
@@ -185,22 +110,21 @@ async def _generate(request: web.Request, state: GatewayState, req: ChatCompleti
     created = int(time.time())
     model = req.model  # the local model's id, or the Sluice name of a remote one
 
-    def usage(accs: list[ChoiceAcc]) -> Usage:
+    def usage(accs: list[ChoiceAcc]) -> TokenUsage:
         reported = stream.prompt_tokens  # the provider's count when remote
-        return usage_of(len(prompt_ids) if reported is None else reported, accs)
+        return TokenUsage.of(len(prompt_ids) if reported is None else reported, accs)
 
     if not req.stream:
         accs = await collect(stream, n)
         u = usage(accs)
         state.metrics.completion_tokens.inc(u.completion_tokens)
-        return web.json_response(fmt.response(rid, created, model, accs, u), headers={BACKEND_HEADER: stream.backend})
+        return web.Response(body=jsonio.dumps(fmt.response(rid, created, model, accs, u)),
+                            content_type="application/json", charset="utf-8",
+                            headers={BACKEND_HEADER: stream.backend})
 
     include_usage = req.include_usage()
-    resp, completion = await stream_sse(
-        request, stream, n,
-        lambda index, out, acc: fmt.chunks(rid, created, model, index, out, acc),
-        lambda accs: fmt.usage_chunk(rid, created, model, usage(accs)) if include_usage else None,
-        request_id(request))
+    resp, completion = await stream_sse(request, stream, n, fmt.chunks(rid, created, model, include_usage),
+                                        usage if include_usage else None, request_id(request))
     state.metrics.completion_tokens.inc(completion)
     return resp
 
@@ -221,7 +145,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         max_tokens = prompt.resolve_max_tokens(state.max_model_len, len(ids), requested, None)
     else:  # remote providers only: they tokenize, and their usage is what counts
         ids, max_tokens = [], requested or 0
-    return await _generate(request, state, req, ids, max_tokens, _ChatFormat(req.include_usage()))
+    return await _generate(request, state, req, ids, max_tokens, _CHAT)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -240,7 +164,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         max_tokens = prompt.resolve_max_tokens(state.max_model_len, len(ids), req.max_tokens, 16, "prompt")
     else:  # remote providers only
         ids, max_tokens = [], req.max_tokens or 0
-    return await _generate(request, state, req, ids, max_tokens, _CompletionFormat(req.include_usage()))
+    return await _generate(request, state, req, ids, max_tokens, _COMPLETION)
 
 
 # ---------------------------------------------------------------- models and operations

@@ -16,16 +16,20 @@ timer (an hour by default) fires. Here every connection goes through `GuardedReq
   answered 503 `too_many_connections` and closed.
 
 `accept()` failures (out of file descriptors) and refusals are logged rate-limited
-(`gateway.observability.ratelog`), never once per event. `serve(app, settings)` is what `sluice serve` runs.
+(`gateway.observability.ratelog`), never once per event. `serve(app, settings)` is what `sluice serve` runs,
+on the event loop `loop_factory(server.event_loop)` makes (uvloop when installed: its C loop and
+transports cost less CPU per request than asyncio's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import importlib.util
 import json
 import logging
 import resource
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -240,6 +244,20 @@ def effective_max_connections(wanted: int) -> int:
     return wanted
 
 
+def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop for `server.event_loop`: None is asyncio's default; "auto" is uvloop when it is
+    installed; "uvloop" requires it."""
+    if choice == "asyncio" or (choice == "auto" and importlib.util.find_spec("uvloop") is None):
+        return None
+    try:
+        import uvloop
+    except ImportError as e:
+        raise RuntimeError("server.event_loop = \"uvloop\" but uvloop is not installed "
+                           "(pip install uvloop, or set it to \"auto\" or \"asyncio\")") from e
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
 async def serve(app: web.Application, settings: Any, *, host: str | None = None,
                 port: int | None = None) -> tuple[GuardedAppRunner, web.TCPSite]:
     """Start the app on host:port (defaults: settings.server) with the connection guard; returns the
@@ -277,9 +295,10 @@ async def run_server(settings: Settings, stop: asyncio.Event, *, engine: Engine 
         await asyncio.sleep(0.05)
     capacity = state.local_worker.capacity if state.local_worker else 0
     log.info("sluice serving on http://%s:%d model=%s max_model_len=%d capacity=%d running "
-             "(+%s queued per tier) auth=%s queue=%s%s", settings.server.host, settings.server.port,
+             "(+%s queued per tier) auth=%s queue=%s loop=%s%s", settings.server.host, settings.server.port,
              state.model_name, state.max_model_len, capacity, dict(settings.queue.max_depth), auth_mode,
              "redis" if settings.redis_url else "in-process",
+             type(asyncio.get_running_loop()).__module__.split(".")[0],
              " (no engine: workers run elsewhere)" if no_engine else "")
     await stop.wait()
     # Graceful: refuse new requests (503 + Retry-After), stop listening, let open streams finish

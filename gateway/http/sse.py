@@ -1,49 +1,29 @@
 """Turning a backend's choice stream into the client's answer: one JSON body, or Server-Sent Events
 ending with `data: [DONE]`. A failure before the first output becomes a real HTTP status; after the
-headers went out it becomes an error event, and the usage chunk still reports what was billed."""
+headers went out it becomes an error event, and the usage chunk still reports what was billed.
+
+A stream is relayed a batch at a time (what one upstream read delivered, `ChoiceStream.next_batch`):
+one write per batch, and the last chunks, the usage chunk and `[DONE]` go out with the end of the body
+in one write. Nothing waits for more: a batch is written as soon as it is encoded.
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
 from engine.request import RequestOutput
 from gateway.backends.base import ChoiceStream
+from gateway.http.chunks import DONE, ChoiceAcc, ChunkEncoder, TokenUsage, sse_event
 from gateway.http.errors import error_for_output
-from gateway.http.openai_schema import PromptTokensDetails, Usage
 from gateway.messages import ChoiceOutput, is_failure
 from gateway.routing.router import BACKEND_HEADER
 
 log = logging.getLogger("sluice.gateway")
 
-
-@dataclass
-class ChoiceAcc:
-    """What one choice produced so far."""
-
-    text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    started: bool = False
-
-    def add(self, out: RequestOutput) -> None:
-        self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
-        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
-        if out.finished:
-            self.finish_reason = out.finish_reason
-
-
-def usage_of(prompt_tokens: int, accs: list[ChoiceAcc]) -> Usage:
-    completion = sum(a.completion_tokens for a in accs)
-    cached = max((a.cached_tokens for a in accs), default=0)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+UsageOf = Callable[[list[ChoiceAcc]], TokenUsage]  # a request's usage from its choices
 
 
 def raise_for_output(out: RequestOutput) -> None:
@@ -65,11 +45,6 @@ async def collect(stream: ChoiceStream, n: int) -> list[ChoiceAcc]:
     return accs
 
 
-def sse_event(obj: dict[str, Any] | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
-
-
 async def _first(stream: ChoiceStream) -> ChoiceOutput | None:
     """The first output, so engine rejections become a real HTTP status before the SSE headers."""
     try:
@@ -80,13 +55,10 @@ async def _first(stream: ChoiceStream) -> ChoiceOutput | None:
     return first
 
 
-ChunkMaker = Callable[[int, RequestOutput, ChoiceAcc], list[dict[str, Any]]]
-UsageChunkMaker = Callable[[list[ChoiceAcc]], dict[str, Any] | None]
-
-
-async def stream_sse(request: web.Request, stream: ChoiceStream, n: int, make_chunks: ChunkMaker,
-                     make_usage_chunk: UsageChunkMaker, request_id: str) -> tuple[web.StreamResponse, int]:
-    """The SSE answer; returns the response and the completion tokens it reported."""
+async def stream_sse(request: web.Request, stream: ChoiceStream, n: int, encoder: ChunkEncoder,
+                     usage: UsageOf | None, request_id: str) -> tuple[web.StreamResponse, int]:
+    """The SSE answer; returns the response and the completion tokens it reported. `usage`: the
+    request's usage from its choices, for the usage chunk (None: no usage chunk)."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     accs = [ChoiceAcc() for _ in range(n)]
@@ -95,30 +67,36 @@ async def stream_sse(request: web.Request, stream: ChoiceStream, n: int, make_ch
         resp.headers[BACKEND_HEADER] = stream.backend
         await resp.prepare(request)
         try:
-            pending = [first] if first is not None else []
-            while True:
-                if pending:
-                    ch = pending.pop()
-                else:
+            batch = [first] if first is not None else []
+            held: list[bytes] = []  # once every choice finished: written with [DONE] and the end
+            failed = False
+            while not failed:
+                if not batch:
                     try:
-                        ch = await stream.__anext__()
+                        batch = await stream.next_batch()
                     except StopAsyncIteration:
                         break
-                out = ch.output
-                acc = accs[ch.index]
-                acc.add(out)  # an error output's tokens too: the usage chunk reports what was billed
-                if is_failure(out):
-                    err = error_for_output(out)
-                    if err is not None:
-                        await resp.write(sse_event(err.body()))
-                    break
-                for chunk in make_chunks(ch.index, out, acc):
-                    await resp.write(sse_event(chunk))
-            usage_chunk = make_usage_chunk(accs)
-            if usage_chunk is not None:
-                await resp.write(sse_event(usage_chunk))
-            await resp.write(sse_event("[DONE]"))
-            await resp.write_eof()
+                events, held = held, []
+                for ch in batch:
+                    out = ch.output
+                    acc = accs[ch.index]
+                    acc.add(out)  # an error output's tokens too: the usage chunk reports what was billed
+                    if is_failure(out):
+                        err = error_for_output(out)
+                        if err is not None:
+                            events.append(sse_event(err.body()))
+                        failed = True
+                        break
+                    events.extend(encoder.events(ch.index, out, acc))
+                batch = []
+                if failed or all(a.finished for a in accs):
+                    held = events
+                elif events:
+                    await resp.write(b"".join(events))
+            if usage is not None:
+                held.append(encoder.usage_event(usage(accs)))
+            held.append(DONE)
+            await resp.write_eof(b"".join(held))
         except (ConnectionResetError, ConnectionError):
             log.info("client disconnected mid-stream (request %s); cancelling", request_id)
     return resp, sum(a.completion_tokens for a in accs)

@@ -87,6 +87,23 @@ class AccountedStream(WrappedStream):
             if self._outputs == 0:
                 self._errored_early = True
             raise
+        self._note(ch)
+        return ch
+
+    async def next_batch(self) -> list[ChoiceOutput]:
+        try:
+            batch = await self._inner.next_batch()
+        except StopAsyncIteration:
+            raise
+        except BaseException:
+            if self._outputs == 0:
+                self._errored_early = True
+            raise
+        for ch in batch:
+            self._note(ch)
+        return batch
+
+    def _note(self, ch: ChoiceOutput) -> None:
         self._outputs += 1
         out = ch.output
         if out.completion_tokens > self._completion.get(ch.index, 0):
@@ -102,7 +119,6 @@ class AccountedStream(WrappedStream):
             elif self._itl is not None:
                 self._itl.observe(now - self._last)
             self._last = now
-        return ch
 
     def usage(self) -> tuple[int, int, int]:
         """(prompt, cached, completion) as the response reports them."""

@@ -13,8 +13,9 @@ import logging
 import time
 
 import aiohttp
+import pytest
 
-from gateway.http.server import install_accept_error_logging
+from gateway.http.server import install_accept_error_logging, loop_factory
 from tests.hardening.gateway_server import served_gateway
 
 
@@ -137,3 +138,17 @@ async def test_accept_errors_are_logged_rate_limited(caplog):
         assert "Traceback" not in caplog.text
     finally:
         loop.set_exception_handler(previous)
+
+
+def test_the_guard_holds_on_uvloop_too(tmp_path):
+    """`sluice serve` runs on uvloop when it is installed (`server.event_loop = "auto"`); the guard uses
+    the loop's timers and transports, so it is checked there as well."""
+    pytest.importorskip("uvloop")
+    assert loop_factory("asyncio") is None
+    factory = loop_factory("auto")
+    assert factory is not None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        assert type(runner.get_loop()).__module__.startswith("uvloop")
+        runner.run(test_partial_or_silent_connections_are_closed_within_the_header_timeout(tmp_path / "a"))
+        runner.run(test_a_body_that_does_not_arrive_gets_408(tmp_path / "b"))
+        runner.run(test_beyond_the_limit_with_every_connection_busy_new_ones_get_503(tmp_path / "c"))

@@ -101,7 +101,7 @@ async def test_unclassified_provider_error_fails_over(tmp_path, providers, caplo
     a, b = providers
     async with gateway(tmp_path, [provider_cfg(a), provider_cfg(b, order=1)]) as (base, app, *_):
         pa = app[STATE].remote.providers[0]
-        pa.client = pa.client.with_options(base_url=f"http://u:p@127.0.0.1:{a.port}/v1")
+        pa.urls = {e: u.replace("http://", "http://u:p@") for e, u in pa.urls.items()}
         with caplog.at_level(logging.WARNING, logger="sluice.remote"):
             st, h, body = await post(base, chat())
             assert st == 200, body

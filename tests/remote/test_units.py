@@ -112,12 +112,11 @@ def test_cost():
 
 
 async def test_transport_errors_are_classified_as_connection_failures():
-    """The aiohttp transport maps every aiohttp connection error to httpx2's ConnectTimeout; a refused
-    connection or a server that hangs up is still a connection failure, a slow answer a timeout."""
+    """The provider's client wraps aiohttp's errors in the SDK's; a refused connection or a server that
+    hangs up is still a connection failure, a slow answer a timeout."""
     import asyncio
     import socket
 
-    import httpx2
     from aiohttp import web
 
     from gateway.backends.remote.provider import Provider, classify
@@ -149,10 +148,47 @@ async def test_transport_errors_are_classified_as_connection_failures():
             p = Provider(ProviderSettings(name="p", base_url=base, timeout_s=0.3), RoutingSettings())
             try:
                 with pytest.raises(Exception) as ei:
-                    await p.client.post("/chat/completions", cast_to=httpx2.Response, body={})
+                    await p.post("chat", b"{}")
                 f = classify(p, ei.value)
                 assert f is not None and f.kind == kind, (base, f)
             finally:
                 await p.close()
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 409, 413, 422, 429, 500, 503, 418])
+@pytest.mark.parametrize("content", [b'{"error": {"message": "nope", "type": "x", "param": "p", "code": "c"}}',
+                                     b'{"detail": "flat"}', b"<html>bad gateway</html>", b"", b"[1, 2]"])
+def test_error_answers_raise_what_the_sdk_raised(status, content):
+    """`status_error` builds the exception the openai SDK built for the same answer (type, message, body)."""
+    import httpx2
+    import openai
+
+    from gateway.backends.remote.provider import status_error
+
+    url = "http://127.0.0.1:9/v1/chat/completions"
+    headers = [(b"content-type", b"application/json"), (b"retry-after", b"3")]
+    sdk = openai.AsyncOpenAI(api_key="k", base_url="http://127.0.0.1:9/v1")
+    want = sdk._make_status_error_from_response(
+        httpx2.Response(status, headers=headers, content=content, request=httpx2.Request("POST", url)))
+    got = status_error(status, headers, content, url)
+    assert type(got) is type(want)
+    assert (got.message, got.body, got.status_code, got.code, got.param, got.type) == \
+           (want.message, want.body, want.status_code, want.code, want.param, want.type)
+    assert got.response.headers.get("retry-after") == "3"
+
+
+def test_mid_stream_transport_errors_classify_as_before():
+    """A body read that fails is named as the SDK's aiohttp transport named it."""
+    import aiohttp
+
+    from gateway.backends.remote.provider import Provider, classify, transport_error
+
+    p = Provider(ProviderSettings(name="p", base_url="http://127.0.0.1:9/v1"), RoutingSettings())
+    for err, kind, message in [(aiohttp.ClientPayloadError("cut"), "connection", "connection failed (ReadError)"),
+                               (aiohttp.ServerDisconnectedError(), "connection", "connection failed (ConnectTimeout)"),
+                               (aiohttp.SocketTimeoutError("slow"), "timeout", "timed out"),
+                               (TimeoutError(), "timeout", "timed out")]:
+        f = classify(p, transport_error(err))
+        assert f is not None and (f.kind, f.message) == (kind, message), err

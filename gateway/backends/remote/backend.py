@@ -1,10 +1,10 @@
 """RemoteBackend: OpenAI-compatible providers behind retries, backoff, circuit breakers and failover.
 
-Each provider has one `openai.AsyncOpenAI` client (one connection pool; the SDK's own retries off).
-Requests go through the client's raw-response path: the body the client sent (validated, with the
-Sluice-only fields removed and the model name mapped) is forwarded as is, and the answer's bytes are
-read without building SDK objects, so a relayed chunk costs a `json.loads` and nothing more. The SDK
-still does the connection pool, auth header and the mapping of error statuses to exceptions.
+Each provider has one aiohttp session (one connection pool; provider.py says why not the openai SDK,
+whose exception types it still raises). The body the client sent (validated, with the Sluice-only
+fields removed and the model name mapped) is forwarded as is, and the answer's bytes are read without
+building SDK objects: a relayed chunk costs one JSON parse. A stream is relayed a socket read at a
+time: the outputs of one read go to the client together (`next_batch`), one write per read.
 
 Tries are rounds over the provider chain (order, then weight), driven by tenacity:
   * in a round each provider whose breaker is closed (or half-open and free for a probe), that is not
@@ -18,7 +18,8 @@ Tries are rounds over the provider chain (order, then weight), driven by tenacit
     (the provider refuses our key): no retry, its breaker opens at once, the next provider serves, and
     the log and `/ready` say why; a 404 (the model mapping) moves on without retrying it;
   * when a round fails, tenacity waits (the soonest Retry-After, else exponential backoff with full
-    jitter) and tries again, at most `max_attempts` rounds, and never past the request's deadline;
+    jitter) and tries again, at most `max_attempts` rounds, and never past the request's deadline
+    (the first round runs without it: building its retry state costs more than most requests);
   * then the client gets 429 (every provider rate-limited us) or 503, with Retry-After.
 A stream is committed once a chunk with real text arrived (a role-only first chunk is not); before
 that every failure is retried invisibly; after it a failure ends the stream with an error event.
@@ -27,6 +28,7 @@ that every failure is retried invisibly; after it a failure ends the stream with
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import random
@@ -35,12 +37,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx2
+import aiohttp
 import openai
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 from tenacity.stop import stop_base
 
 from engine.request import RequestOutput
+from gateway import jsonio
 from gateway.backends.base import Backend, ChoiceStream
 from gateway.backends.remote.provider import (
     AttemptFailure,
@@ -50,6 +53,7 @@ from gateway.backends.remote.provider import (
     StreamDropped,
     UpstreamError,
     classify,
+    transport_error,
 )
 from gateway.http.errors import APIError
 from gateway.messages import ChoiceOutput, ErrorOutput, Failure, GenerationRequest
@@ -60,23 +64,57 @@ log = logging.getLogger("sluice.remote")
 
 # Fields of Sluice's request models that providers do not know (extras of vLLM and Sluice).
 SLUICE_ONLY_FIELDS = frozenset({"top_k", "stop_token_ids", "ignore_eos", "prompt_truncation", "cache_salt"})
-RAW_STREAM = {"X-Stainless-Raw-Response": "stream"}
 
 
-def _json_body(r: httpx2.Response) -> dict[str, Any]:
+def _json_body(status: int, content_type: str, content: bytes) -> dict[str, Any]:
     """The parsed body of a JSON answer; anything else is the provider's failure, not the caller's."""
-    ctype = r.headers.get("content-type", "").split(";")[0] or "no content type"
+    ctype = content_type.split(";")[0] or "no content type"
     try:
-        body = json.loads(r.content)
+        body = jsonio.loads(content)
     except ValueError:
-        raise BadResponse(f"answered {r.status_code} with a body that is not JSON ({ctype})") from None
+        raise BadResponse(f"answered {status} with a body that is not JSON ({ctype})") from None
     if not isinstance(body, dict):
-        raise BadResponse(f"answered {r.status_code} with JSON that is not an object")
+        raise BadResponse(f"answered {status} with JSON that is not an object")
     if not isinstance(body.get("choices"), list):
         if isinstance(body.get("error"), (dict, str)):
             raise UpstreamError(body["error"])
-        raise BadResponse(f"answered {r.status_code} without `choices`")
+        raise BadResponse(f"answered {status} without `choices`")
     return body
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
+
+
+def _line_json(data: bytes) -> object:
+    """One `data:` line's JSON. Bytes that are not UTF-8 are read as the SDK's line decoder read them
+    (invalid bytes replaced), not refused."""
+    try:
+        return jsonio.loads(data)
+    except ValueError:
+        try:
+            return json.loads(_text(data))
+        except ValueError:
+            raise BadResponse(f"a stream line that is not JSON ({_text(data[:60])!r})") from None
+
+
+async def _sse_lines(resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+    """The lines of an event stream (split at LF, CRLF or CR), a list per socket read: no await per
+    line. A transport failure raises as the SDK's transport raised it (`transport_error`)."""
+    buf = b""
+    try:
+        async for data in resp.content.iter_any():
+            buf += data
+            if b"\r" in buf:
+                buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            if b"\n" not in buf:
+                continue
+            *lines, buf = buf.split(b"\n")
+            yield lines
+    except (TimeoutError, aiohttp.ClientError) as e:
+        raise transport_error(e) from e
+    if buf:
+        yield [buf]
 
 
 def _client_error(e: openai.APIStatusError) -> APIError:
@@ -97,6 +135,7 @@ class _Parsed:
     completion_tokens: int | None = None
     pending_finish: dict[int, str] = field(default_factory=dict)
     text_chunks: int = 0
+    done: bool = False  # `data: [DONE]` seen
 
 
 def _usage_into(parsed: _Parsed, usage: dict[str, Any] | None) -> None:
@@ -129,8 +168,9 @@ class RemoteStream(ChoiceStream):
         self._excluded: set[Provider] = set()  # refused our configuration: not retried for this request
         self._last_kind: dict[str, str] = {}  # provider -> its last failure or reason it was skipped
         self._failures: list[AttemptFailure] = []  # every failed try of this request
-        self._it: AsyncGenerator[ChoiceOutput, None] = self._run()
-        self._resp: httpx2.Response | None = None
+        self._it: AsyncGenerator[list[ChoiceOutput], None] = self._run()  # a list per upstream read
+        self._ready: collections.deque[ChoiceOutput] = collections.deque()  # read, not yet handed out
+        self._resp: aiohttp.ClientResponse | None = None
         self._closed = False
         self._holding = False  # counted in self.provider.in_flight
 
@@ -151,7 +191,22 @@ class RemoteStream(ChoiceStream):
     async def __anext__(self) -> ChoiceOutput:
         if self._closed:
             raise StopAsyncIteration
-        return await self._it.__anext__()
+        while not self._ready:
+            self._ready.extend(await self._it.__anext__())
+        return self._ready.popleft()
+
+    async def next_batch(self) -> list[ChoiceOutput]:
+        """What is already here (the rest of the last read), else every output of the next read."""
+        if self._closed:
+            raise StopAsyncIteration
+        if self._ready:
+            outs = list(self._ready)
+            self._ready.clear()
+            return outs
+        while True:
+            outs = await self._it.__anext__()
+            if outs:
+                return outs
 
     async def aclose(self) -> None:
         if self._closed:
@@ -183,77 +238,86 @@ class RemoteStream(ChoiceStream):
 
     async def _try(self, p: Provider, deadline: float) -> Any:
         """One call to one provider. JSON: its outputs (a list). Stream: the buffered outputs up to and
-        including the first real text (the stream is then committed), plus the line iterator."""
+        including the first real text (the stream is then committed), plus the outputs still to come
+        (the same iterator, so nothing it read is lost; None when the whole answer is buffered)."""
         timeout = max(0.05, min(p.settings.timeout_s, deadline - time.monotonic()))
-        path = "/chat/completions" if self._gen.endpoint == "chat" else "/completions"
         body = self._body(p)
         if not body.get("stream"):
-            r = await p.client.post(path, cast_to=httpx2.Response, body=body, options={"timeout": timeout})
-            return self._json_outputs(_json_body(r))
-        resp = await p.client.post(path, cast_to=httpx2.Response, body=body, stream=True,
-                                   options={"timeout": timeout, "headers": RAW_STREAM})
+            resp = await p.post(self._gen.endpoint, jsonio.dumps(body), timeout)
+            content = await p.read(resp)
+            return self._json_outputs(_json_body(resp.status, resp.headers.get("content-type", ""), content))
+        resp = await p.post(self._gen.endpoint, jsonio.dumps(body), timeout)
         self._resp = resp
         ctype = resp.headers.get("content-type", "")
         if "html" in ctype:  # a proxy's error page with a 2xx status
             await self._release_resp()
-            raise BadResponse(f"answered {resp.status_code} with {ctype.split(';')[0]}, not an event stream")
-        lines = resp.aiter_lines()
+            raise BadResponse(f"answered {resp.status} with {ctype.split(';')[0]}, not an event stream")
         parsed = _Parsed()
+        rest = self._outputs(_sse_lines(resp), parsed)
         buffered: list[ChoiceOutput] = []
         try:
             async with asyncio.timeout(max(0.05, deadline - time.monotonic())):
-                async for out in self._outputs(lines, parsed):
-                    buffered.append(out)
-                    if out.output.text or out.output.finished:
-                        return buffered, lines, parsed
+                async for outs in rest:
+                    buffered.extend(outs)
+                    if outs and outs[-1].output.finished:  # the end: the whole answer is here
+                        return buffered, None, parsed
+                    if any(o.output.text for o in outs):
+                        return buffered, rest, parsed
         except BaseException:
             await self._release_resp()
             raise
-        # A clean end with no text at all: commit an empty answer (usage still counts).
-        return buffered, None, parsed
+        raise AssertionError("_outputs ends with the finishing outputs or raises")  # pragma: no cover
 
     async def _release_resp(self) -> None:
         if self._resp is not None:
             resp, self._resp = self._resp, None
             try:
-                await resp.aclose()
+                if resp.content.at_eof():
+                    resp.release()  # read to the end: the connection goes back to the pool
+                else:
+                    resp.close()  # cut short (a client gone, a failure): the provider stops generating
             except Exception as e:  # the upstream connection is discarded either way
                 log.debug("closing an upstream response failed: %s", e)
 
-    async def _outputs(self, lines: AsyncIterator[str], parsed: _Parsed) -> AsyncIterator[ChoiceOutput]:
-        """Upstream SSE lines -> ChoiceOutputs. Finish reasons are held until the usage chunk (or the
-        end) so the finishing output carries the provider's token counts."""
+    async def _outputs(self, lines: AsyncIterator[list[bytes]], parsed: _Parsed) -> AsyncIterator[list[ChoiceOutput]]:
+        """Upstream SSE lines -> ChoiceOutputs, a list per upstream read; last the finishing outputs.
+        Finish reasons are held until the usage chunk (or the end) so the finishing output carries the
+        provider's token counts."""
         rid = self._gen.request_id
         chat = self._gen.endpoint == "chat"
-        done = False
-        async for line in lines:
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":  # keep reading to the end of the body: the connection then goes back
-                done = True          # to the pool instead of being closed
-                continue
+        async for batch in lines:
+            outs: list[ChoiceOutput] = []
             try:
-                chunk = json.loads(data)
-            except ValueError:
-                raise BadResponse(f"a stream line that is not JSON ({data[:60]!r})") from None
-            if not isinstance(chunk, dict):
-                raise BadResponse(f"a stream line that is not a JSON object ({data[:60]!r})")
-            if "error" in chunk and not chunk.get("choices"):
-                raise UpstreamError(chunk["error"])
-            _usage_into(parsed, chunk.get("usage"))
-            for c in chunk.get("choices") or ():
-                idx = int(c.get("index", 0))
-                text = ((c.get("delta") or {}).get("content") if chat else c.get("text")) or ""
-                if text:
-                    parsed.text_chunks += 1
-                    yield ChoiceOutput(idx, RequestOutput(request_id=rid, text=text))
-                if c.get("finish_reason"):
-                    parsed.pending_finish[idx] = c["finish_reason"]
-        if not done and not parsed.pending_finish:
+                for line in batch:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":  # keep reading to the end of the body: the connection then goes
+                        parsed.done = True   # back to the pool instead of being closed
+                        continue
+                    chunk = _line_json(data)
+                    if not isinstance(chunk, dict):
+                        raise BadResponse(f"a stream line that is not a JSON object ({_text(data[:60])!r})")
+                    if "error" in chunk and not chunk.get("choices"):
+                        raise UpstreamError(chunk["error"])
+                    _usage_into(parsed, chunk.get("usage"))
+                    for c in chunk.get("choices") or ():
+                        idx = int(c.get("index", 0))
+                        text = ((c.get("delta") or {}).get("content") if chat else c.get("text")) or ""
+                        if text:
+                            parsed.text_chunks += 1
+                            outs.append(ChoiceOutput(idx, RequestOutput(request_id=rid, text=text)))
+                        if c.get("finish_reason"):
+                            parsed.pending_finish[idx] = c["finish_reason"]
+            except Exception:
+                if outs:
+                    yield outs  # what arrived before the bad line still goes out
+                raise
+            if outs:
+                yield outs
+        if not parsed.done and not parsed.pending_finish:
             raise StreamDropped()
-        for out in self._finish(parsed):
-            yield out
+        yield self._finish(parsed)
 
     def _finish(self, parsed: _Parsed) -> list[ChoiceOutput]:
         self._prompt_tokens = parsed.prompt_tokens
@@ -293,33 +357,45 @@ class RemoteStream(ChoiceStream):
         if self._gen.deadline is not None:  # a wall-clock deadline set by the caller
             deadline = min(deadline, start + max(0.0, self._gen.deadline - time.time()))
 
-        def wait(rs: RetryCallState) -> float:
-            e = rs.outcome.exception() if rs.outcome else None
+        def wait_after(attempt: int, e: BaseException | None) -> float:
+            """The wait after round `attempt` (1-based) failed with `e`."""
             hint = e.wait_hint if isinstance(e, RoundFailed) else None
             if hint:
                 return hint + 0.005  # just past the Retry-After (or cool-down) it waits out
-            cap = min(r.backoff_max_s, r.backoff_base_s * 2 ** (rs.attempt_number - 1))
+            cap = min(r.backoff_max_s, r.backoff_base_s * 2 ** (attempt - 1))
             return random.uniform(0, cap)
 
-        def past_deadline(rs: RetryCallState) -> bool:
-            e = rs.outcome.exception() if rs.outcome else None
+        def give_up(e: BaseException | None, sleep: float) -> bool:
             if isinstance(e, RoundFailed):
                 if e.final:
                     return True
                 if e.wait_hint is not None and e.wait_hint > r.max_retry_after_s:
                     return True
-            return time.monotonic() + rs.upcoming_sleep >= deadline
+            return time.monotonic() + sleep >= deadline
 
-        last: RoundFailed | None = None
+        # Round 1 without tenacity; its retry state machine is built only when that round failed.
         try:
-            async for attempt in AsyncRetrying(stop=stop_after_attempt(r.max_attempts) | stop_when(past_deadline),
-                                               wait=wait, retry=retry_if_exception_type(RoundFailed),
-                                               reraise=True):
+            return await self._round(deadline)
+        except RoundFailed as e:
+            last = e
+        sleep = wait_after(1, last)
+        if r.max_attempts <= 1 or give_up(last, sleep):
+            raise self._give_up(last)
+        await asyncio.sleep(sleep)
+
+        def outcome(rs: RetryCallState) -> BaseException | None:
+            return rs.outcome.exception() if rs.outcome else None
+
+        try:  # rounds 2.. (tenacity's attempt k is round k + 1)
+            async for attempt in AsyncRetrying(
+                    stop=stop_after_attempt(r.max_attempts - 1) | stop_when(
+                        lambda rs: give_up(outcome(rs), rs.upcoming_sleep)),
+                    wait=lambda rs: wait_after(rs.attempt_number + 1, outcome(rs)),
+                    retry=retry_if_exception_type(RoundFailed), reraise=True):
                 with attempt:
                     return await self._round(deadline)
         except RoundFailed as e:
             last = e
-        assert last is not None
         raise self._give_up(last)
 
     def _live(self) -> list[Provider]:
@@ -437,27 +513,23 @@ class RemoteStream(ChoiceStream):
 
     # ---------------------------------------------------------------- the stream
 
-    async def _run(self) -> AsyncGenerator[ChoiceOutput, None]:
+    async def _run(self) -> AsyncGenerator[list[ChoiceOutput], None]:
         p, result = await self._open()
         self._backend = f"remote:{p.name}"
         if isinstance(result, list):  # a JSON answer, already turned into outputs
             try:
-                for out in result:
-                    yield out
+                yield result
             finally:
                 await self._release()
             return
-        buffered, lines, parsed = result
+        buffered, rest, parsed = result
         try:
-            for out in buffered:
-                yield out
-            if lines is None:
-                for out in self._finish(parsed):
-                    yield out
+            yield buffered
+            if rest is None:  # the whole answer was in the buffered outputs
                 return
             try:
-                async for out in self._outputs(lines, parsed):
-                    yield out
+                async for outs in rest:
+                    yield outs
             except (Exception, StreamDropped) as e:  # committed: end with an error event, never silently
                 f = classify(p, e)
                 what = f.message if f else type(e).__name__
@@ -465,11 +537,11 @@ class RemoteStream(ChoiceStream):
                 self._prompt_tokens = parsed.prompt_tokens
                 relayed = parsed.completion_tokens or parsed.text_chunks
                 # The usage the client is told is the usage billed: the tokens relayed so far.
-                yield ChoiceOutput(0, ErrorOutput(
+                yield [ChoiceOutput(0, ErrorOutput(
                     request_id=self._gen.request_id, finished=True, finish_reason="error",
                     error=f"The provider `{p.name}` failed mid-stream ({what}); the answer is incomplete.",
                     completion_tokens=relayed, prompt_tokens=parsed.prompt_tokens or 0,
-                    cached_tokens=parsed.cached_tokens, error_code="provider_error", failure=Failure.PROVIDER))
+                    cached_tokens=parsed.cached_tokens, error_code="provider_error", failure=Failure.PROVIDER))]
         finally:
             await self._release()
 
