@@ -39,6 +39,8 @@ class GenerationRequest:
     key: str | None = None  # the API key's name (never the key), for limits and usage
     # Prefix-cache isolation: an opaque salt mixed into the first KV block's hash (see settings.cache_salt).
     cache_salt: str | None = None
+    # Set when the local model cannot serve it (e.g. an image part): only a remote provider may.
+    needs_remote: str | None = None
 
 
 @dataclass

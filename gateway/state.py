@@ -14,6 +14,7 @@ from gateway.admission.keys import KeyStore
 from gateway.admission.limits import Limiter
 from gateway.admission.usage import UsageStore
 from gateway.backends.remote.backend import RemoteBackend
+from gateway.http.logprobs import TokenPieces
 from gateway.http.offload import Offloader
 from gateway.messages import WorkerStats
 from gateway.observability.metrics import Metrics
@@ -45,6 +46,7 @@ class GatewayState:
     no_engine: bool = False  # gateway only: engine workers run elsewhere (`sluice worker`, Redis queue)
     draining: bool = False  # SIGTERM received: new requests get 503 + Retry-After
     created: int = field(default_factory=lambda: int(time.time()))
+    token_pieces: TokenPieces | None = None  # token id -> text and bytes, for logprobs (built on first use)
 
     @property
     def ready(self) -> bool:

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.request import RequestOutput
+from engine.request import RequestOutput, TokenLogprob
 from gateway import jsonio
 from gateway.http.openai_schema import (
     SYSTEM_FINGERPRINT,
@@ -41,8 +41,11 @@ class ChoiceAcc:
     completion_tokens: int = 0
     cached_tokens: int = 0
     started: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, out: RequestOutput) -> None:
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
         self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         if out.finished:

@@ -2,10 +2,11 @@
 
 Requests are parsed strictly from JSON (`"1"` is not a number) and every range follows OpenAI's spec
 (openapi-subset.json). Nothing a client sends is silently dropped: a field is either applied or refused
-with a 400 that names it. Fields of OpenAI's API that Sluice does not implement yet are declared here
-only so that their harmless values (null, the documented default) pass; any other value is refused, and
-so is any field that is not part of the API at all. Only text is supported: a non-text content part is
-a 400 too.
+with a 400 that names it. Fields of OpenAI's API that Sluice does not implement are declared here only
+so that their harmless values (null, the documented default) pass; any other value is refused, and so is
+any field that is not part of the API at all. What the local model cannot serve (an image part for a
+text-only model) is named by `local_unsupported()`: the router sends such a request to a remote provider
+that serves the model, else it is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gateway.http import tools
 
 MAX_N = 16
 MAX_STOP = 4
@@ -37,41 +40,97 @@ def _refuse_unless(value: Any, allowed: tuple[Any, ...], field: str, why: str = 
     return value
 
 
-class TextPart(_Request):
-    type: str
-    text: str
+CONTENT_PART_TYPES = ("text", "image_url", "input_audio", "file")
+
+
+class ContentPart(_Request):
+    """A message content part. Text is served locally; the other kinds only by a remote provider."""
+
+    type: Literal["text", "image_url", "input_audio", "file"]
+    text: str | None = None
+    image_url: dict[str, Any] | None = None
+    input_audio: dict[str, Any] | None = None
+    file: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("type") != "text":
-            raise ValueError(f"content part type {data.get('type')!r} is not supported; only 'text' parts are")
+    def _known_type(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") not in CONTENT_PART_TYPES:
+            raise ValueError(f"content part type {data.get('type')!r} is not supported; "
+                             f"use one of {', '.join(CONTENT_PART_TYPES)}")
         return data
+
+    @model_validator(mode="after")
+    def _payload(self) -> ContentPart:
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a {self.type} content part needs its '{self.type}' field")
+        return self
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCallParam(_Request):
+    """A call an earlier assistant turn made (sent back by the client with the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    # What the SDK sends back when a client appends a response's message as is: only null passes.
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[Any] | None = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
+        if self.content is None and not (self.role == "assistant"):
             raise ValueError(f"a {self.role} message needs 'content'")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs 'tool_call_id' (the id of the call it answers)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry 'tool_calls'")
+        if self.annotations:
+            raise ValueError("'annotations' on a message are not supported; remove them")
         return self
+
+    def non_text_part(self) -> str | None:
+        """The type of the first content part that is not text (None: all text)."""
+        if isinstance(self.content, list):
+            for p in self.content:
+                if p.type != "text":
+                    return p.type
+        return None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(p.text or "" for p in self.content)
+        return "\n".join(p.text or "" for p in self.content if p.type == "text")
 
     def to_template(self) -> dict[str, str]:
         """The {role, content[, name]} dict the chat template takes; developer is the new name for system.
-        The template decides what `name` means (many ignore it, as OpenAI's own models may)."""
+        The template decides what `name` means (many ignore it, as OpenAI's own models may). Tool calls
+        and tool results are rendered in the Hermes format (gateway/http/tools.py)."""
         role = "system" if self.role == "developer" else self.role
-        out = {"role": role, "content": self.text()}
+        content = self.text()
+        if self.tool_calls:
+            calls = "\n".join(tools.render_call(c.function.name, c.function.arguments) for c in self.tool_calls)
+            content = f"{content}\n{calls}" if content else calls
+        if self.role == "tool":
+            content = tools.render_tool_result(content)
+        out = {"role": role, "content": content}
         if self.name is not None:
             out["name"] = self.name
         return out
@@ -100,26 +159,27 @@ class _SamplingFields(_Request):
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    # Not applied by the local engine yet: only 0 (no penalty) passes.
     presence_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Any] | None = None
+    # token id (as a string, as OpenAI's JSON has it) -> bias added to its logit; -100 bans it
+    logit_bias: dict[str, Annotated[Number, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=1024)
+    repetition_penalty: Number | None = Field(None, gt=0.0, le=10.0)  # vLLM's extra (1: off)
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)  # vLLM's extra: no end before this many tokens
     # An end-user id (OpenAI uses it for abuse monitoring): written to the access log, nothing else.
     user: str | None = Field(None, max_length=256)
     # vLLM's extra: share prefix-cache blocks only with requests of the same salt (within the key's scope)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float | None, info: Any) -> float | None:
-        return _refuse_unless(v, (0.0,), info.field_name, " yet (penalties are not applied by the local engine)")
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v:
-            raise ValueError("`logit_bias` is not supported by Sluice yet; remove it")
+    def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.isdigit() or int(key) > INT32_MAX:
+                raise ValueError(f"logit_bias keys are token ids; {key!r} is not one")
         return v
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
     @field_validator("stop")
     @classmethod
@@ -151,14 +211,49 @@ class _SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-# Chat fields of OpenAI's API that Sluice does not implement yet: the values that change nothing, and why.
+class FunctionDef(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs `json_schema`")
+        return self
+
+
+# Chat fields of OpenAI's API that Sluice does not implement: the values that change nothing, and why.
 _NOT_IMPLEMENTED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logprobs": ((False,), " yet"),
-    "top_logprobs": ((0,), " yet"),
-    "response_format": (({"type": "text"},), " yet"),
-    "tools": (([],), " yet"),
-    "tool_choice": (("none",), " yet"),
-    "parallel_tool_calls": ((), " without tools"),
     "functions": (([],), ""),
     "function_call": (("none",), ""),
     "audio": ((), ""),
@@ -182,11 +277,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # In _NOT_IMPLEMENTED_CHAT: null or a value that changes nothing passes, anything else is a 400.
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolParam] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # In _NOT_IMPLEMENTED_CHAT: null or a value that changes nothing passes, anything else is a 400.
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -210,6 +305,46 @@ class ChatCompletionRequest(_SamplingFields):
         allowed, why = _NOT_IMPLEMENTED_CHAT[info.field_name]
         return _refuse_unless(v, allowed, info.field_name, why)
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v: int | None, info: Any) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("`top_logprobs` needs `logprobs: true`")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, v: list[ToolParam] | None) -> list[ToolParam] | None:
+        names = [t.function.name for t in v or []]
+        if len(set(names)) != len(names):
+            raise ValueError("each function needs its own name")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_in_tools(cls, v: Any, info: Any) -> Any:
+        names = {t.function.name for t in info.data.get("tools") or []}
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"`tool_choice` names `{v.function.name}`, which is not in `tools`")
+        if v == "required" and not names:
+            raise ValueError("`tool_choice` `required` needs `tools`")
+        return v
+
+    @model_validator(mode="after")
+    def _coherent(self) -> ChatCompletionRequest:
+        if self.tools and self.response_format is not None and self.response_format.type != "text" \
+                and self.tool_choice not in (None, "none"):
+            raise ValueError("response_format and tool calls cannot both constrain one answer; send one of them")
+        return self
+
+    def local_unsupported(self) -> str | None:
+        """The first field the local text model cannot serve (a request with one goes remote or is a 400)."""
+        for i, m in enumerate(self.messages):
+            kind = m.non_text_part()
+            if kind is not None:
+                return f"messages.{i}.content ({kind} part)"
+        return None
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -217,15 +352,18 @@ class ChatCompletionRequest(_SamplingFields):
         return [m.to_template() for m in self.messages]
 
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
+TokenIds = list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     echo: bool | None = False
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
+    # Structured output on legacy completions (vLLM's extras): a JSON schema, or OpenAI's response_format.
+    guided_json: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -243,13 +381,16 @@ class CompletionRequest(_SamplingFields):
     def _unsupported(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("`echo` is not supported by Sluice; remove it")
-        if self.logprobs is not None:
-            raise ValueError("`logprobs` is not supported by Sluice yet; remove it")
+        if self.guided_json is not None and self.response_format is not None:
+            raise ValueError("send `guided_json` or `response_format`, not both")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ValueError("`best_of` is not supported by Sluice; remove it")
         if self.suffix:
             raise ValueError("`suffix` is not supported by Sluice; remove it")
         return self
+
+    def local_unsupported(self) -> str | None:
+        return None
 
     def prompt_text_or_ids(self) -> str | list[int]:
         p = self.prompt
@@ -280,17 +421,44 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None
+    refusal: None = None
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCallOut] | None = None  # left out of the JSON when None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -303,16 +471,29 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -325,11 +506,18 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from engine.request import SamplingParams
+from engine.request import Guide, SamplingParams
 from gateway.http.errors import APIError
 from gateway.http.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.settings import TierSettings
@@ -75,10 +75,18 @@ def deadline(tiers: Mapping[str, TierSettings], client_timeout: str | None, tier
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
-                    defaults: Mapping[str, float] | None = None) -> SamplingParams:
+                    defaults: Mapping[str, float] | None = None, *, guide: Guide | None = None,
+                    logprobs: int | None = None) -> SamplingParams:
     """Fields the request leaves out take the model's recommended values, then OpenAI's defaults."""
     d = defaults or {}
     return SamplingParams(
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=float(req.repetition_penalty or 1.0),
+        min_tokens=min(int(req.min_tokens or 0), max_tokens),
+        logit_bias=req.logit_bias_ids(),
+        logprobs=logprobs,
+        guide=guide,
         temperature=float(d.get("temperature", 1.0)) if req.temperature is None else float(req.temperature),
         top_p=float(d.get("top_p", 1.0)) if req.top_p is None else float(req.top_p),
         top_k=int(d.get("top_k", 0)) if req.top_k is None else req.top_k,

@@ -18,12 +18,15 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine.request import Guide
 from gateway import jsonio
 from gateway.admission.auth import KEY_NAME, TIER_KEY
 from gateway.backends.base import ChoiceStream
-from gateway.http import chunks, prompt
+from gateway.http import answer, chunks, prompt, tools
+from gateway.http.answer import AnswerShape
 from gateway.http.chunks import ChoiceAcc, ChunkEncoder, TokenUsage
 from gateway.http.errors import APIError
+from gateway.http.logprobs import TokenPieces
 from gateway.http.middleware import END_USER, request_id
 from gateway.http.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.http.sse import collect, stream_sse
@@ -70,19 +73,23 @@ def _tokenize_here(state: GatewayState, model: str) -> bool:
 @dataclass(frozen=True)
 class _Format:
     id_prefix: str
-    response: Callable[[str, int, str, list[ChoiceAcc], TokenUsage], dict[str, object]]  # the JSON answer
-    chunks: Callable[[str, int, str, bool], ChunkEncoder]  # (rid, created, model, include_usage)
+    response: Callable[[str, int, str, list[ChoiceAcc], TokenUsage, AnswerShape], dict[str, object]]
+    chunks: Callable[[str, int, str, bool, AnswerShape], ChunkEncoder]  # (rid, created, model, usage?, shape)
 
 
-_CHAT = _Format("chatcmpl", chunks.chat_response, chunks.ChatChunks)
-_COMPLETION = _Format("cmpl", chunks.completion_response, chunks.CompletionChunks)
+_CHAT = _Format("chatcmpl", answer.chat_answer, answer.ShapedChatChunks)
+_COMPLETION = _Format(
+    "cmpl", lambda rid, created, model, accs, usage, shape: answer.completion_answer(
+        chunks.completion_response(rid, created, model, accs, usage), accs, shape),
+    answer.ShapedCompletionChunks)
 
 
 # ---------------------------------------------------------------- the shared generation path
 
 
 async def _generate(request: web.Request, state: GatewayState, req: ChatCompletionRequest | CompletionRequest,
-                    prompt_ids: Sequence[int], max_tokens: int, fmt: _Format) -> web.StreamResponse:
+                    prompt_ids: Sequence[int], max_tokens: int, fmt: _Format, shape: AnswerShape,
+                    guide: Guide | None = None, needs_remote: str | None = None) -> web.StreamResponse:
     tier = request.get(TIER_KEY, state.settings.auth.anonymous_tier)
     end_user = req.user or getattr(req, "safety_identifier", None)
     if end_user:
@@ -96,7 +103,9 @@ async def _generate(request: web.Request, state: GatewayState, req: ChatCompleti
     key = request.get(KEY_NAME)
     gen = GenerationRequest(
         request_id=rid, prompt_token_ids=list(prompt_ids),
-        sampling=prompt.sampling_params(req, max_tokens, getattr(state.engine, "generation_defaults", None)),
+        sampling=prompt.sampling_params(req, max_tokens, getattr(state.engine, "generation_defaults", None),
+                                        guide=guide, logprobs=shape.top_logprobs),
+        needs_remote=needs_remote,
         n=n, tier=tier, priority=prompt.tier_priority(state.settings.tiers, tier),
         deadline=prompt.deadline(state.settings.tiers, request.headers.get(prompt.DEADLINE_HEADER), tier),
         model=req.model, api=req, endpoint="chat" if isinstance(req, ChatCompletionRequest) else "completion",
@@ -118,12 +127,12 @@ async def _generate(request: web.Request, state: GatewayState, req: ChatCompleti
         accs = await collect(stream, n)
         u = usage(accs)
         state.metrics.completion_tokens.inc(u.completion_tokens)
-        return web.Response(body=jsonio.dumps(fmt.response(rid, created, model, accs, u)),
+        return web.Response(body=jsonio.dumps(fmt.response(rid, created, model, accs, u, shape)),
                             content_type="application/json", charset="utf-8",
                             headers={BACKEND_HEADER: stream.backend})
 
     include_usage = req.include_usage()
-    resp, completion = await stream_sse(request, stream, n, fmt.chunks(rid, created, model, include_usage),
+    resp, completion = await stream_sse(request, stream, n, fmt.chunks(rid, created, model, include_usage, shape),
                                         usage if include_usage else None, request_id(request))
     state.metrics.completion_tokens.inc(completion)
     return resp
@@ -134,24 +143,55 @@ def _marker(state: GatewayState) -> list[int]:
     return state.engine.tokenizer.encode(prompt.TRUNCATION_MARKER)
 
 
+def _capability(state: GatewayState, req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """What the local model cannot serve in this request: None, or the field (then only a remote provider
+    that serves the model may take it; without one it is a 400 naming the field)."""
+    field = req.local_unsupported()
+    if field is None:
+        return None
+    if state.router is not None and state.router.serves_remotely(req.model) and not state.draining:
+        return field
+    raise APIError(400, f"{field}: the model `{req.model}` takes text only here, and no remote provider serves "
+                        "it; remove the part or configure a provider that serves this model.",
+                   param=field.split(" ")[0], code="unsupported_content")
+
+
+def _pieces(state: GatewayState) -> TokenPieces | None:
+    if state.engine is None:
+        return None
+    if state.token_pieces is None:
+        tok = state.engine.tokenizer
+        raw = getattr(tok, "_tok", None)  # the byte-level vocabulary, when the tokenizer exposes it
+        vocab = {i: raw.id_to_token(i) for i in range(raw.get_vocab_size())} if raw is not None else None
+        state.token_pieces = TokenPieces(tok, vocab)
+    return state.token_pieces
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await state.offload.parse(await request.read(), ChatCompletionRequest)
     requested = req.requested_max_tokens()
-    if _tokenize_here(state, req.model):
+    needs_remote = _capability(state, req)
+    shape, guide, specs = answer.chat_shape(req, _pieces(state))
+    if needs_remote is None and _tokenize_here(state, req.model):
         assert state.engine is not None
-        ids = await state.offload.chat_prompt(state.engine.tokenizer, req.template_messages())
+        messages = req.template_messages()
+        if specs:
+            messages = tools.with_tool_system(messages, specs)
+        ids = await state.offload.chat_prompt(state.engine.tokenizer, messages)
         ids = prompt.fit_prompt(ids, state.max_model_len, requested, req.prompt_truncation, _marker(state))
         max_tokens = prompt.resolve_max_tokens(state.max_model_len, len(ids), requested, None)
-    else:  # remote providers only: they tokenize, and their usage is what counts
+    else:  # remote providers only: they tokenize, parse tools, and their usage is what counts
         ids, max_tokens = [], requested or 0
-    return await _generate(request, state, req, ids, max_tokens, _CHAT)
+        shape = AnswerShape()
+    return await _generate(request, state, req, ids, max_tokens, _CHAT, shape, guide, needs_remote)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await state.offload.parse(await request.read(), CompletionRequest)
     ids: Sequence[int]
+    shape, guide = answer.completion_shape(req, _pieces(state))
     if _tokenize_here(state, req.model):
         assert state.engine is not None
         text_or_ids = req.prompt_text_or_ids()
@@ -164,7 +204,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         max_tokens = prompt.resolve_max_tokens(state.max_model_len, len(ids), req.max_tokens, 16, "prompt")
     else:  # remote providers only
         ids, max_tokens = [], req.max_tokens or 0
-    return await _generate(request, state, req, ids, max_tokens, _COMPLETION)
+        shape = AnswerShape()
+    return await _generate(request, state, req, ids, max_tokens, _COMPLETION, shape, guide)
 
 
 # ---------------------------------------------------------------- models and operations

@@ -24,6 +24,7 @@ from typing import Any
 
 from engine.request import Guide
 
+MAX_PARALLEL = 4  # tool calls in one answer when parallel_tool_calls is on
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 
@@ -111,7 +112,9 @@ def _call_schema(tools: list[ToolSpec]) -> dict[str, Any]:
 def tool_guide(tools: list[ToolSpec], required: bool, parallel: bool) -> Guide:
     """A Lark grammar (llguidance): calls only (`required`), or free text or calls (`auto`)."""
     call = f'call: "{CALL_OPEN}\\n" %json {json.dumps(_call_schema(tools))} "\\n{CALL_CLOSE}"'
-    calls = "calls: call (\"\\n\" call)*" if parallel else "calls: call"
+    # At most MAX_PARALLEL calls: a small model would otherwise chain calls until max_tokens.
+    calls = "calls: " + " | ".join(" \"\\n\" ".join(["call"] * k) for k in range(1, MAX_PARALLEL + 1)) \
+        if parallel else "calls: call"
     if required:
         lark = f"start: calls\n{calls}\n{call}\n"
     else:

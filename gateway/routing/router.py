@@ -54,6 +54,8 @@ class Router(Backend):
 
     async def submit(self, gen: GenerationRequest) -> ChoiceStream:
         t0 = time.monotonic()
+        if gen.needs_remote is not None:  # a capability the local model lacks (an image part, ...)
+            return await self._remote(gen, "capability", t0)
         if not gen.prompt_token_ids:  # the handler did not tokenize: the local side cannot take it
             reason = "remote_only" if gen.model != self.side.local_model() else "no_worker"
             return await self._remote(gen, reason, t0)

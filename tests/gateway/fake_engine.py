@@ -62,6 +62,9 @@ class FakeEngine:
         self._touch()
         if len(req.prompt_token_ids) >= self.max_model_len:
             raise RequestRejected("prompt too long", code="context_length_exceeded", param="messages")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.tokenizer.vocab_size]
+        if bad:  # as the real engine: a token id outside the vocabulary is the request's fault
+            raise RequestRejected(f"token id {bad[0]} is outside the vocabulary", param="prompt")
         if req.sampling.max_tokens == 999_999:  # a magic value to exercise the rejection path
             raise RequestRejected("rejected on purpose", code="fake_rejection", param="max_tokens")
         self.added.append(req.request_id)

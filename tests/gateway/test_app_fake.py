@@ -85,7 +85,7 @@ async def test_models_and_health(tmp_path):
     ({"messages": [{"content": "x"}]}, "messages.0.role"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages.0.content.0"),
+     "messages.0.content"),
     ({"temperature": 2.5}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
