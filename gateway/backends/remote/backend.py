@@ -63,7 +63,8 @@ from gateway.settings import ProviderSettings, RoutingSettings
 log = logging.getLogger("sluice.remote")
 
 # Fields of Sluice's request models that providers do not know (extras of vLLM and Sluice).
-SLUICE_ONLY_FIELDS = frozenset({"top_k", "stop_token_ids", "ignore_eos", "prompt_truncation", "cache_salt"})
+SLUICE_ONLY_FIELDS = frozenset({"top_k", "stop_token_ids", "ignore_eos", "prompt_truncation", "cache_salt",
+                                "repetition_penalty", "min_tokens", "guided_json"})
 
 
 def _json_body(status: int, content_type: str, content: bytes) -> dict[str, Any]:
