@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from prometheus_client import Histogram
 
@@ -19,6 +21,7 @@ from gateway.observability.metrics import Metrics
 from gateway.routing.estimate import WaitEstimator
 
 log = logging.getLogger("sluice.router")
+T = TypeVar("T")
 
 
 class Accountant:
@@ -78,27 +81,24 @@ class AccountedStream(WrappedStream):
         self._errored_early = False
         self._closed = False
 
-    async def __anext__(self) -> ChoiceOutput:
+    async def _pull(self, awaitable: Awaitable[T]) -> T:
+        """The inner stream's next output(s); a failure before any output means nothing to account."""
         try:
-            ch = await self._inner.__anext__()
+            return await awaitable
         except StopAsyncIteration:
             raise
         except BaseException:
             if self._outputs == 0:
                 self._errored_early = True
             raise
+
+    async def __anext__(self) -> ChoiceOutput:
+        ch = await self._pull(self._inner.__anext__())
         self._note(ch)
         return ch
 
     async def next_batch(self) -> list[ChoiceOutput]:
-        try:
-            batch = await self._inner.next_batch()
-        except StopAsyncIteration:
-            raise
-        except BaseException:
-            if self._outputs == 0:
-                self._errored_early = True
-            raise
+        batch = await self._pull(self._inner.next_batch())
         for ch in batch:
             self._note(ch)
         return batch
