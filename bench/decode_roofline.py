@@ -1,19 +1,41 @@
-"""Decode step time at several batch sizes against this machine's memory-bandwidth bound.
+"""Decode step time at several batch sizes against this machine's memory-bandwidth bound, and where it goes.
 
-Bound = bytes a decode step must read (every weight once, plus each sequence's K/V) divided by the
-read bandwidth measured here, in this process, just before.
+Bound = bytes a decode step must read (every weight once, as the step reads it: the 4-bit blocks at
+batches on the int4 path, bf16 above; plus each sequence's K/V) divided by the read bandwidth measured
+here, in this process, just before.
 
-    python -m bench.decode_roofline [--batches 1,8,32,64] [--context 256]
+Breakdown of a step (wall time, without the profiler): the forward (`ModelRunner._forward`), sampling
+(`sample`), and the rest of `LLMEngine.step` (scheduling, output processing, Python). The forward is
+split by a second, profiled run of the same steps into its ops' own time: linear layers (matmuls),
+attention (KV write, gather and the attention kernel), norms/rotary/activation (elementwise), and
+the rest of the forward (other ops, dispatch and Python between ops).
+
+    python -m bench.decode_roofline [--batches 1,16,64] [--context 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch.profiler import profile
 
+import engine.model_runner as model_runner
 from engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+
+CATEGORIES = {
+    "linear": ("aten::mm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
+               "aten::bmm"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select", "aten::index_copy_",
+                  "aten::_scaled_dot_product_attention_math"),
+    "norms/rotary/act": ("aten::pow", "aten::mean", "aten::rsqrt", "aten::mul", "aten::add", "aten::sub",
+                         "aten::cat", "aten::silu", "aten::neg", "aten::div", "aten::copy_", "aten::index"),
+}
 
 
 def read_bandwidth(nbytes: int = 512 * 2**20) -> float:
@@ -28,45 +50,109 @@ def read_bandwidth(nbytes: int = 512 * 2**20) -> float:
     return best
 
 
-def weight_bytes(engine: LLMEngine) -> int:
+def weight_bytes(engine: LLMEngine, batch: int) -> int:
+    """Bytes of weights a decode step of `batch` rows reads."""
     m = engine.runner.model
     head = m.lm_head_fast or m.lm_head  # the output layer actually read each step
     total = head.weight.numel() * head.weight.element_size()
-    for layer in m.layers:
-        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+    for lin in m.linears():
+        if lin.int4 is not None and batch <= lin.int4_max_rows:
+            total += lin.int4.nbytes()
+        else:
             total += lin.weight.numel() * lin.weight.element_size()
     return total
 
 
+class Timers:
+    """Wall time spent in the runner's forward and in sampling, by patching both in place."""
+
+    def __init__(self, engine: LLMEngine):
+        self.t: dict[str, float] = defaultdict(float)
+        runner = engine.runner
+        self._forward = runner._forward
+        self._sample = model_runner.sample
+        runner._forward = self._timed("forward", self._forward)  # type: ignore[method-assign]
+        model_runner.sample = self._timed("sampling", self._sample)  # type: ignore[assignment]
+
+    def _timed(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.t[key] += time.perf_counter() - t
+        return wrapper
+
+    def reset(self) -> None:
+        self.t.clear()
+
+
+def op_times(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """Seconds per step of each category's ops (self CPU time) inside the forward, from the profiler."""
+    with profile() as prof:
+        for _ in range(steps):
+            engine.step()
+    out: dict[str, float] = defaultdict(float)
+    for ev in prof.key_averages():
+        for cat, names in CATEGORIES.items():
+            if ev.key in names:
+                out[cat] += ev.self_cpu_time_total / 1e6 / steps
+    return out
+
+
+def machine() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = set(info.get("Flags", "").split())
+    keep = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+    return f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPUs; " + " ".join(
+        f for f in keep if f in flags)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=256, help="tokens of context per sequence")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--weight-dtype", default="auto")
     a = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(max_running_requests=64, kv_cache_tokens=65536, enable_prefix_caching=False,
                                     weight_dtype=a.weight_dtype))
+    runner = engine.runner
     bw = read_bandwidth()
-    wbytes = weight_bytes(engine)
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights read per step {wbytes / 2**20:.0f} MiB "
-          f"({str(engine.runner.weight_dtype).removeprefix('torch.')} weights)")
+    print(f"machine: {machine()}; torch threads {torch.get_num_threads()}")
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights {str(runner.weight_dtype).removeprefix('torch.')}"
+          + (f" + int4 for steps of <= {runner.model.int4_max_rows} tokens" if runner.int4 else "")
+          + f"; KV cache {str(runner.kv_dtype).removeprefix('torch.')}")
+    timers = Timers(engine)
     for b in [int(x) for x in a.batches.split(",")]:
+        # Long enough that no sequence finishes while prefills of the others run or while measuring.
+        budget = a.steps * 3 + 10 + b * a.context // engine.config.max_num_batched_tokens
         reqs = [EngineRequest(f"{b}-{i}", [(i * 7 + j) % 1000 + 100 for j in range(a.context)],
-                              SamplingParams(temperature=0, max_tokens=a.steps + 5, ignore_eos=True)) for i in range(b)]
+                              SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)) for i in range(b)]
         for r in reqs:
             engine.add_request(r)
         while any(s.is_prefilling for s in engine.scheduler.running) or engine.num_waiting:
             engine.step()
         engine.step()
+        timers.reset()
         t = time.perf_counter()
         for _ in range(a.steps):
-            engine.step()
+            assert len(engine.step()) == b  # every sequence decodes one token per step
         step = (time.perf_counter() - t) / a.steps
-        kv = b * (a.context + a.steps) * engine.runner.kv_bytes_per_token
+        fwd, smp = timers.t["forward"] / a.steps, timers.t["sampling"] / a.steps
+        ops = op_times(engine, a.steps)
+        wbytes = weight_bytes(engine, b)
+        kv = b * (a.context + a.steps) * runner.kv_bytes_per_token
         bound = (wbytes + kv) / bw
-        print(f"batch {b:3d}: step {step * 1000:7.1f} ms  {b / step:7.1f} tok/s   bound {bound * 1000:6.1f} ms   "
-              f"fraction of bound {bound / step:5.2f}")
+        print(f"batch {b:3d}: step {step * 1000:7.1f} ms  {b / step:7.1f} tok/s   reads {(wbytes + kv) / 2**20:5.0f} MiB "
+              f"(weights {wbytes / 2**20:.0f})  bound {bound * 1000:6.1f} ms   fraction of bound {bound / step:5.2f}   "
+              f"step / weight-read time {step / (wbytes / bw):5.1f}x")
+        parts = {**{k: ops.get(k, 0.0) for k in CATEGORIES}}
+        parts["other ops + dispatch in forward"] = max(0.0, fwd - sum(parts.values()))
+        parts["sampling"] = smp
+        parts["scheduling/Python"] = max(0.0, step - fwd - smp)
+        print("           " + "  ".join(f"{k} {v * 1000:.1f} ms ({v / step:.0%})" for k, v in parts.items()))
         for r in reqs:
             engine.abort(r.request_id)
 

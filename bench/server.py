@@ -43,7 +43,7 @@ def managed_server(cmd: list[str], ready_url: str, env: dict[str, str], cwd: str
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_ready(ready_url, proc=proc)
-        yield
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -56,11 +56,18 @@ def managed_server(cmd: list[str], ready_url: str, env: dict[str, str], cwd: str
 @contextlib.contextmanager
 def sluice_server(env_overrides: dict[str, str] | None = None, args: list[str] | None = None):
     """Yields the base URL (http://127.0.0.1:PORT/v1) of a fresh `sluice serve` with no API keys."""
+    with sluice_server_process(env_overrides, args) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def sluice_server_process(env_overrides: dict[str, str] | None = None, args: list[str] | None = None):
+    """Yields (base URL, the server's Popen) of a fresh `sluice serve` with no API keys."""
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="sluice-bench-")
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "SLUICE_AUTH__KEYS_FILE": f"{tmp}/keys.json",
            "PYTHONPATH": str(ROOT), **(env_overrides or {})}
     env.pop("SLUICE_CONFIG", None)
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *(args or [])]
-    with managed_server(cmd, f"http://127.0.0.1:{port}/ready", env, cwd=ROOT):
-        yield f"http://127.0.0.1:{port}/v1"
+    with managed_server(cmd, f"http://127.0.0.1:{port}/ready", env, cwd=ROOT) as proc:
+        yield f"http://127.0.0.1:{port}/v1", proc

@@ -1,10 +1,17 @@
-"""Sluice against llama.cpp on the same GGUF, both as OpenAI-compatible servers driven by the same client.
+"""Sluice against llama.cpp's own C++ `llama-server` on the same GGUF, driven by the same client.
 
-llama.cpp runs as `llama-cpp-python[server]` (n_threads=2, interrupt_requests=False) from its own
-environment, built by `bench/setup_llamacpp.sh`; it is never a Sluice dependency. The servers run one
-after the other (never together) on the same machine, with the same prompts, at concurrency 1 and 16.
+Streamed greedy chat (temperature 0, `max_tokens` 96 by default) through the OpenAI SDK at concurrency
+1, 4, 16 and 64. Both servers run at once but are loaded in turn, in alternating rounds (A B, then B A,
+...), so slow drift of a shared machine hits both; each round sends new prompts (the same ones to
+both servers). llama-server gets `-t 2 -np <concurrency> --no-repack` (its repacked AMX path crashes at
+load on AMX CPUs) and `-c` = slots x context per slot; it is restarted per concurrency. Sluice runs
+`sluice serve` at its default configuration, started once. Printed: output tok/s, TTFT p50/p99, the
+ratios, and each server process's peak RSS (VmHWM from /proc).
 
-    bash bench/setup_llamacpp.sh && python -m bench.vs_llamacpp [--requests 32] [--max-tokens 64]
+llama-cpp-python's Python server is a further row only if `bench/.venv-llamacpp` exists
+(`bash bench/setup_llamacpp.sh`, about 25 minutes of CPU to build).
+
+    bash bench/setup_llama_server.sh && python -m bench.vs_llamacpp [--rounds 2] [--levels 1,4,16,64]
 """
 
 from __future__ import annotations
@@ -13,50 +20,127 @@ import argparse
 import asyncio
 import contextlib
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from bench.common import mixed_workload, pct
-from bench.load import run_load
-from bench.server import ROOT, free_port, managed_server, sluice_server
+from bench.load import LoadResult, run_load
+from bench.server import ROOT, free_port, managed_server, sluice_server_process
 from engine.loader import default_model_path
 
 MODEL = "SmolLM2-135M-Instruct"
+FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def machine() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = set(info.get("Flags", "").split())
+    return (f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPUs; flags: "
+            + " ".join(f for f in FLAGS if f in flags))
+
+
+def peak_rss_mb(pid: int) -> tuple[float, float]:
+    """(current, peak) resident memory of a process in MiB (VmRSS, VmHWM)."""
+    vals = {}
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "VmHWM"):
+                vals[k] = int(v.split()[0]) / 1024
+    return vals.get("VmRSS", float("nan")), vals.get("VmHWM", float("nan"))
 
 
 @contextlib.contextmanager
-def llamacpp_server(env_dir: Path, threads: int = 2):
+def llama_server(binary: Path, slots: int, ctx_per_slot: int, threads: int = 2) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    cmd = [str(binary), "-m", str(default_model_path()), "--alias", MODEL, "-t", str(threads), "-np", str(slots),
+           "-c", str(slots * ctx_per_slot), "--no-repack", "--host", "127.0.0.1", "--port", str(port)]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    with managed_server(cmd, f"http://127.0.0.1:{port}/v1/models", env) as proc:
+        yield f"http://127.0.0.1:{port}/v1", proc.pid
+
+
+@contextlib.contextmanager
+def llamacpp_python_server(env_dir: Path, threads: int = 2) -> Iterator[tuple[str, int]]:
     port = free_port()
     cmd = [str(env_dir / "bin" / "python"), "-m", "llama_cpp.server", "--model", str(default_model_path()),
            "--model_alias", MODEL, "--n_threads", str(threads), "--n_ctx", "8192", "--interrupt_requests", "False",
            "--port", str(port)]
-    with managed_server(cmd, f"http://127.0.0.1:{port}/v1/models", {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}):
-        yield f"http://127.0.0.1:{port}/v1"
+    with managed_server(cmd, f"http://127.0.0.1:{port}/v1/models", {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}) as p:
+        yield f"http://127.0.0.1:{port}/v1", p.pid
+
+
+def requests_for(c: int, scale: float) -> int:
+    return max(4, round({1: 6, 4: 16, 16: 48, 64: 128}.get(c, 2 * c) * scale))
+
+
+def merge(results: list[LoadResult]) -> LoadResult:
+    return LoadResult(results[0].concurrency, sum(r.requests for r in results), sum(r.wall for r in results),
+                      [t for r in results for t in r.ttft], [x for r in results for x in r.latency],
+                      sum(r.output_tokens for r in results), sum(r.errors for r in results))
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--min-tokens", type=int, default=32)
+    ap.add_argument("--levels", default="1,4,16,64")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per level (A B, B A, ...)")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies the requests per round")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--ctx-per-slot", type=int, default=1024)
+    ap.add_argument("--llama-server", default=str(ROOT / "bench" / ".llama-server" / "build" / "bin" / "llama-server"))
     ap.add_argument("--llamacpp-env", default=str(ROOT / "bench" / ".venv-llamacpp"))
     a = ap.parse_args(argv)
-    env_dir = Path(a.llamacpp_env)
-    if not (env_dir / "bin" / "python").exists():
-        raise SystemExit(f"{env_dir} is missing: run bash bench/setup_llamacpp.sh first")
-    results = {}
-    for name, ctx in (("llama.cpp", llamacpp_server(env_dir)), ("sluice", sluice_server())):
-        with ctx as url:
-            for c in (1, 16):
-                n = a.requests if c > 1 else max(4, a.requests // 4)
-                work = mixed_workload(n, a.min_tokens, a.max_tokens, seed=c)
-                asyncio.run(run_load(url, MODEL, work[:2], 2))  # warm-up
-                r = asyncio.run(run_load(url, MODEL, work, c))
-                results[(name, c)] = r
-                print(r.line(f"{name:9s}"), flush=True)
-    for c in (1, 16):
-        ref, s = results[("llama.cpp", c)], results[("sluice", c)]
-        print(f"c={c:<2d} sluice/llama.cpp: output tokens/s {(s.output_tokens / s.wall) / (ref.output_tokens / ref.wall):5.2f}x   "
-              f"TTFT p50 {pct(s.ttft, 50) / pct(ref.ttft, 50):6.3f}x (lower is better)")
+    binary = Path(a.llama_server)
+    if not binary.exists():
+        raise SystemExit(f"{binary} is missing: run bash bench/setup_llama_server.sh first")
+    levels = [int(x) for x in a.levels.split(",")]
+    py_env = Path(a.llamacpp_env)
+    print(f"machine: {machine()}", flush=True)
+    if not (py_env / "bin" / "python").exists():
+        print(f"(llama-cpp-python's server: skipped, {py_env} does not exist; bash bench/setup_llamacpp.sh)")
+    results: dict[tuple[str, int], list[LoadResult]] = {}
+    rss: dict[tuple[str, int], tuple[float, float]] = {}
+
+    def load(name: str, url: str, c: int, rnd: int) -> None:
+        work = mixed_workload(requests_for(c, a.scale), a.max_tokens, a.max_tokens, seed=1000 * c + rnd)
+        r = asyncio.run(run_load(url, MODEL, work, c))
+        results.setdefault((name, c), []).append(r)
+        print(r.line(f"  round {rnd} {name:12s}"), flush=True)
+
+    with sluice_server_process() as (sluice_url, sluice_proc):
+        asyncio.run(run_load(sluice_url, MODEL, mixed_workload(2, 8, 8, seed=-1), 2))  # warm-up
+        for c in levels:
+            with llama_server(binary, c, a.ctx_per_slot) as (llama_url, llama_pid):
+                asyncio.run(run_load(llama_url, MODEL, mixed_workload(2, 8, 8, seed=-1), 2))
+                servers = [("llama-server", llama_url), ("sluice", sluice_url)]
+                for rnd in range(a.rounds):
+                    for name, url in servers if rnd % 2 == 0 else servers[::-1]:
+                        load(name, url, c, rnd)
+                rss[("llama-server", c)] = peak_rss_mb(llama_pid)
+            rss[("sluice", c)] = peak_rss_mb(sluice_proc.pid)
+        if (py_env / "bin" / "python").exists():
+            with llamacpp_python_server(py_env) as (py_url, py_pid):
+                for c in levels:
+                    for rnd in range(a.rounds):
+                        load("llama-cpp-py", py_url, c, rnd)
+                    rss[("llama-cpp-py", c)] = peak_rss_mb(py_pid)
+
+    print(f"\nmachine: {machine()}")
+    print(f"streamed greedy chat, max_tokens {a.max_tokens}, {a.rounds} alternating rounds per level\n")
+    print("| c | server | out tok/s | TTFT p50 ms | TTFT p99 ms | peak RSS MiB | Sluice / it: tok/s | TTFT p50 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in levels:
+        s = merge(results[("sluice", c)])
+        for name in ("llama-server", "llama-cpp-py", "sluice"):
+            if (name, c) not in results:
+                continue
+            r = merge(results[(name, c)])
+            tps, s_tps = r.output_tokens / r.wall, s.output_tokens / s.wall
+            ratio = "" if name == "sluice" else f"{s_tps / tps:.2f}x | {pct(s.ttft, 50) / pct(r.ttft, 50):.2f}x"
+            print(f"| {c} | {name} | {tps:.1f} | {pct(r.ttft, 50) * 1000:.0f} | {pct(r.ttft, 99) * 1000:.0f} | "
+                  f"{rss[(name, c)][1]:.0f} | {ratio or '- | -'} |" + (f" errors {r.errors}" if r.errors else ""))
 
 
 if __name__ == "__main__":

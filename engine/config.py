@@ -23,9 +23,15 @@ class EngineConfig:
     served_model_name: str | None = None  # the id clients ask for; default: derived from the model
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "auto"  # activations and KV cache; auto: float32 on cpu, bfloat16 on cuda
-    # Weights of the linear layers; auto: bfloat16 (on a CPU this halves the bytes each decode step
-    # reads and runs ~2.5x faster; float32 matches the reference implementation to ~1e-4).
+    # Weights of the linear layers; auto: int4 on a CPU when the model file is 4-bit (GGUF Q4_0/Q4_1) and
+    # torch has its CPU int4 matmul, else bfloat16. int4 reads the file's own 4-bit blocks for steps of
+    # up to int4_max_batch tokens and bf16 weights for larger ones; bf16 halves the bytes a decode step
+    # reads against float32, which matches the reference implementation to ~1e-4.
     weight_dtype: str = "auto"
+    int4_max_batch: int | None = None  # int4 only: largest step (tokens) on the 4-bit path; None: measured at start
+    # KV cache; auto: bfloat16 on a CPU when the weights are bf16/int4 (half the memory and bytes read),
+    # else the activation dtype. Pages of the pool are only resident once written.
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     # Outputs independent of batch composition, prefill chunking and prefix-cache state: batch-invariant
     # matmuls and attention (engine/batch_invariant.py), no CUDA graphs, and `auto` dtypes resolve to
@@ -66,9 +72,14 @@ class EngineConfig:
             raise EngineConfigError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}; it is the share of "
                 "the GPU memory that is free after loading the weights that the KV pool may take")
-        for name in ("dtype", "weight_dtype"):
+        for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in ("auto", "float32", "bfloat16", "float16"):
                 raise EngineConfigError(
                     f"{name} must be auto, float32, bfloat16 or float16, got {getattr(self, name)!r}")
+        if self.weight_dtype not in ("auto", "float32", "bfloat16", "float16", "int4"):
+            raise EngineConfigError(
+                f"weight_dtype must be auto, float32, bfloat16, float16 or int4, got {self.weight_dtype!r}")
+        if self.int4_max_batch is not None and self.int4_max_batch < 0:
+            raise EngineConfigError(f"int4_max_batch must be >= 0, got {self.int4_max_batch}")
         if self.priority_aging_s <= 0:
             raise EngineConfigError("priority_aging_s must be positive")

@@ -6,6 +6,9 @@ call it from one thread.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import logging
 import time
 
@@ -22,6 +25,14 @@ from .sequence import Sequence
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def release_freed_memory() -> None:
+    """Hands memory Python and torch have freed back to the OS (glibc keeps freed heap pages otherwise,
+    so the process would go on holding the loader's temporary copies)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class LLMEngine:
@@ -45,18 +56,22 @@ class LLMEngine:
         self.max_token_id = min(vocab, self.tokenizer.vocab_size) - 1  # ids a request may name
         self.runner = ModelRunner(config, loaded, self.guides)
         del loaded
+        release_freed_memory()  # the loader's float32 copies of the weights (~0.5 GB for the default model)
         self.capacity_tokens = self.runner.num_blocks * config.block_size
         self.max_input_len = validate_limits(config, self.max_model_len, self.capacity_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self._seqs: dict[str, Sequence] = {}
         self._outputs: dict[str, OutputProcessor] = {}
-        log.info("engine: model %s on %s (%s, weights %s), KV pool %d tokens in %d blocks of %d (%.1f MiB), "
-                 "max_running_requests %d, loaded in %.1fs", self.model_name, self.runner.device,
+        log.info("engine: model %s on %s (%s, weights %s%s), KV pool %d tokens in %d blocks of %d "
+                 "(%.1f MiB %s, resident as used), max_running_requests %d, loaded in %.1fs",
+                 self.model_name, self.runner.device,
                  str(self.runner.dtype).removeprefix("torch."), str(self.runner.weight_dtype).removeprefix("torch."),
+                 f" + int4 up to {self.runner.model.int4_max_rows} tokens" if self.runner.int4 else "",
                  self.capacity_tokens, self.runner.num_blocks, config.block_size,
                  self.capacity_tokens * self.runner.kv_bytes_per_token / 2**20,
-                 config.max_running_requests, time.perf_counter() - t0)
+                 str(self.runner.kv_dtype).removeprefix("torch."), config.max_running_requests,
+                 time.perf_counter() - t0)
 
     # -- the loop's API --------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:

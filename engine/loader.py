@@ -57,6 +57,10 @@ class LoadedModel:
     # Sampling defaults the model's authors recommend (generation_config.json), used when a request
     # leaves them out, as vLLM does.
     generation_defaults: dict[str, float] = field(default_factory=dict)
+    # GGUF Q4_0 / Q4_1 linear weights as their blocks of 32: name -> (codes uint8 [N, K] in 0..15,
+    # scale [N, K/32], min [N, K/32]), weight = code * scale + min (fp32). `weights` holds the same values
+    # dequantized; the engine's int4 matmul reads these codes directly (engine/model.py, Int4Weight).
+    q4_blocks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -110,6 +114,23 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _q4_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> tuple[np.ndarray, ...] | None:
+    """(codes uint8 [N, K], scale fp32 [N, K/32], min fp32 [N, K/32]) of a Q4_0 / Q4_1 tensor, else None.
+
+    Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles (low nibbles are elements 0..15, high 16..31);
+    x = q * d + m. Q4_0: fp16 d and the nibbles; x = (q - 8) * d, i.e. min = -8 d."""
+    if type_name not in ("Q4_0", "Q4_1"):
+        return None
+    n, k = shape
+    head = 4 if type_name == "Q4_1" else 2
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, k // 32, head + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if head == 4 else -8 * d
+    qs = blocks[..., head:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    return codes, d, m
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
@@ -145,9 +166,11 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
         max_position_embeddings=int(meta("context_length", 4096)),
     )
     weights: dict[str, torch.Tensor] = {}
+    q4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for t in reader.tensors if with_weights else []:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.array(arr, dtype=np.float32, copy=True, order="C")
+        blocks = _q4_blocks(t.data, t.tensor_type.name, arr.shape) if arr.ndim == 2 else None
         name = t.name
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
@@ -159,11 +182,14 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
             _, idx, rest = name.split(".", 2)
             if rest not in _GGUF_LAYER_NAMES:
                 continue
-            if arch == "llama" and rest in ("attn_q.weight", "attn_q.bias"):
-                arr = _unpermute_rope_rows(arr, n_heads)
-            elif arch == "llama" and rest in ("attn_k.weight", "attn_k.bias"):
-                arr = _unpermute_rope_rows(arr, n_kv)
+            heads = (n_heads if rest in ("attn_q.weight", "attn_q.bias") else
+                     n_kv if rest in ("attn_k.weight", "attn_k.bias") else 0)
+            if arch == "llama" and heads:
+                arr = _unpermute_rope_rows(arr, heads)
+                blocks = tuple(_unpermute_rope_rows(b, heads) for b in blocks) if blocks else None
             hf = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+            if blocks is not None:
+                q4[hf] = tuple(torch.from_numpy(np.ascontiguousarray(b)) for b in blocks)  # type: ignore[assignment]
         else:
             continue
         weights[hf] = torch.from_numpy(arr)
@@ -191,6 +217,7 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
         name=pretty,
         args=args,
         weights=weights,
+        q4_blocks=q4,
         gguf_tokenizer=tok_fields,
         chat_template=_field(reader, "tokenizer.chat_template"),
         bos_token_id=int(bos) if bos is not None else None,

@@ -10,6 +10,8 @@ each: on a CPU the number of ops per step matters as much as their size.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,22 +46,73 @@ def rope_tables(args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, to
 REFINE_TOP = 16  # output-layer candidates per row recomputed at full precision
 
 
+Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] 0..15, scale, min [N, K/32]
+Q4_GROUP = 32
+
+
+def int4_available(device: torch.device) -> bool:
+    """torch's CPU int4 matmul (group-wise scale and zero point, AVX-512 / AVX2 kernels)."""
+    return device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+
+
+class Int4Weight:
+    """A GGUF Q4_0/Q4_1 weight as torch's packed int4 (`_weight_int4pack_mm_for_cpu`): the file's own
+    4-bit codes, one (scale, zero) pair per 32 inputs, so it reads a quarter of bf16's bytes. The kernel
+    computes in bf16: x is rounded to bf16 (as the bf16 path does) and the fp16 scales to bf16."""
+
+    def __init__(self, blocks: Q4Blocks):
+        codes, scale, mn = blocks
+        self.shape = codes.shape
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        # The kernel's dequantisation is (code - 8) * scale + zero.
+        zero = mn + 8 * scale
+        self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, Q4_GROUP, self.scales_zeros)
+
+
 class Linear:
     """y = x W^T (+ b), with W stored in its own dtype (bf16 halves the bytes a CPU decode step reads);
-    the activations stay in the model's dtype, so the residual stream and the norms keep full precision."""
+    the activations stay in the model's dtype, so the residual stream and the norms keep full precision.
+
+    With `int4` (the GGUF's own 4-bit blocks), steps of at most `int4_max_rows` rows read those instead:
+    a decode step at small batch is bound by the bytes of weights it reads; larger ones use W, for which
+    the CPU's bf16 matmul (AMX / AVX512-BF16) is faster than dequantising."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: torch.dtype,
-                 invariant: bool = False):
+                 invariant: bool = False, int4: Int4Weight | None = None):
         self.weight = weight.to(weight_dtype).contiguous()
         self.bias = bias
         self.invariant = invariant  # fixed-shape matmuls: a row's result ignores the rest of the batch
+        self.int4 = int4
+        self.int4_max_rows = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.invariant:
+        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
+            y = self.int4.mm(x).to(x.dtype)
+        elif self.invariant:
             y = batch_invariant.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         else:
             y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         return y + self.bias if self.bias is not None else y
+
+
+def _q4_matches(blocks: Q4Blocks, weight: torch.Tensor) -> bool:
+    """The first row of the blocks dequantizes to the weight's first row."""
+    codes, scale, mn = (b[:1] for b in blocks)
+    row = (codes.float().unflatten(-1, (-1, Q4_GROUP)) * scale[..., None] + mn[..., None]).flatten(-2)
+    return torch.allclose(row, weight[:1].float(), rtol=0, atol=1e-6)
+
+
+def _fused_q4(blocks: dict[str, Q4Blocks], names: list[str]) -> Int4Weight | None:
+    """One Int4Weight for weights fused along their output rows (Q/K/V, gate/up), if all are 4-bit."""
+    if not all(n in blocks for n in names):
+        return None
+    return Int4Weight(tuple(torch.cat([blocks[n][j] for n in names]) for j in range(3)))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -74,7 +127,9 @@ class LayerWeights:
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, weight_dtype: torch.dtype | None = None, deterministic: bool = False):
+                 device: torch.device, weight_dtype: torch.dtype | None = None, deterministic: bool = False,
+                 q4_blocks: dict[str, Q4Blocks] | None = None):
+        """q4_blocks: use the file's 4-bit weights for small batches (CPU only; see `Linear`)."""
         super().__init__()
         self.args = args
         wdt = weight_dtype or dtype
@@ -97,8 +152,14 @@ class LlamaModel(nn.Module):
         # (Not in deterministic mode: the output layer stays one full-precision batch-invariant matmul.)
         self.lm_head_fast = Linear(lm_head, None, wdt) if wdt != dtype and not det else None
         self.layers: list[LayerWeights] = []
+        # Only blocks that still match the weights given (a caller may have replaced the weights).
+        q4 = {n: b for n, b in (q4_blocks or {}).items()
+              if n in weights and weights[n].shape == b[0].shape and _q4_matches(b, weights[n])
+              } if q4_blocks and int4_available(device) and not det else {}
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
+            qkv4 = _fused_q4(q4, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+            gate_up4 = _fused_q4(q4, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
             qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
             qkv_bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
                         if args.attention_bias else None)
@@ -106,12 +167,58 @@ class LlamaModel(nn.Module):
             self.layers.append(LayerWeights(
                 attn_norm=w(p + "input_layernorm.weight"),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                qkv=Linear(qkv, qkv_bias, wdt, det),
-                o=Linear(w(p + "self_attn.o_proj.weight"), None, wdt, det),
-                gate_up=Linear(gate_up, None, wdt, det),
-                down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det),
+                qkv=Linear(qkv, qkv_bias, wdt, det, qkv4),
+                o=Linear(w(p + "self_attn.o_proj.weight"), None, wdt, det,
+                         _fused_q4(q4, [p + "self_attn.o_proj.weight"])),
+                gate_up=Linear(gate_up, None, wdt, det, gate_up4),
+                down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det,
+                            _fused_q4(q4, [p + "mlp.down_proj.weight"])),
             ))
         self.cos, self.sin = rope_tables(args, device)
+        self.int4_max_rows = 0
+
+    def linears(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+    def set_int4_max_rows(self, rows: int) -> None:
+        """Steps of at most `rows` tokens read the 4-bit weights; 0: never."""
+        self.int4_max_rows = rows
+        for lin in self.linears():
+            lin.int4_max_rows = rows if lin.int4 is not None else 0
+
+    def calibrate_int4(self, candidates: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)) -> dict[int, float]:
+        """Times every layer's linears (all the weights a step streams, so caches do not flatter either
+        side) with the 4-bit and the bf16 weights at growing row counts, and keeps the 4-bit path up to
+        the last count where it is faster (measured on this machine, at start; stops at the first loss).
+        Returns {rows: int4 time / bf16 time}."""
+        lins = [lin for lin in self.linears() if lin.int4 is not None]
+        if not lins:
+            self.set_int4_max_rows(0)
+            return {}
+
+        def best(fn: Callable[[], object]) -> float:
+            fn()
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        ratios: dict[int, float] = {}
+        rows = 0
+        with torch.inference_mode():
+            for m in candidates:
+                xs = {k: torch.randn(m, k, dtype=self.dtype) for k in {lin.weight.shape[1] for lin in lins}}
+                t4 = best(lambda xs=xs: [lin.int4.mm(xs[lin.weight.shape[1]]) for lin in lins])  # type: ignore[union-attr,misc]
+                t16 = best(lambda xs=xs: [F.linear(xs[lin.weight.shape[1]].to(lin.weight.dtype), lin.weight)  # type: ignore[misc]
+                                          for lin in lins])
+                ratios[m] = t4 / t16
+                if t4 >= t16:
+                    break
+                rows = m
+        self.set_int4_max_rows(rows)
+        return ratios
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor, exact: bool = False) -> torch.Tensor:

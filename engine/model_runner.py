@@ -6,6 +6,8 @@ It only reads the sequences (tokens, progress, block tables); the scheduler appl
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 
 import torch
 
@@ -15,7 +17,7 @@ from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .guide import Guides
 from .loader import LoadedModel
-from .model import LlamaModel
+from .model import LlamaModel, int4_available
 from .sampler import Sampled, sample
 from .sequence import Sequence
 
@@ -40,11 +42,45 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 def pick_weight_dtype(config: EngineConfig) -> torch.dtype:
+    """The dtype of the (non-4-bit) linear weights."""
     if config.weight_dtype == "auto" and config.deterministic:
         return torch.float32
-    if config.weight_dtype == "auto":
+    if config.weight_dtype in ("auto", "int4"):
         return torch.bfloat16
     return _DTYPES[config.weight_dtype]
+
+
+def use_int4(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> bool:
+    """int4: the model file's 4-bit blocks, read by torch's CPU int4 matmul (auto: whenever both exist)."""
+    if config.weight_dtype not in ("auto", "int4") or config.deterministic:
+        return False
+    ok = bool(loaded.q4_blocks) and int4_available(device)
+    if config.weight_dtype == "int4" and not ok:
+        log.warning("weight_dtype int4: %s; using bfloat16 weights",
+                    "the model has no Q4_0/Q4_1 weights" if not loaded.q4_blocks else
+                    f"no int4 matmul for device {device.type} in this torch")
+    return ok
+
+
+def pick_kv_dtype(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                  weight_dtype: torch.dtype) -> torch.dtype:
+    if config.kv_cache_dtype != "auto":
+        return _DTYPES[config.kv_cache_dtype]
+    if device.type == "cpu" and weight_dtype != torch.float32 and not config.deterministic:
+        return torch.bfloat16
+    return dtype
+
+
+def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV pool. On a CPU it lives in an anonymous memory map: the kernel hands out zero pages
+    lazily, so a page becomes resident only when a block in it is first written and the process holds
+    the KV memory in use, not the pool's capacity (torch.zeros would touch every page at start)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # The tensor keeps `buf` alive through the buffer protocol for as long as it exists.
+    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class ModelRunner:
@@ -55,19 +91,31 @@ class ModelRunner:
         self.dtype = pick_dtype(config, self.device)
         args = loaded.args
         self.weight_dtype = pick_weight_dtype(config)
+        self.int4 = use_int4(config, loaded, self.device)
         self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, self.weight_dtype,
-                                deterministic=config.deterministic)
+                                deterministic=config.deterministic, q4_blocks=loaded.q4_blocks if self.int4 else None)
+        if self.int4:
+            if config.int4_max_batch is not None:
+                self.model.set_int4_max_rows(config.int4_max_batch)
+                log.info("int4 weights (the file's Q4 blocks) for steps of up to %d tokens (configured), "
+                         "bf16 above", config.int4_max_batch)
+            else:
+                ratios = self.model.calibrate_int4()
+                log.info("int4 weights (the file's Q4 blocks) for steps of up to %d tokens, bf16 above "
+                         "(measured int4/bf16 time by step size: %s)", self.model.int4_max_rows,
+                         ", ".join(f"{m}: {r:.2f}" for m, r in ratios.items()))
         if config.deterministic:
             log.info("deterministic: batch-invariant matmuls and attention, no CUDA graphs, weights %s, "
                      "activations %s (outputs do not depend on batching, chunking or prefix-cache hits)",
                      str(self.weight_dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))
         self.block_size = config.block_size
-        kv_bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * self.dtype.itemsize
+        self.kv_dtype = pick_kv_dtype(config, self.device, self.dtype, self.weight_dtype)
+        kv_bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * self.kv_dtype.itemsize
         self.num_blocks = num_blocks = self._pool_blocks(kv_bytes_per_token)
         # One extra block past the pool: the scratch block that CUDA-graph padding rows write to.
         self.scratch_block = num_blocks
-        self.kv_cache = torch.zeros(args.num_layers, 2, (num_blocks + 1) * self.block_size, args.num_kv_heads,
-                                    args.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = kv_pool((args.num_layers, 2, (num_blocks + 1) * self.block_size, args.num_kv_heads,
+                                 args.head_dim), self.kv_dtype, self.device)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None

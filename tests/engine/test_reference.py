@@ -206,6 +206,23 @@ def test_default_bf16_weights_stay_close_to_the_reference(prompt_ids, ref_logits
     assert agree >= 0.95, f"top-1 agreement {agree:.2f}"
 
 
+def test_default_int4_weights_stay_close_to_the_reference(prompt_ids, ref_logits, ref_greedy):
+    """The CPU serving default reads the GGUF's own Q4_1 blocks (torch's int4 matmul, bf16 arithmetic) for
+    small steps, and keeps the KV cache in bf16. int4_max_batch=4096 puts the prefill on the int4 path
+    too. Tolerance: as for bf16 weights (mean KL < 0.01, top-1 agreement >= 95%), and the greedy decode
+    (one token per step) gives the reference's tokens."""
+    fast = LLMEngine(EngineConfig(kv_cache_tokens=8192, device="cpu", dtype="float32", int4_max_batch=4096))
+    assert fast.runner.int4 and fast.runner.kv_dtype == torch.bfloat16
+    assert all(lin.int4 is not None for lin in fast.runner.model.linears())
+    ours = fast.prompt_logits(prompt_ids).cpu()
+    p, q = ref_logits.log_softmax(-1), ours.log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    agree = (ours.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+    assert kl.mean().item() < 0.01, f"mean KL {kl.mean().item():.4f}"
+    assert agree >= 0.95, f"top-1 agreement {agree:.2f}"
+    assert _engine_greedy(fast, prompt_ids, GREEDY_TOKENS) == ref_greedy
+
+
 def test_tokenizer_matches_transformers(gguf_engine, hf_tokenizer):
     ours = gguf_engine.tokenizer
     for text in TOKENIZER_TEXTS:
