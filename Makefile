@@ -18,7 +18,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 endif
 
-.PHONY: serve test lint install install-test redis-server bench clean
+.PHONY: serve test lint install install-test redis-server chromium bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,15 @@ redis-server:
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || \
 	  { echo "redis-server is missing and could not be installed (need root: apt-get install redis-server)"; exit 1; }; }
 
+# The dashboard's browser test (tests/dashboard) drives Debian's Chromium with Playwright (the Python
+# package, in the dev extra, brings its driver; no browser download).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing chromium"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null || \
+	  echo "chromium is missing and could not be installed (need root: apt-get install chromium);" \
+	       "the dashboard's browser test will be skipped"; }
+
 serve: install
 	$(BIN)/sluice serve
 
@@ -54,7 +63,7 @@ lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: lint redis-server
+test: lint redis-server chromium
 	$(BIN)/python -m pytest -q -ra
 
 bench: install

@@ -1,4 +1,4 @@
-"""`sluice` command line: serve [--no-engine], worker, keys create|list|revoke, bench (gateway/ops/bench).
+"""`sluice` command line: serve [--no-engine], worker, keys create|list|revoke, usage, bench (gateway/ops/bench).
 
 OMP_WAIT_POLICY is set before anything imports torch: on a small shared CPU box torch's OpenMP
 threads otherwise busy-wait between kernels and slow everything down by orders of magnitude.
@@ -181,6 +181,65 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- usage
+
+
+def parse_since(text: str, now: float | None = None) -> float:
+    """`24h`, `30m`, `7d`, `2w`, `90s` before now, or `all`: the earliest timestamp to report."""
+    now = time.time() if now is None else now
+    if text == "all":
+        return 0.0
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+    try:
+        return now - float(text[:-1]) * units[text[-1]]
+    except (KeyError, ValueError, IndexError):
+        raise ValueError(f"--since {text!r}: a number and a unit (s, m, h, d, w), e.g. 24h; or 'all'") from None
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    """Spend, its remote equivalent and the savings per key, model, backend or tier, from the usage ledger."""
+    import csv
+
+    from gateway.admission.ledger import group_report, read_redis, read_sqlite
+
+    try:
+        since = parse_since(args.since)
+    except ValueError as e:
+        print(f"sluice: {e}", file=sys.stderr)
+        return 2
+    settings = _settings(args)
+    redis_url = args.redis_url
+    if redis_url is None and args.ledger is None:
+        redis_url = settings.limits.redis_url or settings.redis_url
+    try:
+        if redis_url:
+            rows = list(read_redis(redis_url, since))
+        else:
+            path = args.ledger or settings.ledger_path() or str(Path(settings.auth.keys_file).parent / "usage.sqlite3")
+            rows = list(read_sqlite(path, since))
+    except Exception as e:
+        print(f"sluice: cannot read the usage ledger: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    report = group_report(rows, args.by)
+    cols = [args.by, "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "spend", "equivalent",
+            "savings"]
+    if args.csv:
+        w = csv.writer(sys.stdout, lineterminator="\n")
+        w.writerow(cols)
+        for g in report:
+            w.writerow([g[c] if c not in ("spend", "equivalent", "savings") else f"{g[c]:.6f}" for c in cols])
+        return 0
+    total = {c: sum(g[c] for g in report) for c in cols[1:]}
+    table = [[c.upper() for c in cols]]
+    for g in [*report, {args.by: "TOTAL", **total}]:
+        table.append([str(g[cols[0]]), *(str(g[c]) for c in cols[1:5]),
+                      *(f"{g[c]:.4f}" for c in cols[5:])])
+    widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
+    for r in table:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice", description="OpenAI-compatible LLM gateway")
     p.add_argument("--log-level", default=os.environ.get("SLUICE_LOG_LEVEL", "INFO"))
@@ -212,6 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
                             help="an admin key: may read /metrics, which needs one once any key exists")
         elif name == "revoke":
             kp.add_argument("name_or_id")
+
+    usage = sub.add_parser("usage", help="spend, remote-equivalent cost and savings from the usage ledger")
+    usage.add_argument("--since", default="24h", help="how far back: 30m, 24h, 7d, 2w, or all (default 24h)")
+    usage.add_argument("--by", choices=("key", "model", "backend", "tier"), default="key")
+    usage.add_argument("--csv", action="store_true", help="CSV on stdout (money to 6 decimals), no total row")
+    usage.add_argument("--redis-url", help="read the Redis stream (default: limits.redis_url, else redis_url)")
+    usage.add_argument("--ledger", help="the SQLite ledger file (default: usage.ledger_path from the config)")
+    usage.add_argument("--config", help="TOML config file (default: $SLUICE_CONFIG or config/sluice.toml)")
+    usage.set_defaults(func=cmd_usage)
 
     worker = sub.add_parser("worker", help="run an engine that drains the Redis queue (one per GPU)")
     worker.add_argument("--redis-url", help="default: $SLUICE_REDIS_URL")

@@ -147,6 +147,17 @@ class LimitSettings(BaseModel):
     tiers: dict[str, KeyLimits] = Field(default_factory=dict)  # per-tier defaults for every key
 
 
+class UsageSettings(BaseModel):
+    """The usage ledger (gateway/admission/ledger.py): one row per finished request, written in batches off
+    the request path. SQLite at `ledger_path` by default; a Redis stream when usage lives in Redis (the
+    limits' Redis, else the queue's). Without Redis the totals /v1/usage and budgets read are rebuilt from
+    it at start."""
+    enabled: bool = True  # false: no ledger (totals in memory only: a restart forgets them)
+    ledger_path: str | None = None  # None: usage.sqlite3 beside auth.keys_file (var/usage.sqlite3)
+    flush_interval_s: float = Field(0.5, gt=0)  # a kill -9 loses at most this long's rows
+    retention_days: float = Field(90.0, ge=0)  # older rows deleted (SQLite: folded into per-key sums); 0: keep
+
+
 # ---------------------------------------------------------------- the gateway itself
 
 
@@ -235,6 +246,7 @@ class Settings(BaseSettings):
     providers: list[ProviderSettings] = Field(default_factory=list)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
+    usage: UsageSettings = Field(default_factory=UsageSettings)
 
     @field_validator("tiers")
     @classmethod
@@ -242,6 +254,12 @@ class Settings(BaseSettings):
         if not v:
             raise ValueError("at least one tier must be configured")
         return v
+
+    def ledger_path(self) -> str | None:
+        """The SQLite usage ledger's file; None when the ledger is off."""
+        if not self.usage.enabled:
+            return None
+        return self.usage.ledger_path or str(Path(self.auth.keys_file).parent / "usage.sqlite3")
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `EngineConfig`: the engine section plus the model section."""

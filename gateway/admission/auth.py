@@ -10,9 +10,10 @@ no keys while the gateway runs never opens it; every authenticated route answers
 Every authenticated request looks at the keys file (one `stat`, about a microsecond; a re-read only
 when it changed), so a key created, a key revoked and a file that breaks take effect at once.
 
-`/health` and `/ready` are public. `/metrics` is public only while no keys exist; in key mode it
-needs an admin key (`sluice keys create --admin`). Revoking a key stops its running requests: each
-keyed request is registered while it runs, and a watcher re-reads the keys file every
+`/health` and `/ready` are public. `/metrics` and the dashboard (`/dashboard`, `/dashboard/data`) are
+public only while no keys exist; in key mode they need an admin key (`sluice keys create --admin`); the
+dashboard also takes it as an HTTP Basic password, so a browser can send it. Revoking a key stops its
+running requests: each keyed request is registered while it runs, and a watcher re-reads the keys file every
 `REVOKE_POLL_S` while any is in flight; a revoked key's non-streamed requests end with 401
 `key_revoked`, its streams with an error event of the same code (and no `[DONE]`).
 """
@@ -20,6 +21,7 @@ keyed request is registered while it runs, and a watcher re-reads the keys file 
 from __future__ import annotations
 
 import asyncio
+import base64
 import ipaddress
 import json
 import logging
@@ -35,7 +37,10 @@ log = logging.getLogger("sluice.gateway")
 _ratelog = RateLimitedLog(log)
 
 PUBLIC_PATHS = frozenset({"/health", "/ready"})
-ADMIN_PATHS = frozenset({"/metrics"})  # public without keys; an admin key once keys exist
+# The operator's dashboard (observability/dashboard.py): a browser sends the admin key as the password of
+# HTTP Basic auth (any user name); the challenge makes it ask for one.
+DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/data", "/dashboard/static/{name}"})
+ADMIN_PATHS = frozenset({"/metrics"}) | DASHBOARD_PATHS  # public without keys; an admin key once keys exist
 REVOKE_POLL_S = 0.5
 TIER_KEY: web.RequestKey[str] = web.RequestKey("sluice_tier", str)
 KEY_NAME: web.RequestKey[str] = web.RequestKey("sluice_key_name", str)
@@ -68,12 +73,25 @@ def check_bind_allowed(host: str, keys: KeyStore) -> str:
         "or bind to 127.0.0.1")
 
 
-def _bearer(request: web.Request) -> str | None:
+def _bearer(request: web.Request, basic: bool = False) -> str | None:
+    """The key of `Authorization: Bearer <key>`; with `basic`, also the password of HTTP Basic auth."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
+    if basic and scheme.lower() == "basic" and token.strip():
+        try:
+            token = base64.b64decode(token.strip(), validate=True).decode("utf-8").partition(":")[2]
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return token.strip() or None
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
+
+
+def _dashboard_challenge(message: str) -> web.Response:
+    return web.Response(status=401, text=message + "\n",
+                        headers={"WWW-Authenticate": 'Basic realm="sluice dashboard", charset="UTF-8"',
+                                 "Cache-Control": "no-store"})
 
 
 def _route_path(request: web.Request) -> str:
@@ -166,12 +184,17 @@ def make_auth_middleware(keys: KeyStore, anonymous_tier: str):
         if not keys.key_mode:
             request[TIER_KEY] = anonymous_tier
             return await handler(request)
-        token = _bearer(request)
+        dashboard = path in DASHBOARD_PATHS
+        token = _bearer(request, basic=dashboard)
         if token is None:
+            if dashboard:
+                return _dashboard_challenge("The dashboard needs an admin key (as the password).")
             raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
                            type="authentication_error", code="invalid_api_key")
         record = keys.lookup(token, reload=False)  # the file was looked at above
         if record is None:
+            if dashboard:
+                return _dashboard_challenge("Incorrect API key provided.")
             raise APIError(401, "Incorrect API key provided.", type="authentication_error",
                            code="invalid_api_key")
         if path in ADMIN_PATHS:

@@ -3,7 +3,8 @@
 Totals are kept per key, broken down by model and backend (`local` or `remote:<provider>`).
 `GET /v1/usage` returns the calling key's totals; the same figures go to Prometheus counters. With
 Redis configured (the limits' Redis) totals live in one hash per key, so every gateway sees the same
-numbers and a key's budget holds across gateways; otherwise in memory.
+numbers and a key's budget holds across gateways; otherwise in memory, rebuilt at start from the usage
+ledger (gateway/admission/ledger.py) so a restart forgets neither spend nor budgets.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class UsageStore:
 
     @staticmethod
     def _deltas(model: str, backend: str, prompt: int, cached: int, completion: int,
-                cost: float) -> dict[str, float]:
-        vals = {"requests": 1, "prompt_tokens": prompt, "cached_tokens": cached,
+                cost: float, requests: int = 1) -> dict[str, float]:
+        vals = {"requests": requests, "prompt_tokens": prompt, "cached_tokens": cached,
                 "completion_tokens": completion, "cost": cost}
         out: dict[str, float] = {}
         for scope in ("total", f"model|{model}", f"backend|{backend}"):
@@ -78,6 +79,15 @@ class UsageStore:
         acc = self._mem.setdefault(key, {})
         for f, v in deltas.items():
             acc[f] = acc.get(f, 0) + v
+
+    def restore(self, by_key: dict[str, list[tuple[str, str, int, int, int, int, float]]]) -> None:
+        """Replay the ledger's records, (model, backend, requests, prompt, cached, completion, cost) per key,
+        into the in-memory totals, in the order `record` added them (so the sums are the same floats)."""
+        for key, recs in by_key.items():
+            acc = self._mem.setdefault(key, {})
+            for model, backend, n, prompt, cached, completion, cost in recs:
+                for f, v in self._deltas(model, backend, prompt, cached, completion, cost, n).items():
+                    acc[f] = acc.get(f, 0) + v
 
     async def _flat(self, key: str | None) -> dict[str, float]:
         key = key or ANON

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from gateway.admission import middleware as admission
 from gateway.admission.keys import KeyStore
+from gateway.admission.ledger import make_ledger
 from gateway.admission.limits import make_limiter
 from gateway.admission.usage import UsageStore
 from gateway.backends.local import LocalBackend
@@ -23,6 +24,7 @@ from gateway.http import routes
 from gateway.http.errors import error_middleware
 from gateway.http.middleware import access_log, body_timeout, on_response_prepare
 from gateway.http.offload import Offloader, RequestLimits
+from gateway.observability import dashboard
 from gateway.observability.metrics import Metrics, make_key_label
 from gateway.observability.sampler import MetricsSampler
 from gateway.queue.base import RequestQueue
@@ -46,7 +48,10 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
     queue = queue or make_queue(settings)
     metrics = Metrics(key_label=make_key_label(keys, settings.metrics.key_labels))
     limiter = make_limiter(settings.limits, settings.redis_url)
-    usage = UsageStore(settings.limits.redis_url or settings.redis_url)
+    usage_redis = settings.limits.redis_url or settings.redis_url
+    usage = UsageStore(usage_redis)
+    ledger = make_ledger(settings.ledger_path(), usage_redis if settings.usage.enabled else None,
+                         flush_interval_s=settings.usage.flush_interval_s, retention_days=settings.usage.retention_days)
     remote = RemoteBackend(settings.providers, settings.routing, metrics) if settings.providers else None
     state = GatewayState(
         settings=settings, keys=keys, queue=queue, metrics=metrics, limiter=limiter, usage=usage, remote=remote,
@@ -54,7 +59,8 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
                                         max_prompt_chars=settings.server.max_prompt_chars)),
         engine=engine, no_engine=no_engine)
     estimator = WaitEstimator(state, queue, settings.tiers, settings.routing)
-    accountant = Accountant(metrics, usage, limiter, estimator, settings.routing.local_price)
+    accountant = Accountant(metrics, usage, limiter, estimator, settings.routing.local_price,
+                            providers=settings.providers, ledger=ledger)
     state.router = Router(local=LocalBackend(queue), remote=remote, side=state, estimator=estimator,
                           accountant=accountant, routing=settings.routing, metrics=metrics)
     sampler = MetricsSampler(metrics, queue, settings.tiers, estimator, remote)
@@ -68,6 +74,20 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
     app.middlewares.append(body_timeout(settings.server.body_timeout_s))
     app.on_response_prepare.append(on_response_prepare)
     routes.setup(app)
+    dashboard.setup(app)  # /dashboard and /dashboard/data (admin-only once keys exist)
+
+    async def usage_ledger(app: web.Application) -> AsyncIterator[None]:  # noqa: ARG001 (aiohttp passes it)
+        """Before the engine starts, after it stops (its last answers are recorded too)."""
+        if ledger is None:
+            yield
+            return
+        if usage.redis is None:  # in-memory totals: rebuilt from the ledger, so budgets survive a restart
+            usage.restore(await ledger.totals_by_key() or {})
+        ledger.start()
+        yield
+        await ledger.close()
+
+    app.cleanup_ctx.append(usage_ledger)
     app.cleanup_ctx.append(engine_lifecycle)
 
     async def services(app: web.Application) -> AsyncIterator[None]:  # noqa: ARG001 (aiohttp passes it)

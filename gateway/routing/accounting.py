@@ -1,6 +1,7 @@
 """Every answered request, local or remote, is accounted exactly as its response reports it: usage and
 cost per key (the `/v1/usage` store and Prometheus), per-key token limits, and the latency histograms
-(time to first token, inter-token time, end to end) by tier and backend.
+(time to first token, inter-token time, end to end) by tier and backend; and a row in the usage ledger
+(appended in memory, written off the request path) with the cost and its remote equivalent.
 """
 
 from __future__ import annotations
@@ -8,17 +9,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
 from prometheus_client import Histogram
 
+from gateway.admission.ledger import UsageLedger, UsageRow
 from gateway.admission.limits import Limiter
 from gateway.admission.usage import ANON, UsageStore
 from gateway.backends.base import ChoiceStream, WrappedStream
 from gateway.messages import LOCAL, ChoiceOutput, GenerationRequest
 from gateway.observability.metrics import Metrics
 from gateway.routing.estimate import WaitEstimator
+from gateway.settings import ProviderSettings
 
 log = logging.getLogger("sluice.router")
 T = TypeVar("T")
@@ -26,12 +29,19 @@ T = TypeVar("T")
 
 class Accountant:
     def __init__(self, metrics: Metrics, usage: UsageStore, limiter: Limiter, estimator: WaitEstimator,
-                 local_price: dict[str, float]):
+                 local_price: dict[str, float], *, providers: Sequence[ProviderSettings] = (),
+                 ledger: UsageLedger | None = None):
         self.metrics = metrics
         self.usage = usage
         self.limiter = limiter
         self.estimator = estimator
         self.local_price = local_price
+        self.ledger = ledger
+        # The first provider (by `order`, then config position) serving each model prices its equivalent.
+        self._first_provider: dict[str, ProviderSettings] = {}
+        for p in sorted(providers, key=lambda p: p.order):
+            for model in p.models:
+                self._first_provider.setdefault(model, p)
 
     def cost(self, stream: ChoiceStream, prompt: int, cached: int, completion: int) -> float:
         """A remote answer at its provider's prices; a local one at `routing.local_price` (else free)."""
@@ -39,6 +49,15 @@ class Accountant:
             return stream.provider_settings.cost(prompt, cached, completion)
         price = self.local_price
         return (prompt * price.get("input_per_m", 0.0) + completion * price.get("output_per_m", 0.0)) / 1e6
+
+    def equivalent_cost(self, stream: ChoiceStream, model: str, prompt: int, cached: int, completion: int,
+                        cost: float) -> float:
+        """What the same tokens would have cost remotely: a remote answer its own cost; a local one at the
+        prices of the first provider serving the model; the cost itself when no provider serves it."""
+        if stream.provider_settings is not None:
+            return cost
+        first = self._first_provider.get(model)
+        return first.cost(prompt, cached, completion) if first is not None else cost
 
     async def record(self, gen: GenerationRequest, stream: ChoiceStream, prompt: int, cached: int,
                      completion: int) -> None:
@@ -54,6 +73,10 @@ class Accountant:
         m.usage_tokens.labels(key, gen.model, backend, "completion").inc(completion)
         if cost:
             m.usage_cost.labels(key, gen.model, backend).inc(cost)
+        if self.ledger is not None:
+            self.ledger.append(UsageRow(
+                time.time(), key, gen.tier, gen.model, backend, prompt, cached, completion, cost,
+                self.equivalent_cost(stream, gen.model, prompt, cached, completion, cost)))
         try:
             await self.usage.record(gen.key, gen.model, backend, prompt, cached, completion, cost)
             await self.limiter.charge_tokens(gen.key, gen.tier, prompt + completion)
