@@ -7,6 +7,7 @@
 #   bench/gpu.sh --dry-run   # on a CPU: every step with tiny shapes, Triton under TRITON_INTERPRET=1 (~30 s)
 #
 # PYTHON=/path/to/python overrides the interpreter (it must have torch; CUDA torch brings triton).
+# On the lent GPU machine (no network): run `bash bench/gpu_wheels.sh` here first and carry bench/.gpu-wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_WAIT_POLICY=PASSIVE
@@ -20,7 +21,14 @@ if [[ $DRY == 1 ]]; then
   FLAGS=--dry-run
 else
   PY=${PYTHON:-.venv/bin/python}
-  if ! "$PY" -c "import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  if [[ -z "${PYTHON:-}" && -d bench/.gpu-wheels ]] && python3 -c "import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    # The lent machine: no network; its python3 holds CUDA torch and triton. What it lacks comes as wheels
+    # carried from a machine with PyPI (bench/gpu_wheels.sh), installed beside the repo, not into python3.
+    echo "== install: carried wheels (bench/.gpu-wheels) into bench/.gpu-site, offline"
+    python3 -m pip install -q --no-index --no-deps --target bench/.gpu-site bench/.gpu-wheels/*.whl
+    export PYTHONPATH="$PWD/bench/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    PY=python3
+  elif ! "$PY" -c "import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "== install: CUDA torch (brings triton) + sluice into .venv"
     [[ -x .venv/bin/python ]] || python3 -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip || true
