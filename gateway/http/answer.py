@@ -4,6 +4,7 @@ path, built from the pydantic chunk models."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from gateway.http.openai_schema import (
     CompletionResponse,
     FunctionCallDelta,
     NamedToolChoice,
+    ResponseFormat,
     ToolCallDelta,
 )
 
@@ -42,6 +44,16 @@ class AnswerShape:
         return self.call_ids[index]
 
 
+def _format_guide(rf: ResponseFormat | None, no_schema: dict[str, Any]) -> Guide | None:
+    """The grammar of a `response_format` (None for text); `no_schema`: a json_schema sent without one."""
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return Guide(kind="json_object")
+    schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+    return Guide(kind="json_schema", spec=json.dumps(schema or no_schema))
+
+
 def chat_shape(req: ChatCompletionRequest, pieces: TokenPieces | None) -> tuple[AnswerShape, Guide | None,
                                                                                 list[tools.ToolSpec] | None]:
     """The answer's shape, the grammar that constrains it, and the tools to render into the prompt."""
@@ -57,26 +69,15 @@ def chat_shape(req: ChatCompletionRequest, pieces: TokenPieces | None) -> tuple[
             guide = tools.tool_guide(named, required=True, parallel=False)
         else:
             guide = tools.tool_guide(specs, required=req.tool_choice == "required", parallel=parallel)
-    rf = req.response_format
-    if rf is not None and rf.type == "json_object":
-        guide = Guide(kind="json_object")
-    elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
-        import json
-
-        guide = Guide(kind="json_schema", spec=json.dumps(rf.json_schema.schema_ or {"type": "object"}))
+    guide = _format_guide(req.response_format, {"type": "object"}) or guide
     return AnswerShape(tools=specs, top_logprobs=top, pieces=pieces if top is not None else None), guide, specs
 
 
 def completion_shape(req: CompletionRequest, pieces: TokenPieces | None) -> tuple[AnswerShape, Guide | None]:
-    import json
-
-    guide = None
     if req.guided_json is not None:
-        guide = Guide(kind="json_schema", spec=json.dumps(req.guided_json))
-    elif req.response_format is not None and req.response_format.type == "json_object":
-        guide = Guide(kind="json_object")
-    elif req.response_format is not None and req.response_format.json_schema is not None:
-        guide = Guide(kind="json_schema", spec=json.dumps(req.response_format.json_schema.schema_ or {}))
+        guide: Guide | None = Guide(kind="json_schema", spec=json.dumps(req.guided_json))
+    else:
+        guide = _format_guide(req.response_format, {})
     top = req.logprobs
     return AnswerShape(top_logprobs=top, pieces=pieces if top is not None else None), guide
 

@@ -147,7 +147,7 @@ class _SamplingFields(_Request):
     temperature: Number | None = Field(None, ge=0.0, le=2.0)
     top_p: Number | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # vLLM's extra; 0 or -1: off; above the vocabulary: off
-    # vLLM's extra: finish (reason "stop") on any of these ids (checked against the vocabulary later)
+    # vLLM's extra: finish (reason "stop") on any of these ids (the engine refuses ids outside its vocabulary)
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool | None = False  # vLLM's extra: keep generating past the end-of-sequence token
     # Sluice's extra: what to do with a prompt longer than the context. "error" (default): 400
