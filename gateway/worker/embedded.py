@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from gateway.state import STATE, GatewayState
-from gateway.tasks import run_forever
+from gateway.tasks import cancel_and_wait, run_forever
 from gateway.worker.engine_api import ModelFrontend
 from gateway.worker.factory import Frontend, load_engine
 from gateway.worker.worker import EngineWorker
@@ -64,9 +64,7 @@ async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     if state.no_engine:
         tasks.append(asyncio.create_task(_watch_workers(state), name="sluice-worker-watch"))
     yield
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await cancel_and_wait(tasks)  # re-cancels: redis-py can absorb a CancelledError mid-command
     if state.local_worker is not None:
         await state.local_worker.stop(grace_s=state.settings.server.shutdown_grace_s)
     await state.queue.close()
