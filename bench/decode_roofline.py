@@ -51,16 +51,12 @@ def read_bandwidth(nbytes: int = 512 * 2**20) -> float:
 
 
 def weight_bytes(engine: LLMEngine, batch: int) -> int:
-    """Bytes of weights a decode step of `batch` rows reads."""
+    """Bytes of weights a decode step of `batch` rows reads (packed or dense, as the model's plan says)."""
     m = engine.runner.model
+    layers_packed = m.layer_plan.for_rows(batch).packed if m.layer_plan else False
     head = m.lm_head_fast or m.lm_head  # the output layer actually read each step
-    total = head.weight.numel() * head.weight.element_size()
-    for lin in m.linears():
-        if lin.int4 is not None and batch <= lin.int4_max_rows:
-            total += lin.int4.nbytes()
-        else:
-            total += lin.weight.numel() * lin.weight.element_size()
-    return total
+    head_packed = m.head_plan.for_rows(batch).packed if m.head_plan and m.lm_head_fast else False
+    return head.nbytes(head_packed) + sum(lin.nbytes(layers_packed) for lin in m.linears())
 
 
 class Timers:
@@ -122,8 +118,12 @@ def main(argv: list[str] | None = None) -> None:
     bw = read_bandwidth()
     print(f"machine: {machine()}; torch threads {torch.get_num_threads()}")
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights {str(runner.weight_dtype).removeprefix('torch.')}"
-          + (f" + int4 for steps of <= {runner.model.int4_max_rows} tokens" if runner.int4 else "")
+          + (f" + int4 for steps of <= {runner.int4_max_rows} tokens" if runner.int4 else "")
           + f"; KV cache {str(runner.kv_dtype).removeprefix('torch.')}")
+    m = runner.model
+    if m.layer_plan is not None and m.head_plan is not None:
+        print(f"CPU step plan (weights/threads by step size): layers {m.layer_plan.describe()}; "
+              f"output layer {m.head_plan.describe()}")
     timers = Timers(engine)
     for b in [int(x) for x in a.batches.split(",")]:
         # Long enough that no sequence finishes while prefills of the others run or while measuring.

@@ -67,7 +67,7 @@ class LLMEngine:
                  "(%.1f MiB %s, resident as used), max_running_requests %d, loaded in %.1fs",
                  self.model_name, self.runner.device,
                  str(self.runner.dtype).removeprefix("torch."), str(self.runner.weight_dtype).removeprefix("torch."),
-                 f" + int4 up to {self.runner.model.int4_max_rows} tokens" if self.runner.int4 else "",
+                 f" + int4 up to {self.runner.int4_max_rows} tokens" if self.runner.int4 else "",
                  self.capacity_tokens, self.runner.num_blocks, config.block_size,
                  self.capacity_tokens * self.runner.kv_bytes_per_token / 2**20,
                  str(self.runner.kv_dtype).removeprefix("torch."), config.max_running_requests,

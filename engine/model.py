@@ -10,7 +10,6 @@ each: on a CPU the number of ops per step matters as much as their size.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from torch import nn
 from kernels import AttentionMetadata, fused_add_rms_norm, paged_attention, rms_norm, rotary_inplace, silu_and_mul
 
 from . import batch_invariant
+from .cpu_plan import Plan, measure_plan
 from .loader import ModelArgs
 
 
@@ -55,6 +55,11 @@ def int4_available(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
 
 
+def int8_available(device: torch.device) -> bool:
+    """torch's CPU int8 weight-only matmul (one scale per output row)."""
+    return device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
+
+
 class Int4Weight:
     """A GGUF Q4_0/Q4_1 weight as torch's packed int4 (`_weight_int4pack_mm_for_cpu`): the file's own
     4-bit codes, one (scale, zero) pair per 32 inputs, so it reads a quarter of bf16's bytes. The kernel
@@ -75,30 +80,61 @@ class Int4Weight:
         return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, Q4_GROUP, self.scales_zeros)
 
 
+class Int8Weight:
+    """A weight as int8 with one scale per output row (`_weight_int8pack_mm`): half of bf16's bytes.
+    Used for the output layer, whose rows a decode step reads in full while only each row's top
+    candidates matter (and those are recomputed at full precision, see `LlamaModel.logits`)."""
+
+    def __init__(self, weight: torch.Tensor, chunk_rows: int = 4096):
+        n = weight.shape[0]
+        self.q = torch.empty(weight.shape, dtype=torch.int8)
+        scales = torch.empty(n)
+        for a in range(0, n, chunk_rows):  # in slices: no full-size float temporaries at load
+            w = weight[a:a + chunk_rows].float()
+            s = w.abs().amax(1).clamp_min(1e-12) / 127
+            self.q[a:a + chunk_rows] = (w / s[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+            scales[a:a + chunk_rows] = s
+        self.scales = scales.to(torch.bfloat16)
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * 2
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scales)
+
+
+PackedWeight = Int4Weight | Int8Weight
+
+
 class Linear:
     """y = x W^T (+ b), with W stored in its own dtype (bf16 halves the bytes a CPU decode step reads);
     the activations stay in the model's dtype, so the residual stream and the norms keep full precision.
 
-    With `int4` (the GGUF's own 4-bit blocks), steps of at most `int4_max_rows` rows read those instead:
-    a decode step at small batch is bound by the bytes of weights it reads; larger ones use W, for which
-    the CPU's bf16 matmul (AMX / AVX512-BF16) is faster than dequantising."""
+    `packed`: the same weight in fewer bytes (the GGUF's own 4-bit blocks, or int8), which a caller
+    asks for per call: small steps are bound by the bytes they read, larger ones run faster on the
+    CPU's bf16 matmul (AMX / AVX512-BF16) than dequantising (see engine/cpu_plan.py)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: torch.dtype,
-                 invariant: bool = False, int4: Int4Weight | None = None):
+                 invariant: bool = False, packed: PackedWeight | None = None):
         self.weight = weight.to(weight_dtype).contiguous()
         self.bias = bias
         self.invariant = invariant  # fixed-shape matmuls: a row's result ignores the rest of the batch
-        self.int4 = int4
-        self.int4_max_rows = 0
+        self.packed = packed
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
-            y = self.int4.mm(x).to(x.dtype)
+    def __call__(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        if packed and self.packed is not None:
+            y = self.packed.mm(x).to(x.dtype)
         elif self.invariant:
             y = batch_invariant.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         else:
             y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         return y + self.bias if self.bias is not None else y
+
+    def nbytes(self, packed: bool = False) -> int:
+        """Bytes of weights one call reads."""
+        if packed and self.packed is not None:
+            return self.packed.nbytes()
+        return self.weight.numel() * self.weight.element_size()
 
 
 def _q4_matches(blocks: Q4Blocks, weight: torch.Tensor) -> bool:
@@ -129,7 +165,8 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, weight_dtype: torch.dtype | None = None, deterministic: bool = False,
                  q4_blocks: dict[str, Q4Blocks] | None = None):
-        """q4_blocks: use the file's 4-bit weights for small batches (CPU only; see `Linear`)."""
+        """q4_blocks: the file's 4-bit weights, for small steps (CPU only; see `Linear`); with them the
+        output layer also gets an int8 copy for small steps."""
         super().__init__()
         self.args = args
         wdt = weight_dtype or dtype
@@ -150,12 +187,13 @@ class LlamaModel(nn.Module):
         # bf16 alone flips such ties.
         self.lm_head = Linear(lm_head, None, dtype, det)
         # (Not in deterministic mode: the output layer stays one full-precision batch-invariant matmul.)
-        self.lm_head_fast = Linear(lm_head, None, wdt) if wdt != dtype and not det else None
-        self.layers: list[LayerWeights] = []
         # Only blocks that still match the weights given (a caller may have replaced the weights).
         q4 = {n: b for n, b in (q4_blocks or {}).items()
               if n in weights and weights[n].shape == b[0].shape and _q4_matches(b, weights[n])
               } if q4_blocks and int4_available(device) and not det else {}
+        head8 = Int8Weight(lm_head) if q4 and wdt != dtype and int8_available(device) else None
+        self.lm_head_fast = Linear(lm_head, None, wdt, packed=head8) if wdt != dtype and not det else None
+        self.layers: list[LayerWeights] = []
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
             qkv4 = _fused_q4(q4, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
@@ -167,64 +205,69 @@ class LlamaModel(nn.Module):
             self.layers.append(LayerWeights(
                 attn_norm=w(p + "input_layernorm.weight"),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                qkv=Linear(qkv, qkv_bias, wdt, det, qkv4),
+                qkv=Linear(qkv, qkv_bias, wdt, det, packed=qkv4),
                 o=Linear(w(p + "self_attn.o_proj.weight"), None, wdt, det,
-                         _fused_q4(q4, [p + "self_attn.o_proj.weight"])),
-                gate_up=Linear(gate_up, None, wdt, det, gate_up4),
+                         packed=_fused_q4(q4, [p + "self_attn.o_proj.weight"])),
+                gate_up=Linear(gate_up, None, wdt, det, packed=gate_up4),
                 down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det,
-                            _fused_q4(q4, [p + "mlp.down_proj.weight"])),
+                            packed=_fused_q4(q4, [p + "mlp.down_proj.weight"])),
             ))
         self.cos, self.sin = rope_tables(args, device)
-        self.int4_max_rows = 0
+        # Per step size: packed or dense weights, and threads (CPU; engine/cpu_plan.py). None: leave
+        # both alone (GPU, deterministic mode, or before `plan_cpu_steps`).
+        self.layer_plan: Plan | None = None
+        self.head_plan: Plan | None = None
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
-    def set_int4_max_rows(self, rows: int) -> None:
-        """Steps of at most `rows` tokens read the 4-bit weights; 0: never."""
-        self.int4_max_rows = rows
-        for lin in self.linears():
-            lin.int4_max_rows = rows if lin.int4 is not None else 0
+    @property
+    def has_packed(self) -> bool:
+        return any(lin.packed is not None for lin in self.linears())
 
-    def calibrate_int4(self, candidates: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)) -> dict[int, float]:
-        """Times every layer's linears (all the weights a step streams, so caches do not flatter either
-        side) with the 4-bit and the bf16 weights at growing row counts, and keeps the 4-bit path up to
-        the last count where it is faster (measured on this machine, at start; stops at the first loss).
-        Returns {rows: int4 time / bf16 time}."""
-        lins = [lin for lin in self.linears() if lin.int4 is not None]
-        if not lins:
-            self.set_int4_max_rows(0)
-            return {}
+    def plan_cpu_steps(self, max_threads: int, packed_max_rows: int | None = None) -> dict[str, str]:
+        """Measures (engine/cpu_plan.py), for the layers' linears and for the output layer, which weights
+        and how many threads are fastest at each step size, and uses that from now on.
+        `packed_max_rows` (configured): the packed layer weights up to that many rows, whatever the
+        timing. Returns the measured times, as text, for the log."""
+        lins = self.linears()
+        can_pack = self.has_packed
 
-        def best(fn: Callable[[], object]) -> float:
-            fn()
-            times = []
-            for _ in range(3):
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-            return min(times)
+        def layers(m: int, packed: bool) -> Callable[[], object]:
+            xs = {k: torch.randn(m, k, dtype=self.dtype) for k in {lin.weight.shape[1] for lin in lins}}
+            return lambda: [lin(xs[lin.weight.shape[1]], packed) for lin in lins]
 
-        ratios: dict[int, float] = {}
-        rows = 0
-        with torch.inference_mode():
-            for m in candidates:
-                xs = {k: torch.randn(m, k, dtype=self.dtype) for k in {lin.weight.shape[1] for lin in lins}}
-                t4 = best(lambda xs=xs: [lin.int4.mm(xs[lin.weight.shape[1]]) for lin in lins])  # type: ignore[union-attr,misc]
-                t16 = best(lambda xs=xs: [F.linear(xs[lin.weight.shape[1]].to(lin.weight.dtype), lin.weight)  # type: ignore[misc]
-                                          for lin in lins])
-                ratios[m] = t4 / t16
-                if t4 >= t16:
-                    break
-                rows = m
-        self.set_int4_max_rows(rows)
-        return ratios
+        self.layer_plan, layer_times = measure_plan(layers, max_threads, can_pack, packed_max_rows)
+        head = self.lm_head_fast
+        if head is None:
+            self.head_plan = Plan.fixed(max_threads)
+            head_times: dict[int, dict[str, float]] = {}
+        else:
+            def heads(m: int, packed: bool) -> Callable[[], object]:
+                x = torch.randn(m, head.weight.shape[1], dtype=self.dtype)
+                return lambda: head(x, packed)
+
+            self.head_plan, head_times = measure_plan(heads, max_threads, head.packed is not None)
+
+        def fmt(times: dict[int, dict[str, float]]) -> str:
+            return "; ".join(f"{m}: " + " ".join(f"{c} {t * 1e3:.2f}ms" for c, t in ts.items())
+                             for m, ts in times.items())
+        return {"layers": fmt(layer_times), "output layer": fmt(head_times)}
+
+    def _use(self, plan: Plan | None, rows: int) -> bool:
+        """Applies the plan's thread count for a step of `rows` rows; returns whether to read packed weights."""
+        if plan is None:
+            return False
+        choice = plan.for_rows(rows)
+        if torch.get_num_threads() != choice.threads:
+            torch.set_num_threads(choice.threads)
+        return choice.packed
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
         if self.lm_head_fast is None or exact:
             return self.lm_head(h).float()
-        logits = self.lm_head_fast(h).float()
+        logits = self.lm_head_fast(h, self._use(self.head_plan, h.shape[0])).float()
         top = logits.topk(REFINE_TOP, dim=-1).indices  # [n, k]
         rows = self.lm_head.weight[top]  # [n, k, hidden], full precision
         return logits.scatter_(1, top, torch.einsum("nd,nkd->nk", h.to(rows.dtype), rows).float())
@@ -245,19 +288,20 @@ class LlamaModel(nn.Module):
                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """The final normalised hidden states at `logits_indices` ([n, hidden]): what `logits` multiplies."""
         a = self.args
+        packed = self._use(self.layer_plan, token_ids.shape[0])
         x = self.embed[token_ids]
         residual = None
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         for i, layer in enumerate(self.layers):
             x, residual = fused_add_rms_norm(x, residual, layer.attn_norm, a.rms_norm_eps)
-            qkv = layer.qkv(x)
+            qkv = layer.qkv(x, packed)
             q = qkv[:, :q_size].unflatten(-1, (a.num_heads, a.head_dim))
             k = qkv[:, q_size:q_size + kv_size].unflatten(-1, (a.num_kv_heads, a.head_dim))
             v = qkv[:, q_size + kv_size:].unflatten(-1, (a.num_kv_heads, a.head_dim))
             rotary_inplace(q, k, self.cos, self.sin, positions)
             attn = self.attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta)
-            x = layer.o(attn.reshape(-1, q_size))
+            x = layer.o(attn.reshape(-1, q_size), packed)
             x, residual = fused_add_rms_norm(x, residual, layer.mlp_norm, a.rms_norm_eps)
-            x = layer.down(silu_and_mul(layer.gate_up(x)))
+            x = layer.down(silu_and_mul(layer.gate_up(x, packed)), packed)
         assert residual is not None  # set by the first layer
         return rms_norm((residual + x)[logits_indices], self.norm, a.rms_norm_eps)

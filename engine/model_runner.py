@@ -94,16 +94,9 @@ class ModelRunner:
         self.int4 = use_int4(config, loaded, self.device)
         self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, self.weight_dtype,
                                 deterministic=config.deterministic, q4_blocks=loaded.q4_blocks if self.int4 else None)
-        if self.int4:
-            if config.int4_max_batch is not None:
-                self.model.set_int4_max_rows(config.int4_max_batch)
-                log.info("int4 weights (the file's Q4 blocks) for steps of up to %d tokens (configured), "
-                         "bf16 above", config.int4_max_batch)
-            else:
-                ratios = self.model.calibrate_int4()
-                log.info("int4 weights (the file's Q4 blocks) for steps of up to %d tokens, bf16 above "
-                         "(measured int4/bf16 time by step size: %s)", self.model.int4_max_rows,
-                         ", ".join(f"{m}: {r:.2f}" for m, r in ratios.items()))
+        self.int4_max_rows = 0  # steps of up to this many tokens read the 4-bit weights
+        if self.device.type == "cpu" and not config.deterministic:
+            self._plan_cpu_steps()
         if config.deterministic:
             log.info("deterministic: batch-invariant matmuls and attention, no CUDA graphs, weights %s, "
                      "activations %s (outputs do not depend on batching, chunking or prefix-cache hits)",
@@ -124,6 +117,23 @@ class ModelRunner:
             max_batch = min(config.cuda_graph_max_batch, config.max_running_requests)
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, -(-max_len // self.block_size),
                                        self.scratch_block, max_batch, max_len)
+
+    def _plan_cpu_steps(self) -> None:
+        """Which weights (packed low-bit or dense) and how many threads each step size uses, measured
+        here at start (engine/cpu_plan.py), and logged."""
+        cfg, model = self.config, self.model
+        threads = torch.get_num_threads()
+        forced = cfg.int4_max_batch if model.has_packed else None
+        times = model.plan_cpu_steps(threads, forced)
+        assert model.layer_plan is not None and model.head_plan is not None
+        self.int4_max_rows = model.layer_plan.packed_max_rows() if forced is None else forced
+        log.info("CPU steps (%d threads): layers %s; output layer %s", threads, model.layer_plan.describe(),
+                 model.head_plan.describe())
+        if model.has_packed:
+            log.info("int4 weights (the file's Q4 blocks) for steps of up to %d tokens%s, bf16 above",
+                     self.int4_max_rows,
+                     " (configured)" if forced is not None else "")
+        log.debug("CPU step timings: %s", times)
 
     def _pool_blocks(self, bytes_per_token: int) -> int:
         cfg = self.config

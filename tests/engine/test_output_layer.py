@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from engine.model import REFINE_TOP, Int4Weight, Linear, LlamaModel, int4_available
+from engine.cpu_plan import Plan
+from engine.model import REFINE_TOP, Int4Weight, Int8Weight, Linear, LlamaModel, int4_available, int8_available
 
 
 def test_fast_logits_are_exact_where_it_matters():
@@ -12,6 +13,7 @@ def test_fast_logits_are_exact_where_it_matters():
     model = LlamaModel.__new__(LlamaModel)  # only the output layer is needed
     model.lm_head = Linear(weight, None, torch.float32)
     model.lm_head_fast = Linear(weight, None, torch.bfloat16)
+    model.head_plan = None
     h = torch.randn(32, 64)
     exact = model.logits(h, exact=True)
     fast = model.logits(h)
@@ -33,10 +35,33 @@ def test_int4_weight_computes_the_gguf_blocks():
     mn = -torch.rand(n, k // 32) * 0.05
     dense = (codes.float().reshape(n, k // 32, 32) * scale[..., None] + mn[..., None]).reshape(n, k)
     w4 = Int4Weight((codes, scale, mn))
-    lin = Linear(dense, None, torch.bfloat16, int4=w4)
+    lin = Linear(dense, None, torch.bfloat16, packed=w4)
     x = torch.randn(5, k)
     ref = x @ dense.T
-    lin.int4_max_rows = 8
-    torch.testing.assert_close(lin(x), ref, rtol=2e-2, atol=2e-2)  # the int4 path (5 rows <= 8)
-    lin.int4_max_rows = 4
-    torch.testing.assert_close(lin(x), ref, rtol=2e-2, atol=2e-2)  # the bf16 path above it
+    torch.testing.assert_close(lin(x, packed=True), ref, rtol=2e-2, atol=2e-2)  # the int4 path
+    torch.testing.assert_close(lin(x), ref, rtol=2e-2, atol=2e-2)  # the bf16 path
+    assert not torch.equal(lin(x, packed=True), lin(x))  # two different computations
+
+
+@pytest.mark.skipif(not int8_available(torch.device("cpu")), reason="no CPU int8 matmul in this torch")
+def test_int8_output_layer_keeps_the_exact_top_candidates():
+    """The int8 copy of the output layer (one scale per row) picks the candidates; the top ones are then
+    recomputed at full precision, so greedy, top-k and top-p see exact values, the tail is close."""
+    torch.manual_seed(0)
+    weight = torch.randn(5000, 64) * 0.05
+    w8 = Int8Weight(weight, chunk_rows=1000)  # several slices
+    assert w8.nbytes() < weight.numel() * 2 // 1.9  # about half of bf16
+    x = torch.randn(7, 64)
+    torch.testing.assert_close(w8.mm(x).float(), x @ weight.T, rtol=0.03, atol=0.03)
+    model = LlamaModel.__new__(LlamaModel)
+    model.lm_head = Linear(weight, None, torch.float32)
+    model.lm_head_fast = Linear(weight, None, torch.bfloat16, packed=w8)
+    model.head_plan = Plan.fixed(torch.get_num_threads(), packed_max_rows=64)
+    exact = model.logits(x, exact=True)
+    fast = model.logits(x)
+    assert torch.equal(fast.argmax(-1), exact.argmax(-1))
+    top = exact.topk(5, dim=-1).indices
+    torch.testing.assert_close(fast.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-4)
+    int8_only = model.lm_head_fast(x, packed=True).float()
+    assert (int8_only - exact).abs().max() > 1e-3  # without the refinement the values really differ
+    assert (fast - exact).abs().max() < 0.1

@@ -210,10 +210,13 @@ def test_default_int4_weights_stay_close_to_the_reference(prompt_ids, ref_logits
     """The CPU serving default reads the GGUF's own Q4_1 blocks (torch's int4 matmul, bf16 arithmetic) for
     small steps, and keeps the KV cache in bf16. int4_max_batch=4096 puts the prefill on the int4 path
     too. Tolerance: as for bf16 weights (mean KL < 0.01, top-1 agreement >= 95%), and the greedy decode
-    (one token per step) gives the reference's tokens."""
+    (one token per step, through the int8 output layer and its exact top candidates) gives the
+    reference's tokens."""
     fast = LLMEngine(EngineConfig(kv_cache_tokens=8192, device="cpu", dtype="float32", int4_max_batch=4096))
     assert fast.runner.int4 and fast.runner.kv_dtype == torch.bfloat16
-    assert all(lin.int4 is not None for lin in fast.runner.model.linears())
+    assert all(lin.packed is not None for lin in fast.runner.model.linears())
+    assert fast.runner.model.layer_plan.for_rows(4096).packed  # the prefill reads the 4-bit weights too
+    assert fast.runner.model.lm_head_fast.packed is not None  # and the output layer has its int8 copy
     ours = fast.prompt_logits(prompt_ids).cpu()
     p, q = ref_logits.log_softmax(-1), ours.log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)

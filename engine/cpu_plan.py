@@ -1,0 +1,127 @@
+"""How a step runs on a CPU, by its size: packed low-bit weights or dense ones, and how many threads.
+
+Two facts of small CPU boxes decide it. A decode step of a few rows is bound by the bytes of weights
+it reads, so the packed weights (int4 layers, int8 output layer) win there, while at larger steps the
+dense bf16 matmul (AMX / AVX512-BF16) beats dequantising. And with `OMP_WAIT_POLICY=PASSIVE` (no
+busy-waiting, which starves everything else on a 2-core box) every parallel region wakes sleeping
+threads, which costs tens of microseconds on a VM: a 576x576 int4 matmul takes ~20 us on one thread
+and ~95 us on two. So the ~120 small matmuls of a batch-1 step run on one thread, while the output
+layer (49k rows) and larger steps use every thread.
+
+Nothing here is guessed: `measure_plan` times each choice on this machine at start, per step size,
+on all the weights of a group (so caches do not flatter either side), and the model looks the
+choice up per step (`Plan.for_rows`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+# Fewer threads than all must be this much faster to be chosen (timing noise at start aside, the
+# attention and elementwise ops of larger steps, which are not timed, gain from all threads).
+FEWER_THREADS_MARGIN = 1.1
+
+
+@dataclass(frozen=True)
+class Choice:
+    packed: bool  # the low-bit weights (else the dense bf16 ones)
+    threads: int
+
+    def __str__(self) -> str:
+        return f"{'packed' if self.packed else 'dense'}/{self.threads}t"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Steps of up to `rows[i]` rows run `choices[i]`; larger steps run `above`."""
+
+    rows: tuple[int, ...]
+    choices: tuple[Choice, ...]
+    above: Choice
+
+    def for_rows(self, n: int) -> Choice:
+        i = bisect.bisect_left(self.rows, n)
+        return self.choices[i] if i < len(self.rows) else self.above
+
+    def packed_max_rows(self) -> int:
+        """The largest measured step size that runs the packed weights (0: none)."""
+        return max((r for r, c in zip(self.rows, self.choices) if c.packed), default=0)
+
+    def describe(self) -> str:
+        return ", ".join(f"<={r}: {c}" for r, c in zip(self.rows, self.choices)) + f", above: {self.above}"
+
+    @staticmethod
+    def fixed(threads: int, packed_max_rows: int = 0) -> Plan:
+        """No measurement: packed weights up to `packed_max_rows`, `threads` threads throughout."""
+        if packed_max_rows <= 0:
+            return Plan((), (), Choice(False, threads))
+        return Plan((packed_max_rows,), (Choice(True, threads),), Choice(False, threads))
+
+
+def thread_candidates(max_threads: int) -> list[int]:
+    """1, the powers of two in between, and all threads (at most four counts to time)."""
+    counts = {1, max_threads}
+    t = 2
+    while t < max_threads and len(counts) < 4:
+        counts.add(t)
+        t *= 2
+    return sorted(counts)
+
+
+def _best_time(fn: Callable[[], object], threads: int, reps: int = 3) -> float:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        return best
+    finally:
+        torch.set_num_threads(previous)
+
+
+def measure_plan(run: Callable[[int, bool], Callable[[], object]], max_threads: int, can_pack: bool,
+                 forced_packed_rows: int | None = None,
+                 rows: Sequence[int] = ROW_CANDIDATES) -> tuple[Plan, dict[int, dict[str, float]]]:
+    """Times `run(rows, packed)()` (a group's matmuls for a step of `rows` rows) for every choice of
+    weights and threads at each row count, and keeps the fastest. `forced_packed_rows`: the packed
+    weights up to that many rows whatever the timing (configured); only threads are measured.
+    Stops once the dense weights on all threads win twice in a row: larger steps run that.
+    Returns the plan and the times {rows: {choice: seconds}} for the log."""
+    threads = thread_candidates(max_threads)
+    if forced_packed_rows is not None and 0 < forced_packed_rows < max(rows):
+        rows = sorted({*rows, forced_packed_rows})  # the configured boundary is a bucket edge
+    dense_all = Choice(False, max_threads)
+    kept_rows: list[int] = []
+    kept: list[Choice] = []
+    times: dict[int, dict[str, float]] = {}
+    dense_wins = 0
+    for m in rows:
+        if forced_packed_rows is not None:
+            options = [Choice(m <= forced_packed_rows and can_pack, t) for t in threads]
+        else:
+            options = [Choice(p, t) for p in ((True, False) if can_pack else (False,)) for t in threads]
+        with torch.inference_mode():
+            measured = {c: _best_time(run(m, c.packed), c.threads) for c in options}
+        best = min(measured, key=measured.__getitem__)
+        all_threads = Choice(best.packed, max_threads)
+        if all_threads in measured and measured[all_threads] <= measured[best] * FEWER_THREADS_MARGIN:
+            best = all_threads  # only the matmuls were timed: the step's other ops like all threads
+        times[m] = {str(c): s for c, s in measured.items()}
+        kept_rows.append(m)
+        kept.append(best)
+        dense_wins = dense_wins + 1 if best == dense_all else 0
+        if dense_wins >= 2 and (forced_packed_rows is None or m > forced_packed_rows):
+            break
+    above_packed = forced_packed_rows is not None and forced_packed_rows > kept_rows[-1] and can_pack
+    above = Choice(above_packed, max_threads)
+    return Plan(tuple(kept_rows), tuple(kept), above), times

@@ -1,0 +1,61 @@
+"""The CPU step plan: per step size, packed or dense weights and a thread count, chosen by timing."""
+
+import time
+
+import torch
+
+from engine.cpu_plan import Choice, Plan, measure_plan, thread_candidates
+
+
+def test_plan_looks_up_the_smallest_bucket_that_holds_the_step():
+    plan = Plan((1, 4, 16), (Choice(True, 1), Choice(True, 2), Choice(False, 2)), Choice(False, 4))
+    assert plan.for_rows(1) == Choice(True, 1)
+    assert plan.for_rows(2) == plan.for_rows(4) == Choice(True, 2)
+    assert plan.for_rows(5) == Choice(False, 2)
+    assert plan.for_rows(17) == plan.for_rows(10_000) == Choice(False, 4)
+    assert plan.packed_max_rows() == 4
+    assert Plan.fixed(3).for_rows(1) == Choice(False, 3)
+    assert Plan.fixed(3, packed_max_rows=8).for_rows(8) == Choice(True, 3)
+    assert Plan.fixed(3, packed_max_rows=8).for_rows(9) == Choice(False, 3)
+
+
+def test_thread_candidates():
+    assert thread_candidates(1) == [1]
+    assert thread_candidates(2) == [1, 2]
+    assert thread_candidates(16) == [1, 2, 4, 16]
+
+
+def _fake(cost: dict[tuple[bool, int], float], calls: list[tuple[int, bool, int]]):
+    """run(rows, packed) whose duration depends on (packed, threads) and on the row count."""
+    def run(rows: int, packed: bool):
+        def fn() -> None:
+            threads = torch.get_num_threads()
+            calls.append((rows, packed, threads))
+            time.sleep(cost[(packed, threads)] * (1 if packed else 4 / min(rows, 4)) / 1000)
+        return fn
+    return run
+
+
+def test_measure_plan_keeps_the_fastest_choice_and_stops_when_dense_wins_twice():
+    calls: list[tuple[int, bool, int]] = []
+    # packed: 3 ms on one thread, 9 on two; dense on two threads: 8 / rows ms (at least 2).
+    run = _fake({(True, 1): 3.0, (True, 2): 9.0, (False, 1): 40.0, (False, 2): 2.0}, calls)
+    previous = torch.get_num_threads()
+    plan, times = measure_plan(run, max_threads=2, can_pack=True, rows=(1, 2, 4, 8, 16, 32))
+    assert torch.get_num_threads() == previous  # the caller's setting is restored
+    # dense costs 8, 4, 2, 2 ms at 1, 2, 4, 8 rows: packed on one thread wins below 4 rows.
+    assert plan.for_rows(1) == plan.for_rows(2) == Choice(True, 1)
+    assert plan.for_rows(3) == plan.for_rows(8) == Choice(False, 2)
+    assert plan.above == Choice(False, 2) and max(times) == 8  # stopped after two dense wins
+    assert {c[1:] for c in calls} == {(True, 1), (True, 2), (False, 1), (False, 2)}  # threads really applied
+
+
+def test_configured_packed_rows_are_kept_and_only_threads_measured():
+    calls: list[tuple[int, bool, int]] = []
+    run = _fake({(True, 1): 1.0, (True, 2): 3.0, (False, 1): 40.0, (False, 2): 0.1}, calls)
+    plan, _ = measure_plan(run, max_threads=2, can_pack=True, forced_packed_rows=3, rows=(1, 2, 4, 8))
+    assert plan.for_rows(3) == Choice(True, 1)  # 3 is a bucket edge although it is not a candidate
+    assert plan.for_rows(4).packed is False
+    assert all(not packed for rows, packed, _ in calls if rows > 3)
+    plan, _ = measure_plan(run, max_threads=2, can_pack=True, forced_packed_rows=4096, rows=(1, 2))
+    assert plan.for_rows(100_000).packed  # packed beyond the measured sizes too
