@@ -1,23 +1,21 @@
 """`sluice` command line: serve [--no-engine], worker, keys create|list|revoke, usage, bench (gateway/ops/bench).
 
-OMP_WAIT_POLICY is set before anything imports torch: on a small shared CPU box torch's OpenMP
-threads otherwise busy-wait between kernels and slow everything down by orders of magnitude.
+OpenMP is configured before anything imports torch (gateway/omp.py says why).
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import gateway.omp  # noqa: F401  (OpenMP settings, before anything imports torch)
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
