@@ -4,7 +4,10 @@ Streamed greedy chat (temperature 0, `max_tokens` 96 by default) through the Ope
 1, 4, 16 and 64. Both servers run at once but are loaded in turn, in alternating rounds (A B, then B A,
 ...), so slow drift of a shared machine hits both; each round sends new prompts (the same ones to
 both servers). llama-server gets `-t 2 -np <concurrency> --no-repack` (its repacked AMX path crashes at
-load on AMX CPUs) and `-c` = slots x context per slot; it is restarted per concurrency. Sluice runs
+load on AMX CPUs) and `-c` = slots x context per slot; it is restarted per concurrency. It runs with
+llama.cpp's own OpenMP default (threads spin between graph nodes; Sluice's `OMP_WAIT_POLICY=PASSIVE`
+is removed from its environment), which is what its users get; `--llama-omp default,PASSIVE` adds a
+row for it with sleeping threads as well. Sluice runs
 `sluice serve` at its default configuration, started once. Printed: output tok/s, TTFT p50/p99, the
 ratios, and each server process's peak RSS (VmHWM from /proc).
 
@@ -53,11 +56,16 @@ def peak_rss_mb(pid: int) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, slots: int, ctx_per_slot: int, threads: int = 2) -> Iterator[tuple[str, int]]:
+def llama_server(binary: Path, slots: int, ctx_per_slot: int, threads: int = 2,
+                 omp_wait_policy: str | None = None) -> Iterator[tuple[str, int]]:
+    """omp_wait_policy None: llama.cpp's own default (its OpenMP threads spin between graph nodes),
+    what a user who starts llama-server gets."""
     port = free_port()
     cmd = [str(binary), "-m", str(default_model_path()), "--alias", MODEL, "-t", str(threads), "-np", str(slots),
            "-c", str(slots * ctx_per_slot), "--no-repack", "--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy
     with managed_server(cmd, f"http://127.0.0.1:{port}/v1/models", env) as proc:
         yield f"http://127.0.0.1:{port}/v1", proc.pid
 
@@ -89,6 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the requests per round")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--ctx-per-slot", type=int, default=1024)
+    ap.add_argument("--llama-omp", default="default",
+                    help="llama-server variants by OMP_WAIT_POLICY, comma-separated: default (unset: llama.cpp's "
+                         "own spinning threads, what its users get), PASSIVE, ACTIVE")
     ap.add_argument("--llama-server", default=str(ROOT / "bench" / ".llama-server" / "build" / "bin" / "llama-server"))
     ap.add_argument("--llamacpp-env", default=str(ROOT / "bench" / ".venv-llamacpp"))
     a = ap.parse_args(argv)
@@ -96,6 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     if not binary.exists():
         raise SystemExit(f"{binary} is missing: run bash bench/setup_llama_server.sh first")
     levels = [int(x) for x in a.levels.split(",")]
+    variants = [v.strip() for v in a.llama_omp.split(",")]
+    if not set(variants) <= {"default", "PASSIVE", "ACTIVE"}:
+        raise SystemExit("--llama-omp takes default, PASSIVE and/or ACTIVE")
+    llama_names = {v: "llama-server" if v == "default" else f"llama {v}" for v in variants}
     py_env = Path(a.llamacpp_env)
     print(f"machine: {machine()}", flush=True)
     if not (py_env / "bin" / "python").exists():
@@ -112,13 +127,20 @@ def main(argv: list[str] | None = None) -> None:
     with sluice_server_process() as (sluice_url, sluice_proc):
         asyncio.run(run_load(sluice_url, MODEL, mixed_workload(2, 8, 8, seed=-1), 2))  # warm-up
         for c in levels:
-            with llama_server(binary, c, a.ctx_per_slot) as (llama_url, llama_pid):
-                asyncio.run(run_load(llama_url, MODEL, mixed_workload(2, 8, 8, seed=-1), 2))
-                servers = [("llama-server", llama_url), ("sluice", sluice_url)]
+            with contextlib.ExitStack() as stack:
+                servers, pids = [], {}
+                for policy in variants:
+                    name = llama_names[policy]
+                    url, pids[name] = stack.enter_context(llama_server(
+                        binary, c, a.ctx_per_slot, omp_wait_policy=None if policy == "default" else policy))
+                    asyncio.run(run_load(url, MODEL, mixed_workload(2, 8, 8, seed=-1), 2))
+                    servers.append((name, url))
+                servers.append(("sluice", sluice_url))
                 for rnd in range(a.rounds):
                     for name, url in servers if rnd % 2 == 0 else servers[::-1]:
                         load(name, url, c, rnd)
-                rss[("llama-server", c)] = peak_rss_mb(llama_pid)
+                for name, pid in pids.items():
+                    rss[(name, c)] = peak_rss_mb(pid)
             rss[("sluice", c)] = peak_rss_mb(sluice_proc.pid)
         if (py_env / "bin" / "python").exists():
             with llamacpp_python_server(py_env) as (py_url, py_pid):
@@ -133,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for c in levels:
         s = merge(results[("sluice", c)])
-        for name in ("llama-server", "llama-cpp-py", "sluice"):
+        for name in (*llama_names.values(), "llama-cpp-py", "sluice"):
             if (name, c) not in results:
                 continue
             r = merge(results[(name, c)])
