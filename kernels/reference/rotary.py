@@ -19,8 +19,28 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+def _rope_(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
+    """`x.copy_(apply_rope_ref(x, ...))` in six ops and no temporaries of x's full size (the same
+    products and sums, so the same values): a decode step calls this once per layer."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    x1_s, x2_s = x1 * s, x2 * s
+    x1.mul_(c).sub_(x2_s)
+    x2.mul_(c).add_(x1_s)
+
+
+def _adjacent(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """k's heads directly follow q's in memory with the same strides (a fused QKV output)."""
+    return (q.dim() == k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
+            and q.stride() == k.stride() and q.dtype == k.dtype
+            and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size())
+
+
 def rotary_inplace_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        positions: torch.Tensor) -> None:
-    c, s = cos[positions], sin[positions]
-    q.copy_(apply_rope_ref(q, c, s))
-    k.copy_(apply_rope_ref(k, c, s))
+    c, s = cos[positions].unsqueeze(1).to(q.dtype), sin[positions].unsqueeze(1).to(q.dtype)
+    if _adjacent(q, k):  # one pass over q and k together
+        _rope_(q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride()), c, s)
+    else:
+        _rope_(q, c, s)
+        _rope_(k, c.to(k.dtype), s.to(k.dtype))

@@ -94,3 +94,26 @@ def test_forced_triton_runs_the_kernels(monkeypatch):
     torch.testing.assert_close(out, paged_attention_ref(q, k, v, kc2, vc2, meta), atol=2e-5, rtol=2e-5)
     normed, res = kernels.fused_add_rms_norm(q[:, 0], k[:, 0], torch.ones(d, device=DEV), 1e-5)
     torch.testing.assert_close(res, q[:, 0] + k[:, 0])
+
+
+def test_rotary_reference_rotates_q_and_k_of_a_fused_qkv_in_one_pass_with_the_same_values():
+    """q and k that are adjacent slices of one QKV output are rotated together; the values equal the
+    plain formula bit for bit, and v (after k) is untouched."""
+    from kernels.reference.rotary import apply_rope_ref, rotary_inplace_ref
+
+    torch.manual_seed(0)
+    ang = torch.randn(64, 16)
+    cos, sin = ang.cos(), ang.sin()
+    pos = torch.tensor([0, 5, 63])
+    qkv = torch.randn(3, 4 * 32 + 2 * 2 * 32)
+    q, k = qkv[:, :128].unflatten(-1, (4, 32)), qkv[:, 128:192].unflatten(-1, (2, 32))
+    want_q, want_k = apply_rope_ref(q, cos[pos], sin[pos]), apply_rope_ref(k, cos[pos], sin[pos])
+    v = qkv[:, 192:].clone()
+    rotary_inplace_ref(q, k, cos, sin, pos)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(qkv[:, 192:], v)
+    k2 = torch.randn(3, 2, 32)  # not adjacent: rotated on its own
+    want_k2 = apply_rope_ref(k2, cos[pos], sin[pos])
+    q2 = torch.randn(3, 4, 32)
+    want_q2 = apply_rope_ref(q2, cos[pos], sin[pos])
+    rotary_inplace_ref(q2, k2, cos, sin, pos)
+    assert torch.equal(q2, want_q2) and torch.equal(k2, want_k2)
