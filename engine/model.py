@@ -166,7 +166,8 @@ class LlamaModel(nn.Module):
                  device: torch.device, weight_dtype: torch.dtype | None = None, deterministic: bool = False,
                  q4_blocks: dict[str, Q4Blocks] | None = None):
         """q4_blocks: the file's 4-bit weights, for small steps (CPU only; see `Linear`); with them the
-        output layer also gets an int8 copy for small steps."""
+        output layer also gets an int8 copy for small steps. Consumes `weights` and `q4_blocks`: each
+        layer's entries are removed from both once the layer is built."""
         super().__init__()
         self.args = args
         wdt = weight_dtype or dtype
@@ -191,8 +192,7 @@ class LlamaModel(nn.Module):
         q4 = {n: b for n, b in (q4_blocks or {}).items()
               if n in weights and weights[n].shape == b[0].shape and _q4_matches(b, weights[n])
               } if q4_blocks and int4_available(device) and not det else {}
-        head8 = Int8Weight(lm_head) if q4 and wdt != dtype and int8_available(device) else None
-        self.lm_head_fast = Linear(lm_head, None, wdt, packed=head8) if wdt != dtype and not det else None
+        q4_used = bool(q4)
         self.layers: list[LayerWeights] = []
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
@@ -212,6 +212,15 @@ class LlamaModel(nn.Module):
                 down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det,
                             packed=_fused_q4(q4, [p + "mlp.down_proj.weight"])),
             ))
+            # The layer's source tensors are not needed any more: freeing them as we go keeps the peak
+            # memory of loading near the model's own size instead of the loader's plus the model's.
+            for name in [n for n in weights if n.startswith(p)]:
+                del weights[name]
+                q4.pop(name, None)
+                if q4_blocks is not None:
+                    q4_blocks.pop(name, None)
+        head8 = Int8Weight(lm_head) if q4_used and wdt != dtype and int8_available(device) else None
+        self.lm_head_fast = Linear(lm_head, None, wdt, packed=head8) if wdt != dtype and not det else None
         self.cos, self.sin = rope_tables(args, device)
         # Per step size: packed or dense weights, and threads (CPU; engine/cpu_plan.py). None: leave
         # both alone (GPU, deterministic mode, or before `plan_cpu_steps`).
