@@ -12,6 +12,7 @@ tokens/s <= batch * HBM / (weight bytes + batch * mean context * KV bytes per to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -63,7 +64,9 @@ def make_engine(loaded, batch: int, prompt: int, out: int, device: str):
     if loaded is None:
         return LLMEngine(cfg)
     real = eng.load_model
-    eng.load_model = lambda path: loaded
+    # The engine consumes the weight dicts it is given (freeing each layer's source as it goes).
+    eng.load_model = lambda path: dataclasses.replace(loaded, weights=dict(loaded.weights),
+                                                      q4_blocks=dict(loaded.q4_blocks))
     try:
         return LLMEngine(cfg)
     finally:

@@ -74,7 +74,7 @@ def thread_candidates(max_threads: int) -> list[int]:
     return sorted(counts)
 
 
-def _best_time(fn: Callable[[], object], threads: int, reps: int = 3) -> float:
+def _best_time(fn: Callable[[], object], threads: int, reps: int = 2) -> float:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -90,14 +90,16 @@ def _best_time(fn: Callable[[], object], threads: int, reps: int = 3) -> float:
 
 
 def measure_plan(run: Callable[[int, bool], Callable[[], object]], max_threads: int, can_pack: bool,
-                 forced_packed_rows: int | None = None,
-                 rows: Sequence[int] = ROW_CANDIDATES) -> tuple[Plan, dict[int, dict[str, float]]]:
+                 forced_packed_rows: int | None = None, rows: Sequence[int] = ROW_CANDIDATES,
+                 all_threads_only: bool = False) -> tuple[Plan, dict[int, dict[str, float]]]:
     """Times `run(rows, packed)()` (a group's matmuls for a step of `rows` rows) for every choice of
     weights and threads at each row count, and keeps the fastest. `forced_packed_rows`: the packed
     weights up to that many rows whatever the timing (configured); only threads are measured.
-    Stops once the dense weights on all threads win twice in a row: larger steps run that.
+    Assumes that what loses at one size loses at all larger ones (the packed weights, fewer threads),
+    and stops once the dense weights on all threads win twice in a row: larger steps run that.
+    `all_threads_only`: time only the weights, on all threads (one large matmul always gains from them).
     Returns the plan and the times {rows: {choice: seconds}} for the log."""
-    threads = thread_candidates(max_threads)
+    threads = [max_threads] if all_threads_only else thread_candidates(max_threads)
     if forced_packed_rows is not None and 0 < forced_packed_rows < max(rows):
         rows = sorted({*rows, forced_packed_rows})  # the configured boundary is a bucket edge
     dense_all = Choice(False, max_threads)
@@ -105,11 +107,14 @@ def measure_plan(run: Callable[[int, bool], Callable[[], object]], max_threads: 
     kept: list[Choice] = []
     times: dict[int, dict[str, float]] = {}
     dense_wins = 0
+    packed_in_play = can_pack  # once the packed weights lose at some size they lose at all larger ones
+    fewest_threads = {True: threads[0], False: threads[0]}  # likewise fewer threads, once all threads win
     for m in rows:
         if forced_packed_rows is not None:
-            options = [Choice(m <= forced_packed_rows and can_pack, t) for t in threads]
+            paths = [m <= forced_packed_rows and can_pack]
         else:
-            options = [Choice(p, t) for p in ((True, False) if can_pack else (False,)) for t in threads]
+            paths = [True, False] if packed_in_play else [False]
+        options = [Choice(p, t) for p in paths for t in threads if t >= fewest_threads[p]]
         with torch.inference_mode():
             measured = {c: _best_time(run(m, c.packed), c.threads) for c in options}
         best = min(measured, key=measured.__getitem__)
@@ -119,6 +124,10 @@ def measure_plan(run: Callable[[int, bool], Callable[[], object]], max_threads: 
         times[m] = {str(c): s for c, s in measured.items()}
         kept_rows.append(m)
         kept.append(best)
+        if forced_packed_rows is None and not best.packed:
+            packed_in_play = False
+        if best.threads == max_threads:
+            fewest_threads[best.packed] = max_threads
         dense_wins = dense_wins + 1 if best == dense_all else 0
         if dense_wins >= 2 and (forced_packed_rows is None or m > forced_packed_rows):
             break

@@ -59,3 +59,17 @@ def test_configured_packed_rows_are_kept_and_only_threads_measured():
     assert all(not packed for rows, packed, _ in calls if rows > 3)
     plan, _ = measure_plan(run, max_threads=2, can_pack=True, forced_packed_rows=4096, rows=(1, 2))
     assert plan.for_rows(100_000).packed  # packed beyond the measured sizes too
+
+
+def test_losers_are_not_timed_again_at_larger_sizes():
+    calls: list[tuple[int, bool, int]] = []
+    # packed loses from 4 rows on; one thread never wins.
+    run = _fake({(True, 1): 9.0, (True, 2): 3.0, (False, 1): 12.0, (False, 2): 2.0}, calls)
+    plan, _ = measure_plan(run, max_threads=2, can_pack=True, rows=(1, 2, 4, 8, 16))
+    assert plan.for_rows(2) == Choice(True, 2) and plan.for_rows(4) == Choice(False, 2)
+    assert all(threads == 2 for rows, packed, threads in calls if rows > 1 and packed)  # won at 1 row
+    assert all(threads == 2 for rows, packed, threads in calls if rows > 4 and not packed)  # won at 4
+    assert all(not packed for rows, packed, _ in calls if rows > 4)  # packed lost at 4 rows
+    calls.clear()
+    measure_plan(run, max_threads=2, can_pack=True, rows=(1, 2), all_threads_only=True)
+    assert {threads for _, _, threads in calls} == {2}
