@@ -5,8 +5,8 @@ Streamed greedy chat (temperature 0, `max_tokens` 96 by default) through the Ope
 ...), so slow drift of a shared machine hits both; each round sends new prompts (the same ones to
 both servers). llama-server gets `-t 2 -np <concurrency> --no-repack` (its repacked AMX path crashes at
 load on AMX CPUs) and `-c` = slots x context per slot; it is restarted per concurrency. It runs with
-llama.cpp's own OpenMP default (threads spin between graph nodes; Sluice's `OMP_WAIT_POLICY=PASSIVE`
-is removed from its environment), which is what its users get; `--llama-omp default,PASSIVE` adds a
+llama.cpp's own OpenMP default (threads spin between graph nodes; Sluice's `OMP_WAIT_POLICY` and
+`GOMP_SPINCOUNT` are removed from its environment), which is what its users get; `--llama-omp default,PASSIVE` adds a
 row for it with sleeping threads as well. Sluice runs
 `sluice serve` at its default configuration, started once. Printed: output tok/s, TTFT p50/p99, the
 ratios, and each server process's peak RSS (VmHWM from /proc).
@@ -63,7 +63,7 @@ def llama_server(binary: Path, slots: int, ctx_per_slot: int, threads: int = 2,
     port = free_port()
     cmd = [str(binary), "-m", str(default_model_path()), "--alias", MODEL, "-t", str(threads), "-np", str(slots),
            "-c", str(slots * ctx_per_slot), "--no-repack", "--host", "127.0.0.1", "--port", str(port)]
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if omp_wait_policy:
         env["OMP_WAIT_POLICY"] = omp_wait_policy
     with managed_server(cmd, f"http://127.0.0.1:{port}/v1/models", env) as proc:
