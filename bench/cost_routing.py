@@ -30,16 +30,14 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from rich.console import Console
 
-from bench.server import ROOT, free_port, sluice_server_process
+from bench.server import ROOT, free_port, managed_server, sluice_server_process
 from gateway.ops.bench import cli as bench_cli
 from gateway.ops.bench.stats import num, percentiles, sub
 
@@ -62,29 +60,11 @@ def cpu_model() -> str:
 def mock_provider(tokens: int, itl_ms: float, ttft_ms: float):
     """Yields the base URL of `python -m tests.remote.mock_provider` on a free port; stops it on exit."""
     port = free_port()
-    log = open(tempfile.mktemp(prefix="sluice-mock-", suffix=".log"), "w")
     cmd = [sys.executable, "-m", "tests.remote.mock_provider", "--port", str(port), "--tokens", str(tokens),
            "--itl-ms", str(itl_ms), "--ttft-ms", str(ttft_ms)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 30
-        while True:  # it has no GET route: ready once the port accepts connections
-            if proc.poll() is not None:
-                raise RuntimeError(f"mock provider exited with {proc.returncode} (log {log.name})")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-            if time.time() > deadline:
-                raise TimeoutError("mock provider not listening after 30 s")
-            time.sleep(0.2)
+    # It has no GET route: ready once the port accepts connections.
+    with managed_server(cmd, port, {**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT):
         yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def write_config(path: Path, provider_url: str, args: argparse.Namespace) -> None:

@@ -36,13 +36,29 @@ def wait_ready(url: str, timeout: float = 300.0, proc: subprocess.Popen | None =
     raise TimeoutError(f"{url} not ready after {timeout}s")
 
 
+def wait_listening(port: int, proc: subprocess.Popen, log_name: str, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} (log {log_name})")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        if time.time() > deadline:
+            raise TimeoutError(f"port {port} not listening after {timeout:.0f} s")
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
-def managed_server(cmd: list[str], ready_url: str, env: dict[str, str], cwd: str | Path | None = None):
-    """Runs `cmd` until the block ends (terminate, then kill), once `ready_url` answers 200; logs to a temp file."""
+def managed_server(cmd: list[str], ready: str | int, env: dict[str, str], cwd: str | Path | None = None):
+    """Runs `cmd` until the block ends (terminate, then kill), once it is ready: `ready` is a URL that must
+    answer 200, or a port that must accept connections (a server with no GET route); logs to a temp file."""
     log = open(tempfile.mktemp(prefix="sluice-bench-", suffix=".log"), "w")
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_ready(ready_url, proc=proc)
+        if isinstance(ready, int):
+            wait_listening(ready, proc, log.name)
+        else:
+            wait_ready(ready, proc=proc)
         yield proc
     finally:
         proc.terminate()

@@ -129,10 +129,6 @@ class ModelRunner:
         self.int4_max_rows = model.layer_plan.packed_max_rows() if forced is None else forced
         log.info("CPU steps (%d threads): layers %s; output layer %s", threads, model.layer_plan.describe(),
                  model.head_plan.describe())
-        if model.has_packed:
-            log.info("int4 weights (the file's Q4 blocks) for steps of up to %d tokens%s, bf16 above",
-                     self.int4_max_rows,
-                     " (configured)" if forced is not None else "")
         log.debug("CPU step timings: %s", times)
 
     def _pool_blocks(self, bytes_per_token: int) -> int:

@@ -13,11 +13,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from tests.gateway.conftest import ROOT, free_port
+from tests.servers import wait_http_ok
 
 pytestmark = pytest.mark.slow
 
@@ -35,20 +35,6 @@ def _call(url: str, key: str, body: dict | None = None) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-def _wait_health(base: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"not up:\n{log.read_text()[-3000:]}")
 
 
 def test_kill_9_restart_keeps_usage_and_budget(tmp_path):
@@ -89,7 +75,7 @@ budget = {BUDGET}
         gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve"], cwd=ROOT, env=env,
                               stdout=open(log, "w"), stderr=subprocess.STDOUT)
         procs.append(gw)
-        _wait_health(base, gw, log)
+        wait_http_ok(base + "/health", gw, log, timeout=120)
         return gw
 
     try:

@@ -194,16 +194,20 @@ def test_gguf_greedy_decode_matches_transformers(gguf_engine, prompt_ids, ref_gr
     assert _engine_greedy(gguf_engine, prompt_ids, GREEDY_TOKENS) == ref_greedy
 
 
-def test_default_bf16_weights_stay_close_to_the_reference(prompt_ids, ref_logits):
-    """The serving default keeps linear weights in bf16 (2x faster decode on a CPU); activations, norms
-    and the KV cache stay fp32. Its next-token distribution must stay close to the reference."""
-    fast = LLMEngine(EngineConfig(kv_cache_tokens=8192, device="cpu", dtype="float32", weight_dtype="bfloat16"))
-    ours = fast.prompt_logits(prompt_ids).cpu()
+def _assert_close_to_reference(ours: torch.Tensor, ref_logits: torch.Tensor) -> None:
+    """The tolerance of the fast weight formats: mean KL < 0.01 and top-1 agreement >= 95%."""
     p, q = ref_logits.log_softmax(-1), ours.log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)
     agree = (ours.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
     assert kl.mean().item() < 0.01, f"mean KL {kl.mean().item():.4f}"
     assert agree >= 0.95, f"top-1 agreement {agree:.2f}"
+
+
+def test_default_bf16_weights_stay_close_to_the_reference(prompt_ids, ref_logits):
+    """The serving default keeps linear weights in bf16 (2x faster decode on a CPU); activations, norms
+    and the KV cache stay fp32. Its next-token distribution must stay close to the reference."""
+    fast = LLMEngine(EngineConfig(kv_cache_tokens=8192, device="cpu", dtype="float32", weight_dtype="bfloat16"))
+    _assert_close_to_reference(fast.prompt_logits(prompt_ids).cpu(), ref_logits)
 
 
 def test_default_int4_weights_stay_close_to_the_reference(prompt_ids, ref_logits, ref_greedy):
@@ -217,12 +221,7 @@ def test_default_int4_weights_stay_close_to_the_reference(prompt_ids, ref_logits
     assert all(lin.packed is not None for lin in fast.runner.model.linears())
     assert fast.runner.model.layer_plan.for_rows(4096).packed  # the prefill reads the 4-bit weights too
     assert fast.runner.model.lm_head_fast.packed is not None  # and the output layer has its int8 copy
-    ours = fast.prompt_logits(prompt_ids).cpu()
-    p, q = ref_logits.log_softmax(-1), ours.log_softmax(-1)
-    kl = (p.exp() * (p - q)).sum(-1)
-    agree = (ours.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-    assert kl.mean().item() < 0.01, f"mean KL {kl.mean().item():.4f}"
-    assert agree >= 0.95, f"top-1 agreement {agree:.2f}"
+    _assert_close_to_reference(fast.prompt_logits(prompt_ids).cpu(), ref_logits)
     assert _engine_greedy(fast, prompt_ids, GREEDY_TOKENS) == ref_greedy
 
 

@@ -10,28 +10,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from tests.gateway.conftest import ROOT, free_port
+from tests.servers import wait_http_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
-
-
-def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"not ready:\n{log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +60,7 @@ output_price_per_m = 1.5
     gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve"], cwd=ROOT, env=env,
                           stdout=open(glog, "w"), stderr=subprocess.STDOUT)
     try:
-        _wait(f"http://127.0.0.1:{gport}/ready", gw, glog)
+        wait_http_ok(f"http://127.0.0.1:{gport}/ready", gw, glog)
         yield f"http://127.0.0.1:{gport}", key, glog, admin
     finally:
         for p in (gw, mock):
