@@ -29,6 +29,10 @@ class EngineConfig:
     # reads against float32, which matches the reference implementation to ~1e-4.
     weight_dtype: str = "auto"
     int4_max_batch: int | None = None  # int4 only: largest step (tokens) on the 4-bit path; None: measured at start
+    # CPU, 4-bit model, bf16 KV cache: decode steps of up to this many sequences run as one native call
+    # (kernels/cpu/decode.c, built at first use with the machine's C compiler). None: measured at start
+    # against the torch path; 0: off.
+    fused_decode_max_batch: int | None = None
     # KV cache; auto: bfloat16 on a CPU when the weights are bf16/int4 (half the memory and bytes read),
     # else the activation dtype. Pages of the pool are only resident once written.
     kv_cache_dtype: str = "auto"
@@ -79,7 +83,8 @@ class EngineConfig:
         if self.weight_dtype not in ("auto", "float32", "bfloat16", "float16", "int4"):
             raise EngineConfigError(
                 f"weight_dtype must be auto, float32, bfloat16, float16 or int4, got {self.weight_dtype!r}")
-        if self.int4_max_batch is not None and self.int4_max_batch < 0:
-            raise EngineConfigError(f"int4_max_batch must be >= 0, got {self.int4_max_batch}")
+        for name in ("int4_max_batch", "fused_decode_max_batch"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise EngineConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.priority_aging_s <= 0:
             raise EngineConfigError("priority_aging_s must be positive")

@@ -134,3 +134,24 @@ def measure_plan(run: Callable[[int, bool], Callable[[], object]], max_threads: 
     above_packed = forced_packed_rows is not None and forced_packed_rows > kept_rows[-1] and can_pack
     above = Choice(above_packed, max_threads)
     return Plan(tuple(kept_rows), tuple(kept), above), times
+
+
+def fused_max_rows(time_step: Callable[[int, bool], float], rows: Sequence[int] = ROW_CANDIDATES) -> tuple[
+        int, dict[int, tuple[float, float]]]:
+    """The largest decode step (rows) up to which the fused native step (kernels/cpu) beats the torch
+    path: `time_step(rows, fused)` times one step either way. Stops once torch wins twice in a row.
+    Returns that row count (0: never) and the times {rows: (fused, torch)} for the log."""
+    best, losses = 0, 0
+    times: dict[int, tuple[float, float]] = {}
+    with torch.inference_mode():
+        for m in rows:
+            fused = min(time_step(m, True) for _ in range(2))
+            eager = min(time_step(m, False) for _ in range(2))
+            times[m] = (fused, eager)
+            if fused < eager:
+                best, losses = m, 0
+            else:
+                losses += 1
+                if losses >= 2:
+                    break
+    return best, times

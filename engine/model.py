@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels.cpu as cpu_kernels
 from kernels import AttentionMetadata, fused_add_rms_norm, paged_attention, rms_norm, rotary_inplace, silu_and_mul
 
 from . import batch_invariant
@@ -48,6 +49,13 @@ REFINE_TOP = 16  # output-layer candidates per row recomputed at full precision
 
 Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] 0..15, scale, min [N, K/32]
 Q4_GROUP = 32
+# The fused linears of a layer and the checkpoint weights each one concatenates along its rows.
+LAYER_LINEARS = {
+    "qkv": [f"self_attn.{n}_proj.weight" for n in "qkv"],
+    "o": ["self_attn.o_proj.weight"],
+    "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "down": ["mlp.down_proj.weight"],
+}
 
 
 def int4_available(device: torch.device) -> bool:
@@ -144,11 +152,11 @@ def _q4_matches(blocks: Q4Blocks, weight: torch.Tensor) -> bool:
     return torch.allclose(row, weight[:1].float(), rtol=0, atol=1e-6)
 
 
-def _fused_q4(blocks: dict[str, Q4Blocks], names: list[str]) -> Int4Weight | None:
-    """One Int4Weight for weights fused along their output rows (Q/K/V, gate/up), if all are 4-bit."""
+def _fused_blocks(blocks: dict[str, Q4Blocks], names: list[str]) -> Q4Blocks | None:
+    """The 4-bit blocks of weights fused along their output rows (Q/K/V, gate/up), if all are 4-bit."""
     if not all(n in blocks for n in names):
         return None
-    return Int4Weight(tuple(torch.cat([blocks[n][j] for n in names]) for j in range(3)))  # type: ignore[arg-type]
+    return tuple(torch.cat([blocks[n][j] for n in names]) for j in range(3))  # type: ignore[return-value]
 
 
 @dataclass
@@ -164,9 +172,10 @@ class LayerWeights:
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, weight_dtype: torch.dtype | None = None, deterministic: bool = False,
-                 q4_blocks: dict[str, Q4Blocks] | None = None):
+                 q4_blocks: dict[str, Q4Blocks] | None = None, fused_decode: int = 0):
         """q4_blocks: the file's 4-bit weights, for small steps (CPU only; see `Linear`); with them the
-        output layer also gets an int8 copy for small steps. Consumes `weights` and `q4_blocks`: each
+        output layer also gets an int8 copy for small steps. `fused_decode`: the KV cache's block size, to
+        also bind the layers to the fused CPU decode step (kernels/cpu; 0: not). Consumes `weights` and `q4_blocks`: each
         layer's entries are removed from both once the layer is built."""
         super().__init__()
         self.args = args
@@ -194,10 +203,11 @@ class LlamaModel(nn.Module):
               } if q4_blocks and int4_available(device) and not det else {}
         q4_used = bool(q4)
         self.layers: list[LayerWeights] = []
+        fused_layers: list[cpu_kernels.LayerBlocks | None] = []
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
-            qkv4 = _fused_q4(q4, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
-            gate_up4 = _fused_q4(q4, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            blocks = {name: _fused_blocks(q4, [p + n for n in names]) for name, names in LAYER_LINEARS.items()}
+            qkv4, o4, gate_up4, down4 = (None if b is None else Int4Weight(b) for b in blocks.values())
             qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
             qkv_bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
                         if args.attention_bias else None)
@@ -206,12 +216,12 @@ class LlamaModel(nn.Module):
                 attn_norm=w(p + "input_layernorm.weight"),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
                 qkv=Linear(qkv, qkv_bias, wdt, det, packed=qkv4),
-                o=Linear(w(p + "self_attn.o_proj.weight"), None, wdt, det,
-                         packed=_fused_q4(q4, [p + "self_attn.o_proj.weight"])),
+                o=Linear(w(p + "self_attn.o_proj.weight"), None, wdt, det, packed=o4),
                 gate_up=Linear(gate_up, None, wdt, det, packed=gate_up4),
-                down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det,
-                            packed=_fused_q4(q4, [p + "mlp.down_proj.weight"])),
+                down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det, packed=down4),
             ))
+            if fused_decode and q4_used:
+                fused_layers.append(self._fused_layer(self.layers[-1], blocks))
             # The layer's source tensors are not needed any more: freeing them as we go keeps the peak
             # memory of loading near the model's own size instead of the loader's plus the model's.
             for name in [n for n in weights if n.startswith(p)]:
@@ -222,10 +232,28 @@ class LlamaModel(nn.Module):
         head8 = Int8Weight(lm_head) if q4_used and wdt != dtype and int8_available(device) else None
         self.lm_head_fast = Linear(lm_head, None, wdt, packed=head8) if wdt != dtype and not det else None
         self.cos, self.sin = rope_tables(args, device)
+        # The whole decode step in one native call (kernels/cpu), where every layer has its 4-bit blocks.
+        self.fused: cpu_kernels.DecodeStep | None = None
+        if fused_decode and q4_used and dtype == torch.float32 and all(fused_layers) and cpu_kernels.available():
+            self.fused = cpu_kernels.DecodeStep(
+                hidden=args.hidden_size, heads=args.num_heads, kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                inter=args.intermediate_size, eps=args.rms_norm_eps, block_size=fused_decode,
+                layers=[lw for lw in fused_layers if lw is not None], cos=self.cos, sin=self.sin)
+        self.fused_max_rows = 0  # pure decode steps of up to this many rows take `fused` (plan_cpu_steps)
+        self.fused_threads = 1
         # Per step size: packed or dense weights, and threads (CPU; engine/cpu_plan.py). None: leave
         # both alone (GPU, deterministic mode, or before `plan_cpu_steps`).
         self.layer_plan: Plan | None = None
         self.head_plan: Plan | None = None
+
+    @staticmethod
+    def _fused_layer(layer: LayerWeights, blocks: dict[str, Q4Blocks | None]) -> cpu_kernels.LayerBlocks | None:
+        """A layer as the fused CPU step reads it (GGML Q4_1 blocks), or None if a weight has no exact blocks."""
+        packed = {name: None if b is None else cpu_kernels.pack_q4_1(*b) for name, b in blocks.items()}
+        if any(b is None for b in packed.values()):
+            return None
+        return cpu_kernels.LayerBlocks(attn_norm=layer.attn_norm, mlp_norm=layer.mlp_norm,
+                                       qkv_bias=layer.qkv.bias, **packed)  # type: ignore[arg-type]
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -297,14 +325,24 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def hidden(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-               meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """The final normalised hidden states at `logits_indices` ([n, hidden]): what `logits` multiplies."""
+               meta: AttentionMetadata, logits_indices: torch.Tensor, fused: bool | None = None,
+               num_layers: int | None = None) -> torch.Tensor:
+        """The final normalised hidden states at `logits_indices` ([n, hidden]): what `logits` multiplies.
+        `fused`: take (True) or avoid (False) the fused CPU decode step; None: as planned (decode steps of
+        up to `fused_max_rows` rows). `num_layers`: only the first layers (timing at start)."""
         a = self.args
-        packed = self._use(self.layer_plan, token_ids.shape[0])
+        rows = token_ids.shape[0]
+        if fused is None:
+            fused = rows <= self.fused_max_rows
+        if (fused and self.fused is not None and meta.num_decodes == rows and kv_cache.dtype == torch.bfloat16):
+            x = self.fused.run(self.embed[token_ids], positions, meta.slot_mapping, meta.block_tables,
+                               meta.seq_lens, kv_cache, self.fused_threads, num_layers)
+            return rms_norm(x[logits_indices], self.norm, a.rms_norm_eps)
+        packed = self._use(self.layer_plan, rows)
         x = self.embed[token_ids]
         residual = None
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             x, residual = fused_add_rms_norm(x, residual, layer.attn_norm, a.rms_norm_eps)
             qkv = layer.qkv(x, packed)
             q = qkv[:, :q_size].unflatten(-1, (a.num_heads, a.head_dim))

@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import time
 
 import torch
 
 from kernels import AttentionMetadata
 
 from .config import EngineConfig
+from .cpu_plan import ROW_CANDIDATES, fused_max_rows
 from .cuda_graphs import DecodeGraphs
 from .guide import Guides
 from .loader import LoadedModel
@@ -22,6 +24,11 @@ from .sampler import Sampled, sample
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+# What the start-up timing of the fused decode step runs: a few layers (the time per layer is what
+# matters, both paths repeat it per layer) and a chat-sized context.
+FUSED_TIMING_LAYERS = 3
+FUSED_TIMING_CONTEXT = 256
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -92,8 +99,12 @@ class ModelRunner:
         args = loaded.args
         self.weight_dtype = pick_weight_dtype(config)
         self.int4 = use_int4(config, loaded, self.device)
+        self.kv_dtype = pick_kv_dtype(config, self.device, self.dtype, self.weight_dtype)
+        fused = (self.int4 and self.kv_dtype == torch.bfloat16 and self.dtype == torch.float32
+                 and config.fused_decode_max_batch != 0)
         self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, self.weight_dtype,
-                                deterministic=config.deterministic, q4_blocks=loaded.q4_blocks if self.int4 else None)
+                                deterministic=config.deterministic, q4_blocks=loaded.q4_blocks if self.int4 else None,
+                                fused_decode=config.block_size if fused else 0)
         self.int4_max_rows = 0  # steps of up to this many tokens read the 4-bit weights
         if self.device.type == "cpu" and not config.deterministic:
             self._plan_cpu_steps()
@@ -102,7 +113,6 @@ class ModelRunner:
                      "activations %s (outputs do not depend on batching, chunking or prefix-cache hits)",
                      str(self.weight_dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))
         self.block_size = config.block_size
-        self.kv_dtype = pick_kv_dtype(config, self.device, self.dtype, self.weight_dtype)
         kv_bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * self.kv_dtype.itemsize
         self.num_blocks = num_blocks = self._pool_blocks(kv_bytes_per_token)
         # One extra block past the pool: the scratch block that CUDA-graph padding rows write to.
@@ -110,6 +120,8 @@ class ModelRunner:
         self.kv_cache = kv_pool((args.num_layers, 2, (num_blocks + 1) * self.block_size, args.num_kv_heads,
                                  args.head_dim), self.kv_dtype, self.device)
         self.kv_bytes_per_token = kv_bytes_per_token
+        if self.model.fused is not None:
+            self._plan_fused()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and not config.deterministic:
@@ -130,6 +142,44 @@ class ModelRunner:
         log.info("CPU steps (%d threads): layers %s; output layer %s", threads, model.layer_plan.describe(),
                  model.head_plan.describe())
         log.debug("CPU step timings: %s", times)
+
+    def _plan_fused(self) -> None:
+        """Up to which decode batch the fused native step runs (configured, or timed against the torch
+        path on the first layers with a synthetic context, both at this process's thread count)."""
+        model, cfg = self.model, self.config
+        model.fused_threads = torch.get_num_threads()
+        if cfg.fused_decode_max_batch is not None:
+            model.fused_max_rows = cfg.fused_decode_max_batch
+        else:
+            blocks = -(-FUSED_TIMING_CONTEXT // self.block_size)
+            rows = [r for r in ROW_CANDIDATES if r <= cfg.max_running_requests and r * blocks <= self.num_blocks]
+
+            def time_step(b: int, fused: bool) -> float:
+                step = self._synthetic_decode(b, FUSED_TIMING_CONTEXT)
+                t = time.perf_counter()
+                self.model.hidden(*step, fused=fused, num_layers=FUSED_TIMING_LAYERS)
+                return time.perf_counter() - t
+
+            model.fused_max_rows, times = fused_max_rows(time_step, rows)
+            log.debug("fused CPU decode step vs torch (first %d layers, ms): %s", FUSED_TIMING_LAYERS,
+                      {r: (round(f * 1e3, 2), round(e * 1e3, 2)) for r, (f, e) in times.items()})
+        log.info("fused CPU decode step (kernels/cpu, %d threads): decode batches of up to %d sequences",
+                 model.fused_threads, model.fused_max_rows)
+
+    def _synthetic_decode(self, rows: int, context: int) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """A decode step of `rows` sequences of `context` tokens over the pool's first blocks (for timing
+        at start, before any request holds a block; what it writes there is overwritten before use)."""
+        bs = self.block_size
+        blocks = -(-context // bs)
+        tables = torch.arange(rows * blocks, dtype=torch.int32).view(rows, blocks)
+        pos = context - 1
+        meta = AttentionMetadata(
+            slot_mapping=(tables[:, pos // bs].long() * bs + pos % bs),
+            block_tables=tables, seq_lens=torch.full((rows,), context, dtype=torch.int32),
+            query_start_loc=torch.arange(rows + 1, dtype=torch.int32), num_decodes=rows, block_size=bs,
+            query_lens_host=[1] * rows, seq_lens_host=[context] * rows, max_decode_len=context)
+        return (torch.arange(rows) + 100, torch.full((rows,), pos), self.kv_cache, meta, torch.arange(rows))
 
     def _pool_blocks(self, bytes_per_token: int) -> int:
         cfg = self.config

@@ -1,0 +1,142 @@
+"""A fused decode step for CPUs (`decode.c`, built by `build.py`): every layer of a batch of one-token
+decodes in one native call over the model file's own Q4_1 blocks.
+
+`DecodeStep.run` takes what the torch path takes (embeddings, positions, slots, block tables, context
+lengths, the bf16 KV cache) and leaves each row's residual stream after the last layer in place, so
+the caller's final norm and output layer are shared with the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from . import build
+
+GROUP = 32
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
+                ("head_dim", ctypes.c_int), ("inter", ctypes.c_int), ("layers", ctypes.c_int),
+                ("block_size", ctypes.c_int), ("eps", ctypes.c_float)]
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _Matrix), ("o", _Matrix),
+                ("gate_up", _Matrix), ("down", _Matrix), ("qkv_bias", ctypes.c_void_p)]
+
+
+@dataclass(frozen=True)
+class Q4Matrix:
+    """A Q4_1 weight [N, K] as the kernel reads it: 16 bytes of codes per group of 32 inputs (byte j:
+    element j in the low nibble, j + 16 in the high one, GGML's order) and each group's fp16 scale and
+    min (w = code * d + m)."""
+
+    qs: torch.Tensor  # [N, K / 32, 16] uint8
+    d: torch.Tensor  # [N, K / 32] float16
+    m: torch.Tensor  # [N, K / 32] float16
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m))
+
+    def _struct(self) -> _Matrix:
+        return _Matrix(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
+
+
+def pack_q4_1(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> Q4Matrix | None:
+    """The kernel's layout of codes [N, K] in 0..15 with fp32 scale and min [N, K / 32]; None when K is
+    not a multiple of 32 or a scale or min is not exactly an fp16 (the matrix would not hold the same
+    weights)."""
+    n, k = codes.shape
+    if k % GROUP:
+        return None
+    d16, m16 = scale.to(torch.float16).contiguous(), mn.to(torch.float16).contiguous()
+    if not (torch.equal(d16.float(), scale.float()) and torch.equal(m16.float(), mn.float())):
+        return None
+    c = codes.to(torch.uint8).reshape(n, k // GROUP, 2, 16)
+    return Q4Matrix((c[:, :, 0] | (c[:, :, 1] << 4)).contiguous(), d16, m16)
+
+
+@dataclass
+class LayerBlocks:
+    """One layer's weights as the kernel reads them (fp32 norms, Q4_1 matrices, optional QKV bias)."""
+
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    qkv: Q4Matrix
+    o: Q4Matrix
+    gate_up: Q4Matrix
+    down: Q4Matrix
+    qkv_bias: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.attn_norm = self.attn_norm.float().contiguous()
+        self.mlp_norm = self.mlp_norm.float().contiguous()
+        if self.qkv_bias is not None:
+            self.qkv_bias = self.qkv_bias.float().contiguous()
+
+    def nbytes(self) -> int:
+        return sum(m.nbytes() for m in (self.qkv, self.o, self.gate_up, self.down))
+
+    def _struct(self) -> _Layer:
+        bias = None if self.qkv_bias is None else self.qkv_bias.data_ptr()
+        return _Layer(self.attn_norm.data_ptr(), self.mlp_norm.data_ptr(), self.qkv._struct(), self.o._struct(),
+                      self.gate_up._struct(), self.down._struct(), bias)
+
+
+def available() -> bool:
+    return build.load() is not None
+
+
+class DecodeStep:
+    """The model's layers, bound once to the native step; `run` per decode step."""
+
+    def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
+                 block_size: int, layers: list[LayerBlocks], cos: torch.Tensor, sin: torch.Tensor):
+        lib = build.load()
+        if lib is None:
+            raise RuntimeError("the fused CPU decode step could not be built (see the log)")
+        self._fn = lib.sluice_decode_step
+        self._fn.restype = ctypes.c_int
+        self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), block_size, eps)
+        self._layers = layers  # keeps the tensors that the structs point to alive
+        self._structs = (_Layer * len(layers))(*[lw._struct() for lw in layers])
+        self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()
+        self.hidden = hidden
+
+    def nbytes(self) -> int:
+        return sum(lw.nbytes() for lw in self._layers)
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, kv_cache: torch.Tensor, threads: int, num_layers: int | None = None) -> torch.Tensor:
+        """x [B, hidden] fp32 embeddings -> the residual streams after the last layer (x, updated in
+        place). kv_cache [layers, 2, slots, kv_heads, head_dim] bf16; block_tables [B, n] int32.
+        `num_layers`: only the first layers (timing)."""
+        assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.hidden
+        assert kv_cache.dtype == torch.bfloat16 and kv_cache.is_contiguous()
+        b = x.shape[0]
+        pos = positions.to(torch.int64).contiguous()
+        sl = slots.to(torch.int64).contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        dims = self._dims
+        if num_layers is not None and num_layers < dims.layers:
+            dims = _Dims.from_buffer_copy(dims)
+            dims.layers = num_layers
+        rc = self._fn(ctypes.byref(dims), self._structs, ctypes.c_int(b), ctypes.c_void_p(x.data_ptr()),
+                      ctypes.c_void_p(pos.data_ptr()), ctypes.c_void_p(sl.data_ptr()),
+                      ctypes.c_void_p(tables.data_ptr()), ctypes.c_int(tables.shape[1]),
+                      ctypes.c_void_p(lens.data_ptr()), ctypes.c_void_p(kv_cache.data_ptr()),
+                      ctypes.c_int64(kv_cache.stride(0)), ctypes.c_int64(kv_cache.stride(1)),
+                      ctypes.c_void_p(self.cos.data_ptr()), ctypes.c_void_p(self.sin.data_ptr()),
+                      ctypes.c_int(threads))
+        if rc != 0:
+            raise RuntimeError(f"fused CPU decode step failed ({'out of memory' if rc == -1 else 'bad shapes'})")
+        return x

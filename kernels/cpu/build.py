@@ -1,0 +1,83 @@
+"""Compiles `decode.c` for this machine on first use and caches the library.
+
+Compiled here rather than shipped: `-march=native` picks AVX-512, AVX2 or plain C for the CPU at hand,
+and a C compiler is all it needs (no torch headers, so a build takes about a second). The cache key
+covers the source, the flags, the compiler and the CPU's flags, so a copied cache directory on
+another machine builds afresh. No compiler, or a failed build: `None`, and the engine keeps its
+torch path (logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+
+
+def cache_dir() -> Path:
+    """`SLUICE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/sluice/kernels` (~/.cache/sluice/kernels)."""
+    if env := os.environ.get("SLUICE_KERNEL_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sluice" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _key(cc: str) -> str:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library (built now if not cached), or None where it cannot be built."""
+    cc = _compiler()
+    if cc is None:
+        log.warning("fused CPU decode step: no C compiler (cc/gcc) found; using the torch path")
+        return None
+    try:
+        target = cache_dir() / f"decode-{_key(cc)}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # Build beside the target and rename: processes that start together never load half a file.
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                out = Path(tmp) / target.name
+                result = subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE), "-lm"],
+                                        capture_output=True, text=True, timeout=300)
+                if result.returncode != 0:
+                    log.warning("fused CPU decode step: %s failed to build it (%s); using the torch path",
+                                cc, result.stderr.strip()[-500:])
+                    return None
+                os.replace(out, target)
+            log.info("fused CPU decode step built: %s", target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("fused CPU decode step unavailable (%s); using the torch path", e)
+        return None

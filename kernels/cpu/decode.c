@@ -1,0 +1,561 @@
+/* A whole decode step of a Llama model in one call, for CPUs: every layer of B sequences that each
+ * compute one new token (RMSNorm, Q4_1 matmuls, RoPE, KV-cache write, paged attention, SiLU-and-mul,
+ * residual adds). Built at first use by kernels/cpu/build.py with the machine's own flags
+ * (-march=native: AVX-512, AVX2 or plain C, chosen by the preprocessor below) and called via ctypes.
+ *
+ * Why it exists: a batch-1 decode step of a small model in eager torch is ~60 ops per layer, each a
+ * few microseconds of dispatch, and torch's int4 matmul first widens the 4-bit codes to bf16. Here a
+ * layer is a handful of loops over the GGUF's own 4-bit blocks, with the threads of a step kept
+ * awake only while the step runs (a spin barrier between phases; they sleep between steps, so
+ * nothing busy-waits while the server is idle).
+ *
+ * Numerics: activations, norms, RoPE, softmax and accumulations in fp32; the 4-bit weights are
+ * dequantised exactly (q * d + m with the file's fp16 d and m); K/V are stored in the cache as bf16
+ * (round to nearest even, as torch's .to(bfloat16)). Only the order of summation differs from the
+ * torch path.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+
+/* A Q4_1 matrix [N, K] as three arrays: per row, G = K / 32 groups of 16 bytes of codes (byte j of a
+ * group: element j in the low nibble, element j + 16 in the high one), then each group's fp16 scale d
+ * and min m (w = q * d + m), the GGUF's own values. */
+typedef struct {
+    const uint8_t *qs; /* [N, G, 16] */
+    const uint16_t *d, *m; /* [N, G] */
+} q4_matrix;
+
+typedef struct {
+    const float *attn_norm, *mlp_norm; /* [hidden] */
+    q4_matrix qkv, o, gate_up, down;
+    const float *qkv_bias; /* [q + 2 kv] or NULL */
+} layer_weights;
+
+typedef struct {
+    int hidden, heads, kv_heads, head_dim, inter, layers, block_size;
+    float eps;
+} dims;
+
+/* ---- scalar helpers ---- */
+
+static inline float fp16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal */
+            float f = (float)man * (1.0f / 16777216.0f);
+            memcpy(&bits, &f, 4);
+            bits |= sign;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* exp(x) for the softmax and SiLU: a range reduction and a degree-6 polynomial (about 2 ulp), written
+ * so that the compiler vectorises the loops that call it. */
+static inline float fast_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return p * scale;
+}
+
+/* ---- threads: a pool that wakes once per step and meets at spin barriers inside it ---- */
+
+#define MAX_THREADS 64
+
+typedef struct step_ctx step_ctx;
+static void run_step(step_ctx *c, int tid);
+
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    int nthreads; /* workers started, plus the caller */
+    int generation; /* bumped per step */
+    step_ctx *job;
+    atomic_int arrived, barrier_gen, done;
+} pool_t;
+
+static pool_t pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 1, 0, NULL, 0, 0, 0};
+static pthread_t workers[MAX_THREADS];
+static pthread_mutex_t step_lock = PTHREAD_MUTEX_INITIALIZER; /* one step at a time per process */
+static int worker_ids[MAX_THREADS];
+
+static void barrier(int n) {
+    if (n <= 1) return;
+    int gen = atomic_load_explicit(&pool.barrier_gen, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&pool.arrived, 1, memory_order_acq_rel) == n - 1) {
+        atomic_store_explicit(&pool.arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&pool.barrier_gen, 1, memory_order_acq_rel);
+    } else {
+        while (atomic_load_explicit(&pool.barrier_gen, memory_order_acquire) == gen) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+        }
+    }
+}
+
+static void *worker_main(void *arg) {
+    int tid = *(int *)arg, seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool.lock);
+        while (pool.generation == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+        seen = pool.generation;
+        step_ctx *job = pool.job;
+        pthread_mutex_unlock(&pool.lock);
+        run_step(job, tid); /* returns at once for tids past the step's thread count */
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_acq_rel);
+    }
+    return NULL;
+}
+
+static int ensure_workers(int n) {
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    while (pool.nthreads < n) {
+        int tid = pool.nthreads;
+        worker_ids[tid] = tid;
+        if (pthread_create(&workers[tid], NULL, worker_main, &worker_ids[tid]) != 0) break;
+        pthread_detach(workers[tid]);
+        pool.nthreads++;
+    }
+    return n < pool.nthreads ? n : pool.nthreads;
+}
+
+/* ---- the matmul: y[b, r] = sum_k x[b, k] W[r, k] over Q4_1 rows, in integer dot products ----
+ *
+ * Each group of 32 inputs is quantised to int16 with its own scale (dx = max|x| / 32767: finer than the
+ * bf16 the torch path rounds activations to; int8, as llama.cpp does, flipped greedy near-ties of the
+ * reference test), so a group's dot product is integer multiply-adds (`vpdpwssd` / `vpmaddwd`) over
+ * the 4-bit codes, scaled once: sum_i (q_i dw + mw) x_i ~= dw dx sum_i q_i xq_i + mw sum_i x_i, the
+ * min term with the exact fp32 sum of the group's inputs. Dequantising every weight to fp32 instead
+ * made the step compute-bound at a third of the memory bandwidth. */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAIRED 1 /* x is laid out per pair of groups: [g0 0-15 | g1 0-15 | g0 16-31 | g1 16-31] */
+#else
+#define PAIRED 0
+#endif
+
+typedef struct {
+    int16_t *q; /* [B, K], in the layout the kernel reads */
+    float *dx; /* PAIRED: [B, G / 2 + 1, 16] per-lane scales of each pair; else [B, G] */
+    float *sx; /* [B, G]: exact sums of each group's inputs */
+} qx_t;
+
+static void quantize_x(const float *x, int B, int K, qx_t *qx) {
+    const int G = K / GROUP;
+    for (int b = 0; b < B; b++) {
+        for (int g = 0; g < G; g++) {
+            const float *p = x + (size_t)b * K + g * GROUP;
+            float amax = 0, sum = 0;
+            for (int j = 0; j < GROUP; j++) {
+                float a = fabsf(p[j]);
+                amax = a > amax ? a : amax;
+                sum += p[j];
+            }
+            float d = amax / 32767.0f, id = amax > 0 ? 32767.0f / amax : 0.0f;
+            int16_t q[GROUP];
+            for (int j = 0; j < GROUP; j++) q[j] = (int16_t)lrintf(p[j] * id);
+            int16_t *dst = qx->q + (size_t)b * K;
+            qx->sx[(size_t)b * G + g] = sum;
+#if PAIRED
+            if (g == G - 1 && G % 2) { /* an odd last group: natural order, read by the scalar tail */
+                memcpy(dst + g * GROUP, q, sizeof q);
+                qx->dx[((size_t)b * (G / 2 + 1) + g / 2) * 16] = d;
+                continue;
+            }
+            int16_t *pair = dst + (g / 2) * 2 * GROUP;
+            memcpy(pair + (g % 2) * 16, q, 16 * sizeof(int16_t));
+            memcpy(pair + 32 + (g % 2) * 16, q + 16, 16 * sizeof(int16_t));
+            float *lanes = qx->dx + ((size_t)b * (G / 2 + 1) + g / 2) * 16;
+            for (int j = 0; j < 8; j++) lanes[(g % 2) * 8 + j] = d;
+#else
+            memcpy(dst + g * GROUP, q, sizeof q);
+            qx->dx[(size_t)b * G + g] = d;
+#endif
+        }
+    }
+}
+
+static inline float q4_group_scalar(const uint8_t *qs, const int16_t *xq) { /* natural-order x */
+    int32_t s = 0;
+    for (int j = 0; j < 16; j++) s += (qs[j] & 0xf) * xq[j] + (qs[j] >> 4) * xq[j + 16];
+    return (float)s;
+}
+
+/* Rows [r0, r1) of W for nb <= 4 input rows. */
+static inline __attribute__((always_inline)) void q4_rows(const q4_matrix *w, int K, int r0, int r1,
+                                                          const qx_t *qx, int nb, float *y, int ldy) {
+    const int G = K / GROUP;
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *qs = w->qs + (size_t)r * G * 16;
+        const uint16_t *dw = w->d + (size_t)r * G, *mw = w->m + (size_t)r * G;
+        float out[4] = {0, 0, 0, 0};
+#if PAIRED
+        const int P = G / 2, stride = P + 1;
+        __m512 acc[4];
+        for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
+        const __m256i low = _mm256_set1_epi8(0xf);
+        const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        for (int p = 0; p < P; p++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + p * 32)); /* [g0 | g1] codes */
+            __m512i wlo = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low));
+            __m512i whi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+            int32_t d2;
+            memcpy(&d2, dw + 2 * p, 4);
+            __m512 dwv = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(d2))));
+            for (int b = 0; b < nb; b++) {
+                const int16_t *xq = qx->q + (size_t)b * K + p * 64;
+#if defined(__AVX512VNNI__)
+                __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wlo, _mm512_loadu_si512(xq));
+                s = _mm512_dpwssd_epi32(s, whi, _mm512_loadu_si512(xq + 32));
+#else
+                __m512i s = _mm512_add_epi32(_mm512_madd_epi16(wlo, _mm512_loadu_si512(xq)),
+                                             _mm512_madd_epi16(whi, _mm512_loadu_si512(xq + 32)));
+#endif
+                __m512 sc = _mm512_mul_ps(dwv, _mm512_loadu_ps(qx->dx + ((size_t)b * stride + p) * 16));
+                acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[b]);
+            }
+        }
+        for (int b = 0; b < nb; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
+        if (G % 2)
+            for (int b = 0; b < nb; b++)
+                out[b] += q4_group_scalar(qs + (G - 1) * 16, qx->q + (size_t)b * K + (G - 1) * GROUP) *
+                          fp16_to_f32(dw[G - 1]) * qx->dx[((size_t)b * stride + P) * 16];
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 acc[4];
+        for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+        const __m128i low = _mm_set1_epi8(0xf);
+        for (int g = 0; g < G; g++) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(qs + g * 16));
+            __m256i wlo = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
+            __m256i whi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+            float d = fp16_to_f32(dw[g]);
+            for (int b = 0; b < nb; b++) {
+                const int16_t *xq = qx->q + (size_t)b * K + g * GROUP;
+                __m256i s = _mm256_add_epi32(_mm256_madd_epi16(wlo, _mm256_loadu_si256((const __m256i *)xq)),
+                                             _mm256_madd_epi16(whi, _mm256_loadu_si256((const __m256i *)(xq + 16))));
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * qx->dx[(size_t)b * G + g]), acc[b]);
+            }
+        }
+        for (int b = 0; b < nb; b++) {
+            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[b]), _mm256_extractf128_ps(acc[b], 1));
+            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            out[b] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+        }
+#else
+        for (int g = 0; g < G; g++) {
+            float d = fp16_to_f32(dw[g]);
+            for (int b = 0; b < nb; b++)
+                out[b] += q4_group_scalar(qs + g * 16, qx->q + (size_t)b * K + g * GROUP) * d * qx->dx[(size_t)b * G + g];
+        }
+#endif
+        for (int b = 0; b < nb; b++) { /* the min term: sum_g mw[g] * sx[g] */
+            const float *sx = qx->sx + (size_t)b * G;
+            float ms = 0;
+            for (int g = 0; g < G; g++) ms += fp16_to_f32(mw[g]) * sx[g];
+            y[(size_t)b * ldy + r] = out[b] + ms;
+        }
+    }
+}
+
+/* This thread's share of y[B, N] = x[B, K] W^T (x quantised by quantize_x): rows split evenly. */
+static void matmul(const q4_matrix *w, int N, int K, const qx_t *qx, int B, float *y, int tid, int nt) {
+    int per = ((N + nt - 1) / nt + 15) / 16 * 16;
+    int r0 = tid * per, r1 = r0 + per < N ? r0 + per : N;
+    if (r0 >= r1) return;
+    const int G = K / GROUP;
+    for (int b0 = 0; b0 < B; b0 += 4) {
+        int nb = B - b0 < 4 ? B - b0 : 4;
+        qx_t part = {qx->q + (size_t)b0 * K, qx->dx + (size_t)b0 * (PAIRED ? (G / 2 + 1) * 16 : G),
+                     qx->sx + (size_t)b0 * G};
+        float *yb = y + (size_t)b0 * N;
+        switch (nb) {
+            case 1: q4_rows(w, K, r0, r1, &part, 1, yb, N); break;
+            case 2: q4_rows(w, K, r0, r1, &part, 2, yb, N); break;
+            case 3: q4_rows(w, K, r0, r1, &part, 3, yb, N); break;
+            default: q4_rows(w, K, r0, r1, &part, 4, yb, N); break;
+        }
+    }
+}
+
+/* ---- the step ---- */
+
+struct step_ctx {
+    const dims *dm;
+    const layer_weights *layers;
+    int B, nthreads;
+    float *x; /* [B, hidden]: the residual stream */
+    const int64_t *pos, *slots;
+    const int32_t *tables, *seq_lens;
+    int table_stride;
+    uint16_t *kv;
+    int64_t layer_stride, kv_stride;
+    const float *cos, *sin;
+    /* scratch */
+    float *h, *qkv, *att, *gu, *act, *scores;
+    qx_t qx; /* the current matmul's input, quantised */
+    int max_ctx;
+};
+
+static void rms_norm_rows(const float *x, const float *w, float *out, int rows, int n, float eps) {
+    for (int b = 0; b < rows; b++) {
+        const float *xb = x + (size_t)b * n;
+        float ss = 0;
+        for (int i = 0; i < n; i++) ss += xb[i] * xb[i];
+        float inv = 1.0f / sqrtf(ss / n + eps);
+        for (int i = 0; i < n; i++) out[(size_t)b * n + i] = xb[i] * inv * w[i];
+    }
+}
+
+static void rope(float *v, const float *c, const float *s, int half) {
+    for (int i = 0; i < half; i++) {
+        float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c[i] - x2 * s[i];
+        v[i + half] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+static inline float dot(const float *a, const float *b, int n) { /* n: a multiple of 16 */
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
+    float s = 0;
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+#endif
+}
+
+static inline void bf16_to_f32_row(const uint16_t *src, float *dst, int n) { /* vectorised by the compiler */
+    uint32_t bits[256];
+    for (int i = 0; i < n; i++) bits[i] = (uint32_t)src[i] << 16;
+    memcpy(dst, bits, (size_t)n * 4);
+}
+
+/* One (sequence, kv head) of attention: the group's query heads against the sequence's cached keys,
+ * each cached row widened to fp32 once for all of them. scores: [group, context] of scratch. */
+static void attend(step_ctx *c, int l, int b, int kvh, float *scores) {
+    const dims *dm = c->dm;
+    const int D = dm->head_dim, Hkv = dm->kv_heads, group = dm->heads / Hkv, bs = dm->block_size;
+    const int n = c->seq_lens[b], qkv_n = (dm->heads + 2 * Hkv) * D;
+    const int32_t *table = c->tables + (size_t)b * c->table_stride;
+    const uint16_t *kc = c->kv + l * c->layer_stride + kvh * D, *vc = kc + c->kv_stride;
+    const float scale = 1.0f / sqrtf((float)D);
+    const float *q = c->qkv + (size_t)b * qkv_n + kvh * group * D; /* the group's heads, adjacent */
+    float row[256], mx[64], sum[64];
+    for (int h = 0; h < group; h++) mx[h] = -INFINITY, sum[h] = 0;
+    for (int t = 0; t < n; t++) {
+        bf16_to_f32_row(kc + ((int64_t)table[t / bs] * bs + t % bs) * Hkv * D, row, D);
+        for (int h = 0; h < group; h++) {
+            float s = dot(q + h * D, row, D) * scale;
+            scores[h * n + t] = s;
+            mx[h] = s > mx[h] ? s : mx[h];
+        }
+    }
+    for (int h = 0; h < group; h++) {
+        float *sc = scores + h * n, m = mx[h], total = 0;
+        for (int t = 0; t < n; t++) {
+            sc[t] = fast_exp(sc[t] - m);
+            total += sc[t];
+        }
+        sum[h] = total;
+    }
+    float *out = c->att + (size_t)b * dm->heads * D + kvh * group * D;
+    for (int i = 0; i < group * D; i++) out[i] = 0;
+    for (int t = 0; t < n; t++) {
+        bf16_to_f32_row(vc + ((int64_t)table[t / bs] * bs + t % bs) * Hkv * D, row, D);
+        for (int h = 0; h < group; h++) {
+            float p = scores[h * n + t], *o = out + h * D;
+            for (int i = 0; i < D; i++) o[i] += p * row[i];
+        }
+    }
+    for (int h = 0; h < group; h++) {
+        float inv = 1.0f / sum[h], *o = out + h * D;
+        for (int i = 0; i < D; i++) o[i] *= inv;
+    }
+}
+
+static void run_step(step_ctx *c, int tid) {
+    const dims *dm = c->dm;
+    const int B = c->B, H = dm->hidden, D = dm->head_dim, Hkv = dm->kv_heads, I = dm->inter, nt = c->nthreads;
+    const int q_n = dm->heads * D, kv_n = Hkv * D, qkv_n = q_n + 2 * kv_n;
+    if (tid >= nt) return;
+    float *scores = c->scores + (size_t)tid * c->max_ctx * (dm->heads / Hkv);
+    for (int l = 0; l < dm->layers; l++) {
+        const layer_weights *lw = c->layers + l;
+        if (tid == 0) {
+            rms_norm_rows(c->x, lw->attn_norm, c->h, B, H, dm->eps);
+            quantize_x(c->h, B, H, &c->qx);
+        }
+        barrier(nt);
+        matmul(&lw->qkv, qkv_n, H, &c->qx, B, c->qkv, tid, nt);
+        barrier(nt);
+        if (tid == 0) {
+            uint16_t *kc = c->kv + l * c->layer_stride, *vc = kc + c->kv_stride;
+            for (int b = 0; b < B; b++) {
+                float *row = c->qkv + (size_t)b * qkv_n;
+                if (lw->qkv_bias)
+                    for (int i = 0; i < qkv_n; i++) row[i] += lw->qkv_bias[i];
+                const float *cs = c->cos + c->pos[b] * (D / 2), *sn = c->sin + c->pos[b] * (D / 2);
+                for (int h = 0; h < dm->heads + Hkv; h++) rope(row + h * D, cs, sn, D / 2);
+                for (int i = 0; i < kv_n; i++) {
+                    kc[c->slots[b] * kv_n + i] = f32_to_bf16(row[q_n + i]);
+                    vc[c->slots[b] * kv_n + i] = f32_to_bf16(row[q_n + kv_n + i]);
+                }
+            }
+        }
+        barrier(nt);
+        for (int job = tid; job < B * Hkv; job += nt) attend(c, l, job / Hkv, job % Hkv, scores);
+        barrier(nt);
+        if (tid == 0) quantize_x(c->att, B, q_n, &c->qx);
+        barrier(nt);
+        matmul(&lw->o, H, q_n, &c->qx, B, c->h, tid, nt);
+        barrier(nt);
+        if (tid == 0) {
+            for (size_t i = 0; i < (size_t)B * H; i++) c->x[i] += c->h[i];
+            rms_norm_rows(c->x, lw->mlp_norm, c->h, B, H, dm->eps);
+            quantize_x(c->h, B, H, &c->qx);
+        }
+        barrier(nt);
+        matmul(&lw->gate_up, 2 * I, H, &c->qx, B, c->gu, tid, nt);
+        barrier(nt);
+        if (tid == 0) {
+            for (int b = 0; b < B; b++) {
+                const float *g = c->gu + (size_t)b * 2 * I, *u = g + I;
+                float *a = c->act + (size_t)b * I;
+                for (int i = 0; i < I; i++) a[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
+            }
+            quantize_x(c->act, B, I, &c->qx);
+        }
+        barrier(nt);
+        matmul(&lw->down, H, I, &c->qx, B, c->h, tid, nt);
+        barrier(nt);
+        if (tid == 0)
+            for (size_t i = 0; i < (size_t)B * H; i++) c->x[i] += c->h[i];
+        barrier(nt);
+    }
+}
+
+static int decode_locked(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,
+                         const int64_t *slots, const int32_t *tables, int table_stride, const int32_t *seq_lens,
+                         uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
+                         int nthreads);
+
+/* x [B, hidden]: each sequence's token embedding in, its residual stream after the last layer out (the
+ * caller applies the final norm). positions, slots: the new token's position and cache slot per
+ * sequence; tables [B, table_stride]: block tables; seq_lens: context length including the new token.
+ * kv: the bf16 cache [layers, 2, slots, kv_heads, head_dim] with its layer and K-to-V strides in
+ * elements. cos/sin [max_pos, head_dim / 2]. Returns 0, or -1 when out of memory. */
+int sluice_decode_step(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,
+                       const int64_t *slots, const int32_t *tables, int table_stride, const int32_t *seq_lens,
+                       uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
+                       int nthreads) {
+    if (dm->head_dim > 256 || dm->head_dim % 16 || dm->heads % dm->kv_heads || dm->heads / dm->kv_heads > 64 || dm->hidden % GROUP || dm->inter % GROUP || (dm->heads * dm->head_dim) % GROUP)
+        return -2;
+    pthread_mutex_lock(&step_lock);
+    int rc = decode_locked(dm, layers, B, x, positions, slots, tables, table_stride, seq_lens, kv, layer_stride,
+                           kv_stride, cos, sin, nthreads);
+    pthread_mutex_unlock(&step_lock);
+    return rc;
+}
+
+static int decode_locked(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,
+                         const int64_t *slots, const int32_t *tables, int table_stride, const int32_t *seq_lens,
+                         uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
+                         int nthreads) {
+    const int H = dm->hidden, I = dm->inter, q_n = dm->heads * dm->head_dim;
+    const int qkv_n = q_n + 2 * dm->kv_heads * dm->head_dim;
+    int max_ctx = 1;
+    for (int b = 0; b < B; b++) max_ctx = seq_lens[b] > max_ctx ? seq_lens[b] : max_ctx;
+    nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
+    const int kmax = H > q_n ? (H > I ? H : I) : (q_n > I ? q_n : I), gmax = kmax / GROUP;
+    size_t floats = (size_t)B * (H + qkv_n + q_n + 2 * I + I + (gmax / 2 + 1) * 16 + gmax + kmax / 2) +
+                    (size_t)nthreads * max_ctx * (dm->heads / dm->kv_heads);
+    float *buf = malloc(floats * sizeof(float));
+    if (!buf) return -1;
+    step_ctx c = {.dm = dm, .layers = layers, .B = B, .nthreads = nthreads, .x = x, .pos = positions,
+                  .slots = slots, .tables = tables, .seq_lens = seq_lens, .table_stride = table_stride, .kv = kv,
+                  .layer_stride = layer_stride, .kv_stride = kv_stride, .cos = cos, .sin = sin};
+    float *p = buf;
+    c.h = p, p += (size_t)B * H;
+    c.qkv = p, p += (size_t)B * qkv_n;
+    c.att = p, p += (size_t)B * q_n;
+    c.gu = p, p += (size_t)B * 2 * I;
+    c.act = p, p += (size_t)B * I;
+    c.qx.dx = p, p += (size_t)B * (gmax / 2 + 1) * 16;
+    c.qx.sx = p, p += (size_t)B * gmax;
+    c.qx.q = (int16_t *)p, p += (size_t)B * kmax / 2;
+    c.scores = p;
+    c.max_ctx = max_ctx;
+    if (nthreads > 1) {
+        atomic_store(&pool.done, 0);
+        pthread_mutex_lock(&pool.lock);
+        pool.job = &c;
+        pool.generation++;
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    run_step(&c, 0);
+    if (nthreads > 1) /* every worker has left the step before its context goes out of scope */
+        while (atomic_load_explicit(&pool.done, memory_order_acquire) < pool.nthreads - 1) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+        }
+    free(buf);
+    return 0;
+}
