@@ -176,11 +176,13 @@ static int ensure_workers(int n) {
  * min term with the exact fp32 sum of the group's inputs. Dequantising every weight to fp32 instead
  * made the step compute-bound at a third of the memory bandwidth. */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAIRED 1 /* x is laid out per pair of groups: [g0 0-15 | g1 0-15 | g0 16-31 | g1 16-31] */
 #else
 #define PAIRED 0
 #endif
+
+#define ROWS_PER_PASS 8
 
 typedef struct {
     int16_t *q; /* [B, K], in the layout the kernel reads */
@@ -188,10 +190,11 @@ typedef struct {
     float *sx; /* [B, G]: exact sums of each group's inputs */
 } qx_t;
 
-static void quantize_x(const float *x, int B, int K, qx_t *qx) {
+/* Rows [b0, b1) and groups [g0, g1) of x [B, K] (threads quantise disjoint parts). */
+static void quantize_x(const float *x, int K, qx_t *qx, int b0, int b1, int g0, int g1) {
     const int G = K / GROUP;
-    for (int b = 0; b < B; b++) {
-        for (int g = 0; g < G; g++) {
+    for (int b = b0; b < b1; b++) {
+        for (int g = g0; g < g1; g++) {
             const float *p = x + (size_t)b * K + g * GROUP;
             float amax = 0, sum = 0;
             for (int j = 0; j < GROUP; j++) {
@@ -229,17 +232,17 @@ static inline float q4_group_scalar(const uint8_t *qs, const int16_t *xq) { /* n
     return (float)s;
 }
 
-/* Rows [r0, r1) of W for nb <= 4 input rows. */
+/* Rows [r0, r1) of W for nb <= ROWS_PER_PASS input rows (each weight decoded once for all of them). */
 static inline __attribute__((always_inline)) void q4_rows(const q4_matrix *w, int K, int r0, int r1,
                                                           const qx_t *qx, int nb, float *y, int ldy) {
     const int G = K / GROUP;
     for (int r = r0; r < r1; r++) {
         const uint8_t *qs = w->qs + (size_t)r * G * 16;
         const uint16_t *dw = w->d + (size_t)r * G, *mw = w->m + (size_t)r * G;
-        float out[4] = {0, 0, 0, 0};
+        float out[ROWS_PER_PASS] = {0};
 #if PAIRED
         const int P = G / 2, stride = P + 1;
-        __m512 acc[4];
+        __m512 acc[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
         const __m256i low = _mm256_set1_epi8(0xf);
         const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -263,13 +266,19 @@ static inline __attribute__((always_inline)) void q4_rows(const q4_matrix *w, in
                 acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[b]);
             }
         }
+        for (int g = 0; g < G; g += 16) { /* the min term, sum_g mw[g] * sx[g], in the same accumulators */
+            __mmask16 k = G - g >= 16 ? 0xffff : (__mmask16)((1u << (G - g)) - 1);
+            __m512 m16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mw + g));
+            for (int b = 0; b < nb; b++)
+                acc[b] = _mm512_fmadd_ps(m16, _mm512_maskz_loadu_ps(k, qx->sx + (size_t)b * G + g), acc[b]);
+        }
         for (int b = 0; b < nb; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
         if (G % 2)
             for (int b = 0; b < nb; b++)
                 out[b] += q4_group_scalar(qs + (G - 1) * 16, qx->q + (size_t)b * K + (G - 1) * GROUP) *
                           fp16_to_f32(dw[G - 1]) * qx->dx[((size_t)b * stride + P) * 16];
 #elif defined(__AVX2__) && defined(__FMA__)
-        __m256 acc[4];
+        __m256 acc[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
         const __m128i low = _mm_set1_epi8(0xf);
         for (int g = 0; g < G; g++) {
@@ -284,10 +293,18 @@ static inline __attribute__((always_inline)) void q4_rows(const q4_matrix *w, in
                 acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * qx->dx[(size_t)b * G + g]), acc[b]);
             }
         }
+        int g8 = 0;
+        for (; g8 + 8 <= G; g8 += 8) { /* the min term, sum_g mw[g] * sx[g], in the same accumulators */
+            __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mw + g8)));
+            for (int b = 0; b < nb; b++)
+                acc[b] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(qx->sx + (size_t)b * G + g8), acc[b]);
+        }
+        for (; g8 < G; g8++)
+            for (int b = 0; b < nb; b++) out[b] += fp16_to_f32(mw[g8]) * qx->sx[(size_t)b * G + g8];
         for (int b = 0; b < nb; b++) {
             __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[b]), _mm256_extractf128_ps(acc[b], 1));
             s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            out[b] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+            out[b] += _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
         }
 #else
         for (int g = 0; g < G; g++) {
@@ -295,13 +312,10 @@ static inline __attribute__((always_inline)) void q4_rows(const q4_matrix *w, in
             for (int b = 0; b < nb; b++)
                 out[b] += q4_group_scalar(qs + g * 16, qx->q + (size_t)b * K + g * GROUP) * d * qx->dx[(size_t)b * G + g];
         }
+        for (int g = 0; g < G; g++) /* the min term */
+            for (int b = 0; b < nb; b++) out[b] += fp16_to_f32(mw[g]) * qx->sx[(size_t)b * G + g];
 #endif
-        for (int b = 0; b < nb; b++) { /* the min term: sum_g mw[g] * sx[g] */
-            const float *sx = qx->sx + (size_t)b * G;
-            float ms = 0;
-            for (int g = 0; g < G; g++) ms += fp16_to_f32(mw[g]) * sx[g];
-            y[(size_t)b * ldy + r] = out[b] + ms;
-        }
+        for (int b = 0; b < nb; b++) y[(size_t)b * ldy + r] = out[b];
     }
 }
 
@@ -311,16 +325,20 @@ static void matmul(const q4_matrix *w, int N, int K, const qx_t *qx, int B, floa
     int r0 = tid * per, r1 = r0 + per < N ? r0 + per : N;
     if (r0 >= r1) return;
     const int G = K / GROUP;
-    for (int b0 = 0; b0 < B; b0 += 4) {
-        int nb = B - b0 < 4 ? B - b0 : 4;
+    for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {
+        int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
         qx_t part = {qx->q + (size_t)b0 * K, qx->dx + (size_t)b0 * (PAIRED ? (G / 2 + 1) * 16 : G),
                      qx->sx + (size_t)b0 * G};
         float *yb = y + (size_t)b0 * N;
-        switch (nb) {
+        switch (nb) { /* a constant nb per call: the compiler keeps each row's accumulator in a register */
             case 1: q4_rows(w, K, r0, r1, &part, 1, yb, N); break;
             case 2: q4_rows(w, K, r0, r1, &part, 2, yb, N); break;
             case 3: q4_rows(w, K, r0, r1, &part, 3, yb, N); break;
-            default: q4_rows(w, K, r0, r1, &part, 4, yb, N); break;
+            case 4: q4_rows(w, K, r0, r1, &part, 4, yb, N); break;
+            case 5: q4_rows(w, K, r0, r1, &part, 5, yb, N); break;
+            case 6: q4_rows(w, K, r0, r1, &part, 6, yb, N); break;
+            case 7: q4_rows(w, K, r0, r1, &part, 7, yb, N); break;
+            default: q4_rows(w, K, r0, r1, &part, 8, yb, N); break;
         }
     }
 }
@@ -429,65 +447,77 @@ static void attend(step_ctx *c, int l, int b, int kvh, float *scores) {
     }
 }
 
+/* [lo, hi): this thread's share of n items. */
+static inline void span(int n, int tid, int nt, int *lo, int *hi) {
+    int per = (n + nt - 1) / nt;
+    *lo = tid * per < n ? tid * per : n;
+    *hi = *lo + per < n ? *lo + per : n;
+}
+
+/* Every thread runs this; the phases between barriers split their work: matmul rows, attention by
+ * (sequence, kv head), elementwise work by sequence or by group of 32. */
 static void run_step(step_ctx *c, int tid) {
     const dims *dm = c->dm;
     const int B = c->B, H = dm->hidden, D = dm->head_dim, Hkv = dm->kv_heads, I = dm->inter, nt = c->nthreads;
     const int q_n = dm->heads * D, kv_n = Hkv * D, qkv_n = q_n + 2 * kv_n;
     if (tid >= nt) return;
     float *scores = c->scores + (size_t)tid * c->max_ctx * (dm->heads / Hkv);
+    int b0, b1, ga0, ga1, gi0, gi1; /* my sequences; my groups of the attention output and of the MLP */
+    span(B, tid, nt, &b0, &b1);
+    span(q_n / GROUP, tid, nt, &ga0, &ga1);
+    span(I / GROUP, tid, nt, &gi0, &gi1);
     for (int l = 0; l < dm->layers; l++) {
         const layer_weights *lw = c->layers + l;
-        if (tid == 0) {
-            rms_norm_rows(c->x, lw->attn_norm, c->h, B, H, dm->eps);
-            quantize_x(c->h, B, H, &c->qx);
+        for (int b = b0; b < b1; b++) { /* (the previous layer's MLP output joins the residual here) */
+            float *xb = c->x + (size_t)b * H;
+            if (l > 0)
+                for (int i = 0; i < H; i++) xb[i] += c->h[(size_t)b * H + i];
+            rms_norm_rows(xb, lw->attn_norm, c->h + (size_t)b * H, 1, H, dm->eps);
         }
+        quantize_x(c->h, H, &c->qx, b0, b1, 0, H / GROUP);
         barrier(nt);
         matmul(&lw->qkv, qkv_n, H, &c->qx, B, c->qkv, tid, nt);
         barrier(nt);
-        if (tid == 0) {
-            uint16_t *kc = c->kv + l * c->layer_stride, *vc = kc + c->kv_stride;
-            for (int b = 0; b < B; b++) {
-                float *row = c->qkv + (size_t)b * qkv_n;
-                if (lw->qkv_bias)
-                    for (int i = 0; i < qkv_n; i++) row[i] += lw->qkv_bias[i];
-                const float *cs = c->cos + c->pos[b] * (D / 2), *sn = c->sin + c->pos[b] * (D / 2);
-                for (int h = 0; h < dm->heads + Hkv; h++) rope(row + h * D, cs, sn, D / 2);
-                for (int i = 0; i < kv_n; i++) {
-                    kc[c->slots[b] * kv_n + i] = f32_to_bf16(row[q_n + i]);
-                    vc[c->slots[b] * kv_n + i] = f32_to_bf16(row[q_n + kv_n + i]);
-                }
+        uint16_t *kc = c->kv + l * c->layer_stride, *vc = kc + c->kv_stride;
+        for (int b = b0; b < b1; b++) {
+            float *row = c->qkv + (size_t)b * qkv_n;
+            if (lw->qkv_bias)
+                for (int i = 0; i < qkv_n; i++) row[i] += lw->qkv_bias[i];
+            const float *cs = c->cos + c->pos[b] * (D / 2), *sn = c->sin + c->pos[b] * (D / 2);
+            for (int h = 0; h < dm->heads + Hkv; h++) rope(row + h * D, cs, sn, D / 2);
+            for (int i = 0; i < kv_n; i++) {
+                kc[c->slots[b] * kv_n + i] = f32_to_bf16(row[q_n + i]);
+                vc[c->slots[b] * kv_n + i] = f32_to_bf16(row[q_n + kv_n + i]);
             }
         }
         barrier(nt);
         for (int job = tid; job < B * Hkv; job += nt) attend(c, l, job / Hkv, job % Hkv, scores);
         barrier(nt);
-        if (tid == 0) quantize_x(c->att, B, q_n, &c->qx);
+        quantize_x(c->att, q_n, &c->qx, 0, B, ga0, ga1);
         barrier(nt);
         matmul(&lw->o, H, q_n, &c->qx, B, c->h, tid, nt);
         barrier(nt);
-        if (tid == 0) {
-            for (size_t i = 0; i < (size_t)B * H; i++) c->x[i] += c->h[i];
-            rms_norm_rows(c->x, lw->mlp_norm, c->h, B, H, dm->eps);
-            quantize_x(c->h, B, H, &c->qx);
+        for (int b = b0; b < b1; b++) {
+            float *xb = c->x + (size_t)b * H;
+            for (int i = 0; i < H; i++) xb[i] += c->h[(size_t)b * H + i];
+            rms_norm_rows(xb, lw->mlp_norm, c->h + (size_t)b * H, 1, H, dm->eps);
         }
+        quantize_x(c->h, H, &c->qx, b0, b1, 0, H / GROUP);
         barrier(nt);
         matmul(&lw->gate_up, 2 * I, H, &c->qx, B, c->gu, tid, nt);
         barrier(nt);
-        if (tid == 0) {
-            for (int b = 0; b < B; b++) {
-                const float *g = c->gu + (size_t)b * 2 * I, *u = g + I;
-                float *a = c->act + (size_t)b * I;
-                for (int i = 0; i < I; i++) a[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
-            }
-            quantize_x(c->act, B, I, &c->qx);
+        for (int b = 0; b < B; b++) {
+            const float *g = c->gu + (size_t)b * 2 * I, *u = g + I;
+            float *a = c->act + (size_t)b * I;
+            for (int i = gi0 * GROUP; i < gi1 * GROUP; i++) a[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
         }
+        quantize_x(c->act, I, &c->qx, 0, B, gi0, gi1);
         barrier(nt);
         matmul(&lw->down, H, I, &c->qx, B, c->h, tid, nt);
         barrier(nt);
-        if (tid == 0)
-            for (size_t i = 0; i < (size_t)B * H; i++) c->x[i] += c->h[i];
-        barrier(nt);
     }
+    for (int b = b0; b < b1; b++)
+        for (int i = 0; i < H; i++) c->x[(size_t)b * H + i] += c->h[(size_t)b * H + i];
 }
 
 static int decode_locked(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,
