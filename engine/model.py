@@ -175,8 +175,8 @@ class LlamaModel(nn.Module):
                  q4_blocks: dict[str, Q4Blocks] | None = None, fused_decode: int = 0):
         """q4_blocks: the file's 4-bit weights, for small steps (CPU only; see `Linear`); with them the
         output layer also gets an int8 copy for small steps. `fused_decode`: the KV cache's block size, to
-        also bind the layers to the fused CPU decode step (kernels/cpu; 0: not). Consumes `weights` and `q4_blocks`: each
-        layer's entries are removed from both once the layer is built."""
+        also bind the layers to the fused CPU decode step (kernels/cpu; 0: not). Consumes `weights` and
+        `q4_blocks`: each layer's entries are removed from both once the layer is built."""
         super().__init__()
         self.args = args
         wdt = weight_dtype or dtype

@@ -147,6 +147,7 @@ class ModelRunner:
         """Up to which decode batch the fused native step runs (configured, or timed against the torch
         path on the first layers with a synthetic context, both at this process's thread count)."""
         model, cfg = self.model, self.config
+        assert model.fused is not None
         model.fused_threads = torch.get_num_threads()
         if cfg.fused_decode_max_batch is not None:
             model.fused_max_rows = cfg.fused_decode_max_batch
@@ -163,8 +164,8 @@ class ModelRunner:
             model.fused_max_rows, times = fused_max_rows(time_step, rows)
             log.debug("fused CPU decode step vs torch (first %d layers, ms): %s", FUSED_TIMING_LAYERS,
                       {r: (round(f * 1e3, 2), round(e * 1e3, 2)) for r, (f, e) in times.items()})
-        log.info("fused CPU decode step (kernels/cpu, %d threads): decode batches of up to %d sequences",
-                 model.fused_threads, model.fused_max_rows)
+        log.info("fused CPU decode step (kernels/cpu, %s, %d threads): decode batches of up to %d sequences",
+                 model.fused.isa, model.fused_threads, model.fused_max_rows)
 
     def _synthetic_decode(self, rows: int, context: int) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

@@ -99,12 +99,16 @@ class DecodeStep:
     """The model's layers, bound once to the native step; `run` per decode step."""
 
     def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
-                 block_size: int, layers: list[LayerBlocks], cos: torch.Tensor, sin: torch.Tensor):
-        lib = build.load()
+                 block_size: int, layers: list[LayerBlocks], cos: torch.Tensor, sin: torch.Tensor,
+                 lib: ctypes.CDLL | None = None):
+        """`lib`: a build of decode.c (default: this machine's, `build.load()`)."""
+        lib = lib or build.load()
         if lib is None:
             raise RuntimeError("the fused CPU decode step could not be built (see the log)")
         self._fn = lib.sluice_decode_step
         self._fn.restype = ctypes.c_int
+        lib.sluice_decode_isa.restype = ctypes.c_char_p
+        self.isa: str = lib.sluice_decode_isa().decode()  # avx512-vnni, avx512, avx2 or scalar
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), block_size, eps)
         self._layers = layers  # keeps the tensors that the structs point to alive
         self._structs = (_Layer * len(layers))(*[lw._struct() for lw in layers])
@@ -115,7 +119,8 @@ class DecodeStep:
         return sum(lw.nbytes() for lw in self._layers)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-            seq_lens: torch.Tensor, kv_cache: torch.Tensor, threads: int, num_layers: int | None = None) -> torch.Tensor:
+            seq_lens: torch.Tensor, kv_cache: torch.Tensor, threads: int,
+            num_layers: int | None = None) -> torch.Tensor:
         """x [B, hidden] fp32 embeddings -> the residual streams after the last layer (x, updated in
         place). kv_cache [layers, 2, slots, kv_heads, head_dim] bf16; block_tables [B, n] int32.
         `num_layers`: only the first layers (timing)."""

@@ -22,7 +22,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode.c")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+COMMON_FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
+NATIVE = ("-march=native",)  # what serving uses; tests also build x86-64-v3 (AVX2) and plain x86-64
 
 
 def cache_dir() -> Path:
@@ -47,29 +48,35 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _key(cc: str) -> str:
+def _key(cc: str, flags: tuple[str, ...]) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(), _cpu_flags().encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
 
-@functools.cache
 def load() -> ctypes.CDLL | None:
-    """The compiled library (built now if not cached), or None where it cannot be built."""
+    """The library for this machine (built now if not cached), or None where it cannot be built."""
+    return compile_library(NATIVE)
+
+
+@functools.cache
+def compile_library(arch: tuple[str, ...]) -> ctypes.CDLL | None:
+    """`decode.c` built with the target flags `arch` (e.g. `("-march=native",)`), cached on disk."""
     cc = _compiler()
     if cc is None:
         log.warning("fused CPU decode step: no C compiler (cc/gcc) found; using the torch path")
         return None
+    flags = (*COMMON_FLAGS, *arch)
     try:
-        target = cache_dir() / f"decode-{_key(cc)}.so"
+        target = cache_dir() / f"decode-{_key(cc, flags)}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             # Build beside the target and rename: processes that start together never load half a file.
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 out = Path(tmp) / target.name
-                result = subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE), "-lm"],
+                result = subprocess.run([cc, *flags, "-o", str(out), str(SOURCE), "-lm"],
                                         capture_output=True, text=True, timeout=300)
                 if result.returncode != 0:
                     log.warning("fused CPU decode step: %s failed to build it (%s); using the torch path",

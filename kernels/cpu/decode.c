@@ -589,3 +589,16 @@ static int decode_locked(const dims *dm, const layer_weights *layers, int B, flo
     free(buf);
     return 0;
 }
+
+/* Which of the code paths above this build took (for the log and the tests). */
+const char *sluice_decode_isa(void) {
+#if PAIRED && defined(__AVX512VNNI__)
+    return "avx512-vnni";
+#elif PAIRED
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from engine.cpu_plan import Choice, Plan, measure_plan, thread_candidates
+from engine.cpu_plan import Choice, Plan, fused_max_rows, measure_plan, thread_candidates
 
 
 def test_plan_looks_up_the_smallest_bucket_that_holds_the_step():
@@ -73,3 +73,17 @@ def test_losers_are_not_timed_again_at_larger_sizes():
     calls.clear()
     measure_plan(run, max_threads=2, can_pack=True, rows=(1, 2), all_threads_only=True)
     assert {threads for _, _, threads in calls} == {2}
+
+
+def test_fused_step_runs_up_to_the_last_size_where_it_wins():
+    # fused cost grows faster with rows than the torch path's: it wins up to 16 rows here
+    def time_step(rows: int, fused: bool) -> float:
+        calls.append((rows, fused))
+        return rows * (1.0 if fused else 0.5) + (0.0 if fused else 9.0)
+
+    calls: list[tuple[int, bool]] = []
+    best, times = fused_max_rows(time_step, (1, 2, 4, 8, 16, 32, 64, 128))
+    assert best == 16  # 16 + 0 < 8 + 9; at 32: 32 > 16 + 9
+    assert set(times) == {1, 2, 4, 8, 16, 32, 64}  # stops after torch won twice in a row
+    assert (128, True) not in calls
+    assert fused_max_rows(lambda rows, fused: 2.0 if fused else 1.0, (1, 2, 4))[0] == 0  # never wins

@@ -28,6 +28,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+import kernels.cpu as cpu_kernels
 from engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
 from engine.loader import default_model_path, load_model
 
@@ -215,13 +216,24 @@ def test_default_int4_weights_stay_close_to_the_reference(prompt_ids, ref_logits
     small steps, and keeps the KV cache in bf16. int4_max_batch=4096 puts the prefill on the int4 path
     too. Tolerance: as for bf16 weights (mean KL < 0.01, top-1 agreement >= 95%), and the greedy decode
     (one token per step, through the int8 output layer and its exact top candidates) gives the
-    reference's tokens."""
-    fast = LLMEngine(EngineConfig(kv_cache_tokens=8192, device="cpu", dtype="float32", int4_max_batch=4096))
+    reference's tokens, both through the fused CPU decode step (kernels/cpu: int16-quantised
+    activations against the same 4-bit codes) and through torch's int4 matmul."""
+    fast = LLMEngine(EngineConfig(kv_cache_tokens=8192, device="cpu", dtype="float32", int4_max_batch=4096,
+                                  fused_decode_max_batch=64))
     assert fast.runner.int4 and fast.runner.kv_dtype == torch.bfloat16
     assert all(lin.packed is not None for lin in fast.runner.model.linears())
     assert fast.runner.model.layer_plan.for_rows(4096).packed  # the prefill reads the 4-bit weights too
     assert fast.runner.model.lm_head_fast.packed is not None  # and the output layer has its int8 copy
     _assert_close_to_reference(fast.prompt_logits(prompt_ids).cpu(), ref_logits)
+    model = fast.runner.model
+    if cpu_kernels.available():
+        assert model.fused is not None and model.fused_max_rows == 64
+        calls = []
+        run = model.fused.run
+        model.fused.run = lambda *a, **k: calls.append(1) or run(*a, **k)  # type: ignore[method-assign]
+        assert _engine_greedy(fast, prompt_ids, GREEDY_TOKENS) == ref_greedy
+        assert len(calls) == GREEDY_TOKENS - 1  # every decode step after the prefill took the fused step
+        model.fused_max_rows = 0
     assert _engine_greedy(fast, prompt_ids, GREEDY_TOKENS) == ref_greedy
 
 

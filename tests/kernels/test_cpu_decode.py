@@ -1,0 +1,177 @@
+"""The fused CPU decode step (kernels/cpu) against a float64 Llama layer stack written out here.
+
+Random Q4_1 weights, a paged bf16 KV cache holding earlier context in shuffled blocks, odd group
+counts (the unpaired tail of the AVX-512 path), a QKV bias, batches around the 8 rows of one weight
+pass, one and two threads, and every build of decode.c that this CPU can run (native, AVX2, plain C).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.cpu import DecodeStep, LayerBlocks, pack_q4_1
+from kernels.cpu import build as cpu_build
+
+pytestmark = pytest.mark.skipif(cpu_build.load() is None, reason="no C compiler to build kernels/cpu/decode.c")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                        if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return set()
+
+
+BUILDS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3",), "plain": ("-march=x86-64",)}
+
+
+def _library(build: str):
+    if build == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    lib = cpu_build.compile_library(BUILDS[build])
+    assert lib is not None
+    return lib
+
+
+def _q4(n: int, k: int, gen: torch.Generator):
+    """Codes, and fp16-exact scales and mins, of a random Q4_1 matrix; and its dequantised float64 value."""
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.005).half().float()
+    mn = (-torch.rand(n, k // 32, generator=gen) * 0.1).half().float()
+    dense = (codes.double().view(n, k // 32, 32) * scale.double()[..., None] + mn.double()[..., None]).view(n, k)
+    return (codes, scale, mn), dense
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+class TinyModel:
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int,
+                 bias: bool, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.dims = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, eps=1e-5)
+        qkv_n = (heads + 2 * kv_heads) * head_dim
+        self.layers = []
+        self.blocks = []
+        for _ in range(layers):
+            mats = {name: _q4(n, k, gen) for name, (n, k) in {
+                "qkv": (qkv_n, hidden), "o": (hidden, heads * head_dim), "gate_up": (2 * inter, hidden),
+                "down": (hidden, inter)}.items()}
+            norms = (1 + 0.1 * torch.randn(hidden, generator=gen), 1 + 0.1 * torch.randn(hidden, generator=gen))
+            b = 0.05 * torch.randn(qkv_n, generator=gen) if bias else None
+            self.layers.append(({k: v[1] for k, v in mats.items()}, norms, b))
+            packed = {k: pack_q4_1(*v[0]) for k, v in mats.items()}
+            self.blocks.append(LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], qkv_bias=b, **packed))  # type: ignore[arg-type]
+        pos = torch.arange(512, dtype=torch.float64)
+        inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        freqs = torch.outer(pos, inv)
+        self.cos, self.sin = freqs.cos().float(), freqs.sin().float()
+
+    def reference(self, x, positions, slots, tables, lens, kv, block_size):
+        """float64 forward of one-token decodes; writes K/V into `kv` (bf16) like the kernel."""
+        d = self.dims
+        D, nh, nkv, eps = d["head_dim"], d["heads"], d["kv_heads"], d["eps"]
+        x = x.double().clone()
+        q_n, kv_n = nh * D, nkv * D
+
+        def norm(v, w):
+            return v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+        def rope(v, p):  # v [heads, D]
+            c, s = self.cos[p].double(), self.sin[p].double()
+            v1, v2 = v[:, :D // 2], v[:, D // 2:]
+            return torch.cat([v1 * c - v2 * s, v2 * c + v1 * s], -1)
+
+        for li, (w, (n1, n2), bias) in enumerate(self.layers):
+            qkv = norm(x, n1) @ w["qkv"].T
+            if bias is not None:
+                qkv = qkv + bias.double()
+            att = torch.empty(x.shape[0], q_n, dtype=torch.float64)
+            for b in range(x.shape[0]):
+                p = int(positions[b])
+                q = rope(qkv[b, :q_n].view(nh, D), p)
+                k = rope(qkv[b, q_n:q_n + kv_n].view(nkv, D), p)
+                kv[li, 0, slots[b]] = k.to(torch.bfloat16)
+                kv[li, 1, slots[b]] = qkv[b, q_n + kv_n:].view(nkv, D).to(torch.bfloat16)
+            for b in range(x.shape[0]):
+                n = int(lens[b])
+                ctx = torch.tensor([int(tables[b, t // block_size]) * block_size + t % block_size for t in range(n)])
+                keys, vals = kv[li, 0, ctx].double(), kv[li, 1, ctx].double()  # [n, nkv, D]
+                q = rope(qkv[b, :q_n].view(nh, D), int(positions[b]))
+                for h in range(nh):
+                    g = h // (nh // nkv)
+                    s = keys[:, g] @ q[h] / math.sqrt(D)
+                    att[b, h * D:(h + 1) * D] = torch.softmax(s, 0) @ vals[:, g]
+            x = x + att @ w["o"].T
+            gu = norm(x, n2) @ w["gate_up"].T
+            g, u = gu.chunk(2, -1)
+            x = x + (torch.nn.functional.silu(g) * u) @ w["down"].T
+        return x
+
+
+CONFIGS = {
+    # hidden 96 / q 96 / inter 160: odd group counts (3, 3, 5); GQA 3:1; a QKV bias
+    "odd-groups": dict(hidden=96, heads=3, kv_heads=1, head_dim=32, inter=160, layers=2, bias=True),
+    # even group counts, four query heads per KV head, no bias
+    "even-groups": dict(hidden=128, heads=4, kv_heads=1, head_dim=32, inter=256, layers=2, bias=False),
+}
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("batch", [1, 3, 9, 17])
+def test_fused_step_matches_a_float64_reference(build, config, batch):
+    lib = _library(build)
+    model = TinyModel(**CONFIGS[config])
+    d = model.dims
+    block_size, blocks_per_seq = 4, 8
+    gen = torch.Generator().manual_seed(batch)
+    step = DecodeStep(**d, block_size=block_size, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
+    num_blocks = batch * blocks_per_seq + 3
+    kv = (torch.randn(len(model.layers), 2, num_blocks * block_size, d["kv_heads"], d["head_dim"], generator=gen)
+          .to(torch.bfloat16))  # earlier context already in the cache
+    tables = torch.randperm(num_blocks, generator=gen)[:batch * blocks_per_seq].view(batch, blocks_per_seq).int()
+    lens = torch.randint(1, blocks_per_seq * block_size + 1, (batch,), generator=gen).int()  # incl. the new token
+    positions = (lens - 1).long()
+    slots = torch.stack([tables[b, int(p) // block_size].long() * block_size + int(p) % block_size
+                         for b, p in enumerate(positions)])
+    x = torch.randn(batch, d["hidden"], generator=gen)
+    kv_ref = kv.clone()
+    want = model.reference(x, positions, slots, tables, lens, kv_ref, block_size)
+    for threads in (1, 2):
+        kv_ours = kv.clone()
+        got = step.run(x.clone(), positions, slots, tables, lens, kv_ours, threads)
+        err = (got.double() - want).abs().max().item()
+        assert err < 2e-3 * want.abs().max().item(), (step.isa, threads, err)
+        # The new K/V landed in their slots (bf16; a last-bit difference from fp32 rounding allowed) ...
+        torch.testing.assert_close(kv_ours.float(), kv_ref.float(), rtol=1e-2, atol=1e-2)
+        # ... and nothing else in the cache changed.
+        others = torch.ones(kv.shape[2], dtype=torch.bool)
+        others[slots] = False
+        assert torch.equal(kv_ours[:, :, others], kv[:, :, others])
+
+
+def test_builds_take_their_code_paths():
+    names = {build: DecodeStep(**TinyModel(**CONFIGS["even-groups"]).dims, block_size=4,
+                               layers=TinyModel(**CONFIGS["even-groups"]).blocks, cos=torch.zeros(8, 16),
+                               sin=torch.zeros(8, 16), lib=cpu_build.compile_library(flags)).isa
+             for build, flags in BUILDS.items() if build != "avx2" or {"avx2", "fma", "f16c"} <= _cpu_flags()}
+    assert names["plain"] == "scalar"
+    if "avx2" in names:
+        assert names["avx2"] == "avx2"
+    flags = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        assert names["native"] == ("avx512-vnni" if "avx512_vnni" in flags else "avx512")
+
+
+def test_pack_refuses_scales_that_are_not_fp16():
+    codes = torch.zeros(2, 32, dtype=torch.uint8)
+    assert pack_q4_1(codes, torch.full((2, 1), 0.1), torch.zeros(2, 1)) is None  # 0.1 is not an fp16
+    assert pack_q4_1(codes, torch.full((2, 1), 0.125), torch.zeros(2, 1)) is not None
+    assert pack_q4_1(torch.zeros(2, 48, dtype=torch.uint8), torch.ones(2, 1), torch.zeros(2, 1)) is None
