@@ -88,3 +88,4 @@ def compile_library(arch: tuple[str, ...]) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("fused CPU decode step unavailable (%s); using the torch path", e)
         return None
+
