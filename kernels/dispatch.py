@@ -1,9 +1,10 @@
 """The one place that picks an implementation per op: Triton kernels on CUDA, torch references elsewhere.
 
 Rule: `SLUICE_KERNELS=auto` (default) runs Triton when the tensors are on CUDA and Triton is installed,
-else the torch reference; `SLUICE_KERNELS=torch` always takes the reference; `SLUICE_KERNELS=triton`
-always takes Triton (on CPU tensors that only works under `TRITON_INTERPRET=1`). The torch branches are
-exactly the engine's CPU math.
+else the torch reference (on a CPU with a bf16 KV cache, the decode rows' attention runs natively,
+kernels/cpu, built at first use with the machine's C compiler); `SLUICE_KERNELS=torch` always takes the
+reference; `SLUICE_KERNELS=triton` always takes Triton (on CPU tensors that only works under
+`TRITON_INTERPRET=1`). The torch branches are exactly the engine's CPU math.
 
 Triton is optional: a CPU serving install does not have it. An op's Triton module (`kernels.triton.*`)
 is imported the first time that op takes the Triton branch, never when `kernels` is imported, so
@@ -17,6 +18,7 @@ import os
 
 import torch
 
+from . import cpu
 from .metadata import AttentionMetadata
 from .reference.activation import silu_and_mul_ref
 from .reference.kv_cache import write_kv_ref
@@ -46,6 +48,20 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
+def use_native_cpu(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The native CPU decode attention (kernels/cpu): `auto` mode, fp32 queries on a CPU, a bf16 cache,
+    and a C compiler to build it."""
+    return (kernel_mode() == "auto" and q.device.type == "cpu" and q.dtype == torch.float32
+            and k_cache.dtype == torch.bfloat16 and cpu.available())
+
+
+def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+    nd = meta.num_decodes
+    return cpu.decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], meta.block_size,
+                                torch.get_num_threads())
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """Writes this step's k/v into the layer's cache, then attends; q [T, H, D], k/v [T, Hkv, D]."""
@@ -53,7 +69,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         from .triton.paged_attention import paged_attention_triton
 
         return paged_attention_triton(q, k, v, k_cache, v_cache, meta)
-    return paged_attention_ref(q, k, v, k_cache, v_cache, meta)
+    decode = _native_decode if meta.num_decodes and use_native_cpu(q, k_cache) else None
+    return paged_attention_ref(q, k, v, k_cache, v_cache, meta, decode)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

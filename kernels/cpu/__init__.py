@@ -145,3 +145,32 @@ class DecodeStep:
         if rc != 0:
             raise RuntimeError(f"fused CPU decode step failed ({'out of memory' if rc == -1 else 'bad shapes'})")
         return x
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, block_size: int, threads: int,
+                     lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Paged attention of one-token decodes, natively: q [B, H, D] fp32 (rows may be strided, as slices of
+    a fused QKV output are), one layer's bf16 caches [slots, Hkv, D] holding this step's keys and values
+    already; block_tables [B, n] int32 (or int64), seq_lens [B]. Returns [B, H, D] fp32."""
+    lib = lib or build.load()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels could not be built (see the log)")
+    b, heads, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    assert q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype == torch.bfloat16
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    out = torch.empty(b, heads, d)
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    fn = lib.sluice_decode_attention
+    fn.restype = ctypes.c_int
+    rc = fn(ctypes.c_int(b), ctypes.c_int(heads), ctypes.c_int(k_cache.shape[1]), ctypes.c_int(d),
+            ctypes.c_void_p(q.data_ptr()), ctypes.c_int64(q.stride(0)), ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_void_p(k_cache.data_ptr()), ctypes.c_void_p(v_cache.data_ptr()), ctypes.c_int(block_size),
+            ctypes.c_void_p(tables.data_ptr()), ctypes.c_int(tables.shape[1]), ctypes.c_void_p(lens.data_ptr()),
+            ctypes.c_int(threads))
+    if rc != 0:
+        raise RuntimeError(f"native decode attention failed ({'out of memory' if rc == -1 else 'bad shapes'})")
+    return out

@@ -109,21 +109,21 @@ static inline float fast_exp(float x) {
 
 #define MAX_THREADS 64
 
-typedef struct step_ctx step_ctx;
-static void run_step(step_ctx *c, int tid);
+typedef void (*job_fn)(void *arg, int tid);
 
 typedef struct {
-    pthread_mutex_t lock;
+    pthread_mutex_t lock; /* guards generation, fn, arg */
     pthread_cond_t wake;
     int nthreads; /* workers started, plus the caller */
-    int generation; /* bumped per step */
-    step_ctx *job;
+    int generation; /* bumped per job */
+    job_fn fn;
+    void *arg;
     atomic_int arrived, barrier_gen, done;
 } pool_t;
 
-static pool_t pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 1, 0, NULL, 0, 0, 0};
+static pool_t pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 1, 0, NULL, NULL, 0, 0, 0};
 static pthread_t workers[MAX_THREADS];
-static pthread_mutex_t step_lock = PTHREAD_MUTEX_INITIALIZER; /* one step at a time per process */
+static pthread_mutex_t step_lock = PTHREAD_MUTEX_INITIALIZER; /* one job at a time per process */
 static int worker_ids[MAX_THREADS];
 
 static void barrier(int n) {
@@ -147,9 +147,10 @@ static void *worker_main(void *arg) {
         pthread_mutex_lock(&pool.lock);
         while (pool.generation == seen) pthread_cond_wait(&pool.wake, &pool.lock);
         seen = pool.generation;
-        step_ctx *job = pool.job;
+        job_fn fn = pool.fn;
+        void *arg = pool.arg;
         pthread_mutex_unlock(&pool.lock);
-        run_step(job, tid); /* returns at once for tids past the step's thread count */
+        fn(arg, tid); /* returns at once for tids past the job's thread count */
         atomic_fetch_add_explicit(&pool.done, 1, memory_order_acq_rel);
     }
     return NULL;
@@ -165,6 +166,26 @@ static int ensure_workers(int n) {
         pool.nthreads++;
     }
     return n < pool.nthreads ? n : pool.nthreads;
+}
+
+/* Runs fn(arg, tid) on the caller (tid 0) and the workers; returns once every worker has left it. */
+static void run_parallel(job_fn fn, void *arg, int nthreads) {
+    if (nthreads > 1) {
+        atomic_store(&pool.done, 0);
+        pthread_mutex_lock(&pool.lock);
+        pool.fn = fn;
+        pool.arg = arg;
+        pool.generation++;
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    fn(arg, 0);
+    if (nthreads > 1)
+        while (atomic_load_explicit(&pool.done, memory_order_acquire) < pool.nthreads - 1) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+        }
 }
 
 /* ---- the matmul: y[b, r] = sum_k x[b, k] W[r, k] over Q4_1 rows, in integer dot products ----
@@ -345,6 +366,7 @@ static void matmul(const q4_matrix *w, int N, int K, const qx_t *qx, int B, floa
 
 /* ---- the step ---- */
 
+typedef struct step_ctx step_ctx;
 struct step_ctx {
     const dims *dm;
     const layer_weights *layers;
@@ -404,20 +426,26 @@ static inline void bf16_to_f32_row(const uint16_t *src, float *dst, int n) { /* 
     memcpy(dst, bits, (size_t)n * 4);
 }
 
-/* One (sequence, kv head) of attention: the group's query heads against the sequence's cached keys,
- * each cached row widened to fp32 once for all of them. scores: [group, context] of scratch. */
-static void attend(step_ctx *c, int l, int b, int kvh, float *scores) {
-    const dims *dm = c->dm;
-    const int D = dm->head_dim, Hkv = dm->kv_heads, group = dm->heads / Hkv, bs = dm->block_size;
-    const int n = c->seq_lens[b], qkv_n = (dm->heads + 2 * Hkv) * D;
-    const int32_t *table = c->tables + (size_t)b * c->table_stride;
-    const uint16_t *kc = c->kv + l * c->layer_stride + kvh * D, *vc = kc + c->kv_stride;
+/* Where a sequence's cached keys and values are: the layer's K and V at this kv head, the stride of a
+ * cache slot, the block table and the block size. */
+typedef struct {
+    const uint16_t *k, *v;
+    int64_t slot_stride;
+    const int32_t *table;
+    int block_size;
+} kv_view;
+
+static inline int64_t slot_of(const kv_view *kv, int t) {
+    return ((int64_t)kv->table[t / kv->block_size] * kv->block_size + t % kv->block_size) * kv->slot_stride;
+}
+
+/* Plain C: every head size and group. */
+static void attend_generic(const float *q, int group, int D, const kv_view *kv, int n, float *scores, float *out) {
     const float scale = 1.0f / sqrtf((float)D);
-    const float *q = c->qkv + (size_t)b * qkv_n + kvh * group * D; /* the group's heads, adjacent */
-    float row[256], mx[64], sum[64];
+    float row[256], mx[256], sum[256];
     for (int h = 0; h < group; h++) mx[h] = -INFINITY, sum[h] = 0;
     for (int t = 0; t < n; t++) {
-        bf16_to_f32_row(kc + ((int64_t)table[t / bs] * bs + t % bs) * Hkv * D, row, D);
+        bf16_to_f32_row(kv->k + slot_of(kv, t), row, D);
         for (int h = 0; h < group; h++) {
             float s = dot(q + h * D, row, D) * scale;
             scores[h * n + t] = s;
@@ -432,10 +460,9 @@ static void attend(step_ctx *c, int l, int b, int kvh, float *scores) {
         }
         sum[h] = total;
     }
-    float *out = c->att + (size_t)b * dm->heads * D + kvh * group * D;
     for (int i = 0; i < group * D; i++) out[i] = 0;
     for (int t = 0; t < n; t++) {
-        bf16_to_f32_row(vc + ((int64_t)table[t / bs] * bs + t % bs) * Hkv * D, row, D);
+        bf16_to_f32_row(kv->v + slot_of(kv, t), row, D);
         for (int h = 0; h < group; h++) {
             float p = scores[h * n + t], *o = out + h * D;
             for (int i = 0; i < D; i++) o[i] += p * row[i];
@@ -444,6 +471,152 @@ static void attend(step_ctx *c, int l, int b, int kvh, float *scores) {
     for (int h = 0; h < group; h++) {
         float inv = 1.0f / sum[h], *o = out + h * D;
         for (int i = 0; i < D; i++) o[i] *= inv;
+    }
+}
+
+#if defined(__AVX512F__)
+#define FAST_GROUP 4 /* query heads per kv head */
+#define MAX_HEADS 256
+#define FAST_CHUNKS 8 /* head_dim / 16 */
+
+static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* r[j] = the sum of v[j]'s 16 lanes, for 16 vectors at once (a tree of lane permutes and adds: ~3 ops
+ * per vector instead of a full horizontal sum each). */
+static inline __m512 hsum16(const __m512 *v) {
+    const __m512i a1 = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i b1 = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
+    const __m512i a2 = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512i b2 = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+    const __m512i a3 = _mm512_set_epi32(29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
+    const __m512i b3 = _mm512_set_epi32(31, 30, 27, 26, 23, 22, 19, 18, 15, 14, 11, 10, 7, 6, 3, 2);
+    const __m512i a4 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i b4 = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) /* [vector 2i: 8 partial sums | vector 2i+1: 8] */
+        w[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], a1, v[2 * i + 1]),
+                             _mm512_permutex2var_ps(v[2 * i], b1, v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* four vectors, 4 partial sums each */
+        x[i] = _mm512_add_ps(_mm512_permutex2var_ps(w[2 * i], a2, w[2 * i + 1]),
+                             _mm512_permutex2var_ps(w[2 * i], b2, w[2 * i + 1]));
+    for (int i = 0; i < 2; i++) /* eight vectors, 2 each */
+        y[i] = _mm512_add_ps(_mm512_permutex2var_ps(x[2 * i], a3, x[2 * i + 1]),
+                             _mm512_permutex2var_ps(x[2 * i], b3, x[2 * i + 1]));
+    return _mm512_add_ps(_mm512_permutex2var_ps(y[0], a4, y[1]), _mm512_permutex2var_ps(y[0], b4, y[1]));
+}
+
+/* AVX-512: keys in chunks of 16 positions; within a chunk every kv head in [kv0, kv1) in turn (a
+ * cache slot holds all kv heads side by side, so a chunk's rows stay in L1 while its heads are read);
+ * each key widened once for the group's query heads, and their 16 dot products summed across lanes
+ * together (hsum16). q: the sequence's [heads, D]; scores [(kv1 - kv0) * group, n]; out [heads, D]. */
+static void attend_avx512(const float *q, int group, int D, const kv_view *kv, int kv0, int kv1, int n,
+                          float *scores, float *out) {
+    const int C = D / 16, nh = (kv1 - kv0) * group;
+    const float scale = 1.0f / sqrtf((float)D);
+    float mx[MAX_HEADS], sum[MAX_HEADS];
+    int64_t slots[16];
+    for (int h = 0; h < nh; h++) mx[h] = -INFINITY;
+    __m512 part[FAST_GROUP][16];
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const int cnt = n - t0 < 16 ? n - t0 : 16;
+        const __mmask16 valid = (__mmask16)((1u << cnt) - 1);
+        for (int j = 0; j < cnt; j++) slots[j] = slot_of(kv, t0 + j);
+        for (int kvh = kv0; kvh < kv1; kvh++) {
+            __m512 qv[FAST_GROUP][FAST_CHUNKS];
+            for (int h = 0; h < group; h++)
+                for (int c = 0; c < C; c++)
+                    qv[h][c] = _mm512_mul_ps(_mm512_loadu_ps(q + (kvh * group + h) * D + c * 16), _mm512_set1_ps(scale));
+            for (int j = 0; j < 16; j++) {
+                if (j >= cnt) {
+                    for (int h = 0; h < group; h++) part[h][j] = _mm512_setzero_ps();
+                    continue;
+                }
+                const uint16_t *k = kv->k + slots[j] + kvh * D;
+                __m512 kf[FAST_CHUNKS] = {_mm512_setzero_ps()};
+                for (int c = 0; c < C; c++) kf[c] = bf16x16(k + c * 16);
+                for (int h = 0; h < group; h++) {
+                    __m512 acc = _mm512_mul_ps(qv[h][0], kf[0]);
+                    for (int c = 1; c < C; c++) acc = _mm512_fmadd_ps(qv[h][c], kf[c], acc);
+                    part[h][j] = acc;
+                }
+            }
+            for (int h = 0; h < group; h++) {
+                const int r = (kvh - kv0) * group + h;
+                __m512 sc = hsum16(part[h]);
+                _mm512_mask_storeu_ps(scores + (size_t)r * n + t0, valid, sc);
+                float m = _mm512_mask_reduce_max_ps(valid, sc);
+                mx[r] = m > mx[r] ? m : mx[r];
+            }
+        }
+    }
+    for (int r = 0; r < nh; r++) {
+        float *sc = scores + (size_t)r * n, m = mx[r], total = 0;
+        for (int t = 0; t < n; t++) {
+            sc[t] = fast_exp(sc[t] - m);
+            total += sc[t];
+        }
+        sum[r] = total;
+    }
+    float *o = out + kv0 * group * D;
+    for (int i = 0; i < nh * D; i++) o[i] = 0;
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const int cnt = n - t0 < 16 ? n - t0 : 16;
+        for (int j = 0; j < cnt; j++) slots[j] = slot_of(kv, t0 + j);
+        for (int kvh = kv0; kvh < kv1; kvh++) {
+            const int r0 = (kvh - kv0) * group;
+            __m512 acc[FAST_GROUP][FAST_CHUNKS];
+            for (int h = 0; h < group; h++)
+                for (int c = 0; c < C; c++) acc[h][c] = _mm512_loadu_ps(o + (r0 + h) * D + c * 16);
+            for (int j = 0; j < cnt; j++) {
+                const uint16_t *v = kv->v + slots[j] + kvh * D;
+                __m512 vf[FAST_CHUNKS];
+                for (int c = 0; c < C; c++) vf[c] = bf16x16(v + c * 16);
+                for (int h = 0; h < group; h++) {
+                    __m512 p = _mm512_set1_ps(scores[(size_t)(r0 + h) * n + t0 + j]);
+                    for (int c = 0; c < C; c++) acc[h][c] = _mm512_fmadd_ps(p, vf[c], acc[h][c]);
+                }
+            }
+            for (int h = 0; h < group; h++)
+                for (int c = 0; c < C; c++) _mm512_storeu_ps(o + (r0 + h) * D + c * 16, acc[h][c]);
+        }
+    }
+    for (int r = 0; r < nh; r++) {
+        __m512 inv = _mm512_set1_ps(1.0f / sum[r]);
+        for (int c = 0; c < C; c++)
+            _mm512_storeu_ps(o + r * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c * 16), inv));
+    }
+}
+#endif
+
+/* Attention of one sequence's query heads of kv heads [kv0, kv1) (q, out: the sequence's [heads, D];
+ * kv: the layer's cache at kv head 0) over its n cached keys and values; scores: [heads, n] of scratch. */
+static void attend(const float *q, int heads, int kv_heads, int D, const kv_view *kv, int kv0, int kv1, int n,
+                   float *scores, float *out) {
+    const int group = heads / kv_heads;
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && D >= 16 && D / 16 <= FAST_CHUNKS && group <= FAST_GROUP) {
+        attend_avx512(q, group, D, kv, kv0, kv1, n, scores, out);
+        return;
+    }
+#endif
+    for (int kvh = kv0; kvh < kv1; kvh++) {
+        kv_view at = *kv;
+        at.k += kvh * D, at.v += kvh * D;
+        attend_generic(q + kvh * group * D, group, D, &at, n, scores, out + kvh * group * D);
+    }
+}
+
+/* Attention jobs: whole sequences when there are enough of them for every thread (each reads its
+ * cache rows once, all kv heads together), else one (sequence, kv head) pair each. */
+static inline int attention_jobs(int B, int kv_heads, int nt) { return B >= nt ? B : B * kv_heads; }
+
+static inline void attention_job(int job, int B, int kv_heads, int nt, int *b, int *kv0, int *kv1) {
+    if (B >= nt) {
+        *b = job, *kv0 = 0, *kv1 = kv_heads;
+    } else {
+        *b = job / kv_heads, *kv0 = job % kv_heads, *kv1 = *kv0 + 1;
     }
 }
 
@@ -456,12 +629,13 @@ static inline void span(int n, int tid, int nt, int *lo, int *hi) {
 
 /* Every thread runs this; the phases between barriers split their work: matmul rows, attention by
  * (sequence, kv head), elementwise work by sequence or by group of 32. */
-static void run_step(step_ctx *c, int tid) {
+static void run_step(void *arg, int tid) {
+    step_ctx *c = arg;
     const dims *dm = c->dm;
     const int B = c->B, H = dm->hidden, D = dm->head_dim, Hkv = dm->kv_heads, I = dm->inter, nt = c->nthreads;
     const int q_n = dm->heads * D, kv_n = Hkv * D, qkv_n = q_n + 2 * kv_n;
     if (tid >= nt) return;
-    float *scores = c->scores + (size_t)tid * c->max_ctx * (dm->heads / Hkv);
+    float *scores = c->scores + (size_t)tid * c->max_ctx * dm->heads;
     int b0, b1, ga0, ga1, gi0, gi1; /* my sequences; my groups of the attention output and of the MLP */
     span(B, tid, nt, &b0, &b1);
     span(q_n / GROUP, tid, nt, &ga0, &ga1);
@@ -491,7 +665,13 @@ static void run_step(step_ctx *c, int tid) {
             }
         }
         barrier(nt);
-        for (int job = tid; job < B * Hkv; job += nt) attend(c, l, job / Hkv, job % Hkv, scores);
+        for (int job = tid; job < attention_jobs(B, Hkv, nt); job += nt) {
+            int b, kv0, kv1;
+            attention_job(job, B, Hkv, nt, &b, &kv0, &kv1);
+            kv_view view = {kc, vc, kv_n, c->tables + (size_t)b * c->table_stride, dm->block_size};
+            attend(c->qkv + (size_t)b * qkv_n, dm->heads, Hkv, D, &view, kv0, kv1, c->seq_lens[b], scores,
+                   c->att + (size_t)b * q_n);
+        }
         barrier(nt);
         quantize_x(c->att, q_n, &c->qx, 0, B, ga0, ga1);
         barrier(nt);
@@ -534,7 +714,7 @@ int sluice_decode_step(const dims *dm, const layer_weights *layers, int B, float
                        const int64_t *slots, const int32_t *tables, int table_stride, const int32_t *seq_lens,
                        uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
                        int nthreads) {
-    if (dm->head_dim > 256 || dm->head_dim % 16 || dm->heads % dm->kv_heads || dm->heads / dm->kv_heads > 64 || dm->hidden % GROUP || dm->inter % GROUP || (dm->heads * dm->head_dim) % GROUP)
+    if (dm->head_dim > 256 || dm->head_dim % 16 || dm->heads % dm->kv_heads || dm->heads > 256 || dm->hidden % GROUP || dm->inter % GROUP || (dm->heads * dm->head_dim) % GROUP)
         return -2;
     pthread_mutex_lock(&step_lock);
     int rc = decode_locked(dm, layers, B, x, positions, slots, tables, table_stride, seq_lens, kv, layer_stride,
@@ -554,7 +734,7 @@ static int decode_locked(const dims *dm, const layer_weights *layers, int B, flo
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
     const int kmax = H > q_n ? (H > I ? H : I) : (q_n > I ? q_n : I), gmax = kmax / GROUP;
     size_t floats = (size_t)B * (H + qkv_n + q_n + 2 * I + I + (gmax / 2 + 1) * 16 + gmax + kmax / 2) +
-                    (size_t)nthreads * max_ctx * (dm->heads / dm->kv_heads);
+                    (size_t)nthreads * max_ctx * dm->heads;
     float *buf = malloc(floats * sizeof(float));
     if (!buf) return -1;
     step_ctx c = {.dm = dm, .layers = layers, .B = B, .nthreads = nthreads, .x = x, .pos = positions,
@@ -571,22 +751,57 @@ static int decode_locked(const dims *dm, const layer_weights *layers, int B, flo
     c.qx.q = (int16_t *)p, p += (size_t)B * kmax / 2;
     c.scores = p;
     c.max_ctx = max_ctx;
-    if (nthreads > 1) {
-        atomic_store(&pool.done, 0);
-        pthread_mutex_lock(&pool.lock);
-        pool.job = &c;
-        pool.generation++;
-        pthread_cond_broadcast(&pool.wake);
-        pthread_mutex_unlock(&pool.lock);
-    }
-    run_step(&c, 0);
-    if (nthreads > 1) /* every worker has left the step before its context goes out of scope */
-        while (atomic_load_explicit(&pool.done, memory_order_acquire) < pool.nthreads - 1) {
-#if defined(__x86_64__)
-            __builtin_ia32_pause();
-#endif
-        }
+    run_parallel(run_step, &c, nthreads);
     free(buf);
+    return 0;
+}
+
+/* ---- attention alone, for the torch path's decode rows (steps too large for the fused step) ---- */
+
+typedef struct {
+    int B, heads, kv_heads, head_dim, block_size, table_stride, nthreads, max_ctx;
+    const float *q;
+    int64_t q_stride;
+    float *out, *scores;
+    const uint16_t *k, *v;
+    const int32_t *tables, *seq_lens;
+} attn_ctx;
+
+static void run_attention(void *arg, int tid) {
+    attn_ctx *a = arg;
+    if (tid >= a->nthreads) return;
+    const int D = a->head_dim, kv_n = a->kv_heads * D;
+    float *scores = a->scores + (size_t)tid * a->max_ctx * a->heads;
+    for (int job = tid; job < attention_jobs(a->B, a->kv_heads, a->nthreads); job += a->nthreads) {
+        int b, kv0, kv1;
+        attention_job(job, a->B, a->kv_heads, a->nthreads, &b, &kv0, &kv1);
+        kv_view view = {a->k, a->v, kv_n, a->tables + (size_t)b * a->table_stride, a->block_size};
+        attend(a->q + b * a->q_stride, a->heads, a->kv_heads, D, &view, kv0, kv1, a->seq_lens[b], scores,
+               a->out + (size_t)b * a->heads * D);
+    }
+}
+
+/* q: B rows of [heads, head_dim] fp32, rows q_stride elements apart (a slice of a fused QKV output);
+ * out [B, heads, head_dim]; k, v: one layer's bf16 cache [slots, kv_heads, head_dim], this step's keys
+ * and values already written. Returns 0, -1 out of memory, -2 bad shapes. */
+int sluice_decode_attention(int B, int heads, int kv_heads, int head_dim, const float *q, int64_t q_stride,
+                            float *out, const uint16_t *k, const uint16_t *v, int block_size, const int32_t *tables,
+                            int table_stride, const int32_t *seq_lens, int nthreads) {
+    if (head_dim > 256 || head_dim % 16 || heads % kv_heads || heads > 256) return -2;
+    int max_ctx = 1;
+    for (int b = 0; b < B; b++) max_ctx = seq_lens[b] > max_ctx ? seq_lens[b] : max_ctx;
+    pthread_mutex_lock(&step_lock);
+    nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
+    float *scores = malloc((size_t)nthreads * max_ctx * heads * sizeof(float));
+    if (!scores) {
+        pthread_mutex_unlock(&step_lock);
+        return -1;
+    }
+    attn_ctx a = {B, heads, kv_heads, head_dim, block_size, table_stride, nthreads, max_ctx, q, q_stride, out,
+                  scores, k, v, tables, seq_lens};
+    run_parallel(run_attention, &a, nthreads);
+    free(scores);
+    pthread_mutex_unlock(&step_lock);
     return 0;
 }
 

@@ -7,20 +7,29 @@ earlier chunks), which is what chunked prefill and prefix caching need.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from ..metadata import AttentionMetadata
 from .kv_cache import write_kv_ref
 
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
 
 def paged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's new tokens). Writes k/v into the cache, returns [T, H, D]."""
+                        v_cache: torch.Tensor, meta: AttentionMetadata,
+                        decode: DecodeAttention | None = None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's new tokens). Writes k/v into the cache, returns [T, H, D].
+    `decode(q_decodes, k_cache, v_cache, meta)`: another implementation of the decode rows' part (the
+    native CPU one, kernels/cpu); the prefill chunks always take the code here."""
     write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd:
+    if nd and decode is not None:
+        out[:nd] = decode(q[:nd], k_cache, v_cache, meta)
+    elif nd:
         blocks, mask = meta.decode_gather()
         # index_select over whole blocks as rows: one memcpy per block (2-3x faster than advanced indexing).
         rows = (-1, meta.block_size * k_cache[0].numel())

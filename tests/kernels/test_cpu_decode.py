@@ -175,3 +175,38 @@ def test_pack_refuses_scales_that_are_not_fp16():
     assert pack_q4_1(codes, torch.full((2, 1), 0.1), torch.zeros(2, 1)) is None  # 0.1 is not an fp16
     assert pack_q4_1(codes, torch.full((2, 1), 0.125), torch.zeros(2, 1)) is not None
     assert pack_q4_1(torch.zeros(2, 48, dtype=torch.uint8), torch.ones(2, 1), torch.zeros(2, 1)) is None
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 32), (12, 2, 48)])
+def test_native_decode_attention_matches_the_torch_reference(build, heads, kv_heads, head_dim):
+    """kernels.cpu.decode_attention (the torch path's decode rows on a CPU) against paged_attention_ref's
+    own decode branch, on strided queries (a slice of a fused QKV output) and shuffled cache blocks."""
+    from kernels.cpu import decode_attention
+    from kernels.metadata import AttentionMetadata
+    from kernels.reference.paged_attention import paged_attention_ref
+
+    lib = _library(build)
+    gen = torch.Generator().manual_seed(heads)
+    batch, block_size, blocks = 5, 16, 6
+    num_blocks = batch * blocks + 1
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=gen)[:batch * blocks].view(batch, blocks).int()
+    lens = torch.tensor([1, 17, 40, 96, 63], dtype=torch.int32)
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = qkv[:, :heads * head_dim].unflatten(-1, (heads, head_dim))  # strided rows
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].unflatten(-1, (kv_heads, head_dim))
+    v = qkv[:, (heads + kv_heads) * head_dim:].unflatten(-1, (kv_heads, head_dim))
+    pos = (lens - 1).long()
+    slots = tables[torch.arange(batch), pos // block_size].long() * block_size + pos % block_size
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=lens,
+                             query_start_loc=torch.arange(batch + 1, dtype=torch.int32), num_decodes=batch,
+                             block_size=block_size, query_lens_host=[1] * batch, seq_lens_host=lens.tolist(),
+                             max_decode_len=int(lens.max()))
+    want = paged_attention_ref(q, k, v, k_cache, v_cache, meta)  # writes this step's K/V, then attends
+    for threads in (1, 2):
+        got = decode_attention(q, k_cache, v_cache, tables, lens, block_size, threads, lib=lib)
+        # the reference rounds q to bf16 (the cache's dtype) before its bf16 SDPA; the kernel keeps fp32
+        torch.testing.assert_close(got, want, rtol=0, atol=3e-2)
+        assert (got - want).abs().mean() < 3e-3
