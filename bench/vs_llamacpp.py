@@ -72,11 +72,14 @@ def llama_server(binary: Path, slots: int, ctx_per_slot: int, threads: int = 2,
 
 @contextlib.contextmanager
 def llamacpp_python_server(env_dir: Path, threads: int = 2) -> Iterator[tuple[str, int]]:
+    """llama-cpp-python's server with repacking off (bench/llamacpp_norepack.py: the AMX repack crashes it
+    at the first request) and llama.cpp's own OpenMP default, as llama-server's main row."""
     port = free_port()
-    cmd = [str(env_dir / "bin" / "python"), "-m", "llama_cpp.server", "--model", str(default_model_path()),
-           "--model_alias", MODEL, "--n_threads", str(threads), "--n_ctx", "8192", "--interrupt_requests", "False",
-           "--port", str(port)]
-    with managed_server(cmd, f"http://127.0.0.1:{port}/v1/models", {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}) as p:
+    cmd = [str(env_dir / "bin" / "python"), str(ROOT / "bench" / "llamacpp_norepack.py"), "--model",
+           str(default_model_path()), "--model_alias", MODEL, "--n_threads", str(threads), "--n_ctx", "8192",
+           "--interrupt_requests", "False", "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    with managed_server(cmd, f"http://127.0.0.1:{port}/v1/models", env) as p:
         yield f"http://127.0.0.1:{port}/v1", p.pid
 
 
@@ -160,7 +163,12 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             r = merge(results[(name, c)])
             tps, s_tps = r.output_tokens / r.wall, s.output_tokens / s.wall
-            ratio = "" if name == "sluice" else f"{s_tps / tps:.2f}x | {pct(s.ttft, 50) / pct(r.ttft, 50):.2f}x"
+            if name == "sluice":
+                ratio = ""
+            elif tps == 0 or not r.ttft:  # every request failed
+                ratio = "n/a | n/a"
+            else:
+                ratio = f"{s_tps / tps:.2f}x | {pct(s.ttft, 50) / pct(r.ttft, 50):.2f}x"
             print(f"| {c} | {name} | {tps:.1f} | {pct(r.ttft, 50) * 1000:.0f} | {pct(r.ttft, 99) * 1000:.0f} | "
                   f"{rss[(name, c)][1]:.0f} | {ratio or '- | -'} |" + (f" errors {r.errors}" if r.errors else ""))
 
