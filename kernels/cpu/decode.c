@@ -190,12 +190,15 @@ static void run_parallel(job_fn fn, void *arg, int nthreads) {
 
 /* ---- the matmul: y[b, r] = sum_k x[b, k] W[r, k] over Q4_1 rows, in integer dot products ----
  *
- * Each group of 32 inputs is quantised to int16 with its own scale (dx = max|x| / 32767: finer than the
- * bf16 the torch path rounds activations to; int8, as llama.cpp does, flipped greedy near-ties of the
- * reference test), so a group's dot product is integer multiply-adds (`vpdpwssd` / `vpmaddwd`) over
- * the 4-bit codes, scaled once: sum_i (q_i dw + mw) x_i ~= dw dx sum_i q_i xq_i + mw sum_i x_i, the
- * min term with the exact fp32 sum of the group's inputs. Dequantising every weight to fp32 instead
- * made the step compute-bound at a third of the memory bandwidth. */
+ * Each input row is quantised to int16 with one scale (dx = max|x| / 32767: an element 100 times smaller
+ * than the row's largest still keeps ~8 significant bits, what the bf16 the torch path rounds
+ * activations to keeps for every element; int8, as llama.cpp does, flipped greedy near-ties of the
+ * reference test). A group's dot product is then integer multiply-adds (`vpdpwssd` / `vpmaddwd`) over
+ * the 4-bit codes scaled by the group's dw, and the row's dx applies once at the end:
+ * sum_i (q_i dw + mw) x_i ~= dx (sum_g dw_g sum_i q_i xq_i + sum_g mw_g sx_g / dx), the min term with
+ * the exact fp32 sums sx of each group's inputs. Dequantising every weight to fp32 instead made the
+ * step compute-bound at a third of the memory bandwidth; a scale per group of 32 inputs cost one more
+ * multiply per group and row. */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAIRED 1 /* x is laid out per pair of groups: [g0 0-15 | g1 0-15 | g0 16-31 | g1 16-31] */
@@ -207,41 +210,42 @@ static void run_parallel(job_fn fn, void *arg, int nthreads) {
 
 typedef struct {
     int16_t *q; /* [B, K], in the layout the kernel reads */
-    float *dx; /* PAIRED: [B, G / 2 + 1, 16] per-lane scales of each pair; else [B, G] */
-    float *sx; /* [B, G]: exact sums of each group's inputs */
+    float *dx; /* [B]: each row's scale */
+    float *sx; /* [B, G]: exact sums of each group's inputs, divided by the row's dx */
 } qx_t;
 
-/* Rows [b0, b1) and groups [g0, g1) of x [B, K] (threads quantise disjoint parts). */
-static void quantize_x(const float *x, int K, qx_t *qx, int b0, int b1, int g0, int g1) {
+/* Rows [b0, b1) of x [B, K] (threads quantise disjoint rows). */
+static void quantize_x(const float *x, int K, qx_t *qx, int b0, int b1) {
     const int G = K / GROUP;
     for (int b = b0; b < b1; b++) {
-        for (int g = g0; g < g1; g++) {
-            const float *p = x + (size_t)b * K + g * GROUP;
-            float amax = 0, sum = 0;
-            for (int j = 0; j < GROUP; j++) {
-                float a = fabsf(p[j]);
-                amax = a > amax ? a : amax;
-                sum += p[j];
-            }
-            float d = amax / 32767.0f, id = amax > 0 ? 32767.0f / amax : 0.0f;
+        const float *row = x + (size_t)b * K;
+        float amax = 0;
+        for (int i = 0; i < K; i++) {
+            float a = fabsf(row[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 32767.0f, id = amax > 0 ? 32767.0f / amax : 0.0f;
+        qx->dx[b] = d;
+        int16_t *dst = qx->q + (size_t)b * K;
+        for (int g = 0; g < G; g++) {
+            const float *p = row + g * GROUP;
+            float sum = 0;
             int16_t q[GROUP];
-            for (int j = 0; j < GROUP; j++) q[j] = (int16_t)lrintf(p[j] * id);
-            int16_t *dst = qx->q + (size_t)b * K;
-            qx->sx[(size_t)b * G + g] = sum;
+            for (int j = 0; j < GROUP; j++) {
+                sum += p[j];
+                q[j] = (int16_t)lrintf(p[j] * id);
+            }
+            qx->sx[(size_t)b * G + g] = sum * id;
 #if PAIRED
             if (g == G - 1 && G % 2) { /* an odd last group: natural order, read by the scalar tail */
                 memcpy(dst + g * GROUP, q, sizeof q);
-                qx->dx[((size_t)b * (G / 2 + 1) + g / 2) * 16] = d;
                 continue;
             }
             int16_t *pair = dst + (g / 2) * 2 * GROUP;
             memcpy(pair + (g % 2) * 16, q, 16 * sizeof(int16_t));
             memcpy(pair + 32 + (g % 2) * 16, q + 16, 16 * sizeof(int16_t));
-            float *lanes = qx->dx + ((size_t)b * (G / 2 + 1) + g / 2) * 16;
-            for (int j = 0; j < 8; j++) lanes[(g % 2) * 8 + j] = d;
 #else
             memcpy(dst + g * GROUP, q, sizeof q);
-            qx->dx[(size_t)b * G + g] = d;
 #endif
         }
     }
@@ -262,7 +266,7 @@ static inline __attribute__((always_inline)) void q4_rows(const q4_matrix *w, in
         const uint16_t *dw = w->d + (size_t)r * G, *mw = w->m + (size_t)r * G;
         float out[ROWS_PER_PASS] = {0};
 #if PAIRED
-        const int P = G / 2, stride = P + 1;
+        const int P = G / 2;
         __m512 acc[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
         const __m256i low = _mm256_set1_epi8(0xf);
@@ -283,8 +287,7 @@ static inline __attribute__((always_inline)) void q4_rows(const q4_matrix *w, in
                 __m512i s = _mm512_add_epi32(_mm512_madd_epi16(wlo, _mm512_loadu_si512(xq)),
                                              _mm512_madd_epi16(whi, _mm512_loadu_si512(xq + 32)));
 #endif
-                __m512 sc = _mm512_mul_ps(dwv, _mm512_loadu_ps(qx->dx + ((size_t)b * stride + p) * 16));
-                acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[b]);
+                acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dwv, acc[b]);
             }
         }
         for (int g = 0; g < G; g += 16) { /* the min term, sum_g mw[g] * sx[g], in the same accumulators */
@@ -297,7 +300,7 @@ static inline __attribute__((always_inline)) void q4_rows(const q4_matrix *w, in
         if (G % 2)
             for (int b = 0; b < nb; b++)
                 out[b] += q4_group_scalar(qs + (G - 1) * 16, qx->q + (size_t)b * K + (G - 1) * GROUP) *
-                          fp16_to_f32(dw[G - 1]) * qx->dx[((size_t)b * stride + P) * 16];
+                          fp16_to_f32(dw[G - 1]);
 #elif defined(__AVX2__) && defined(__FMA__)
         __m256 acc[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
@@ -311,7 +314,7 @@ static inline __attribute__((always_inline)) void q4_rows(const q4_matrix *w, in
                 const int16_t *xq = qx->q + (size_t)b * K + g * GROUP;
                 __m256i s = _mm256_add_epi32(_mm256_madd_epi16(wlo, _mm256_loadu_si256((const __m256i *)xq)),
                                              _mm256_madd_epi16(whi, _mm256_loadu_si256((const __m256i *)(xq + 16))));
-                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * qx->dx[(size_t)b * G + g]), acc[b]);
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d), acc[b]);
             }
         }
         int g8 = 0;
@@ -331,12 +334,12 @@ static inline __attribute__((always_inline)) void q4_rows(const q4_matrix *w, in
         for (int g = 0; g < G; g++) {
             float d = fp16_to_f32(dw[g]);
             for (int b = 0; b < nb; b++)
-                out[b] += q4_group_scalar(qs + g * 16, qx->q + (size_t)b * K + g * GROUP) * d * qx->dx[(size_t)b * G + g];
+                out[b] += q4_group_scalar(qs + g * 16, qx->q + (size_t)b * K + g * GROUP) * d;
         }
         for (int g = 0; g < G; g++) /* the min term */
             for (int b = 0; b < nb; b++) out[b] += fp16_to_f32(mw[g]) * qx->sx[(size_t)b * G + g];
 #endif
-        for (int b = 0; b < nb; b++) y[(size_t)b * ldy + r] = out[b];
+        for (int b = 0; b < nb; b++) y[(size_t)b * ldy + r] = out[b] * qx->dx[b];
     }
 }
 
@@ -348,8 +351,7 @@ static void matmul(const q4_matrix *w, int N, int K, const qx_t *qx, int B, floa
     const int G = K / GROUP;
     for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {
         int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
-        qx_t part = {qx->q + (size_t)b0 * K, qx->dx + (size_t)b0 * (PAIRED ? (G / 2 + 1) * 16 : G),
-                     qx->sx + (size_t)b0 * G};
+        qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G};
         float *yb = y + (size_t)b0 * N;
         switch (nb) { /* a constant nb per call: the compiler keeps each row's accumulator in a register */
             case 1: q4_rows(w, K, r0, r1, &part, 1, yb, N); break;
@@ -636,9 +638,8 @@ static void run_step(void *arg, int tid) {
     const int q_n = dm->heads * D, kv_n = Hkv * D, qkv_n = q_n + 2 * kv_n;
     if (tid >= nt) return;
     float *scores = c->scores + (size_t)tid * c->max_ctx * dm->heads;
-    int b0, b1, ga0, ga1, gi0, gi1; /* my sequences; my groups of the attention output and of the MLP */
+    int b0, b1, gi0, gi1; /* my sequences; my groups of the MLP's activations */
     span(B, tid, nt, &b0, &b1);
-    span(q_n / GROUP, tid, nt, &ga0, &ga1);
     span(I / GROUP, tid, nt, &gi0, &gi1);
     for (int l = 0; l < dm->layers; l++) {
         const layer_weights *lw = c->layers + l;
@@ -648,7 +649,7 @@ static void run_step(void *arg, int tid) {
                 for (int i = 0; i < H; i++) xb[i] += c->h[(size_t)b * H + i];
             rms_norm_rows(xb, lw->attn_norm, c->h + (size_t)b * H, 1, H, dm->eps);
         }
-        quantize_x(c->h, H, &c->qx, b0, b1, 0, H / GROUP);
+        quantize_x(c->h, H, &c->qx, b0, b1);
         barrier(nt);
         matmul(&lw->qkv, qkv_n, H, &c->qx, B, c->qkv, tid, nt);
         barrier(nt);
@@ -673,7 +674,7 @@ static void run_step(void *arg, int tid) {
                    c->att + (size_t)b * q_n);
         }
         barrier(nt);
-        quantize_x(c->att, q_n, &c->qx, 0, B, ga0, ga1);
+        quantize_x(c->att, q_n, &c->qx, b0, b1);
         barrier(nt);
         matmul(&lw->o, H, q_n, &c->qx, B, c->h, tid, nt);
         barrier(nt);
@@ -682,7 +683,7 @@ static void run_step(void *arg, int tid) {
             for (int i = 0; i < H; i++) xb[i] += c->h[(size_t)b * H + i];
             rms_norm_rows(xb, lw->mlp_norm, c->h + (size_t)b * H, 1, H, dm->eps);
         }
-        quantize_x(c->h, H, &c->qx, b0, b1, 0, H / GROUP);
+        quantize_x(c->h, H, &c->qx, b0, b1);
         barrier(nt);
         matmul(&lw->gate_up, 2 * I, H, &c->qx, B, c->gu, tid, nt);
         barrier(nt);
@@ -691,7 +692,8 @@ static void run_step(void *arg, int tid) {
             float *a = c->act + (size_t)b * I;
             for (int i = gi0 * GROUP; i < gi1 * GROUP; i++) a[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
         }
-        quantize_x(c->act, I, &c->qx, 0, B, gi0, gi1);
+        barrier(nt);
+        quantize_x(c->act, I, &c->qx, b0, b1);
         barrier(nt);
         matmul(&lw->down, H, I, &c->qx, B, c->h, tid, nt);
         barrier(nt);
@@ -733,7 +735,7 @@ static int decode_locked(const dims *dm, const layer_weights *layers, int B, flo
     for (int b = 0; b < B; b++) max_ctx = seq_lens[b] > max_ctx ? seq_lens[b] : max_ctx;
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
     const int kmax = H > q_n ? (H > I ? H : I) : (q_n > I ? q_n : I), gmax = kmax / GROUP;
-    size_t floats = (size_t)B * (H + qkv_n + q_n + 2 * I + I + (gmax / 2 + 1) * 16 + gmax + kmax / 2) +
+    size_t floats = (size_t)B * (H + qkv_n + q_n + 2 * I + I + 1 + gmax + kmax / 2) +
                     (size_t)nthreads * max_ctx * dm->heads;
     float *buf = malloc(floats * sizeof(float));
     if (!buf) return -1;
@@ -746,7 +748,7 @@ static int decode_locked(const dims *dm, const layer_weights *layers, int B, flo
     c.att = p, p += (size_t)B * q_n;
     c.gu = p, p += (size_t)B * 2 * I;
     c.act = p, p += (size_t)B * I;
-    c.qx.dx = p, p += (size_t)B * (gmax / 2 + 1) * 16;
+    c.qx.dx = p, p += (size_t)B;
     c.qx.sx = p, p += (size_t)B * gmax;
     c.qx.q = (int16_t *)p, p += (size_t)B * kmax / 2;
     c.scores = p;
