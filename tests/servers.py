@@ -16,29 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from bench.server import free_port, wait_ready
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http_ok(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 300) -> None:
     """Returns once `url` answers 200; raises with the end of the server's log if it exits or times out."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited:\n{log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"not ready after {timeout} s:\n{log_path.read_text()[-3000:]}")
+    try:
+        wait_ready(url, timeout, proc)
+    except (RuntimeError, TimeoutError) as e:
+        raise RuntimeError(f"{e}:\n{log_path.read_text()[-3000:]}") from None
 
 
 class RealGateway:

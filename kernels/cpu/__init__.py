@@ -106,8 +106,6 @@ class DecodeStep:
         if lib is None:
             raise RuntimeError("the fused CPU decode step could not be built (see the log)")
         self._fn = lib.sluice_decode_step
-        self._fn.restype = ctypes.c_int
-        lib.sluice_decode_isa.restype = ctypes.c_char_p
         self.isa: str = lib.sluice_decode_isa().decode()  # avx512-vnni, avx512, avx2 or scalar
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), block_size, eps)
         self._layers = layers  # keeps the tensors that the structs point to alive
@@ -164,13 +162,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty(b, heads, d)
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    fn = lib.sluice_decode_attention
-    fn.restype = ctypes.c_int
-    rc = fn(ctypes.c_int(b), ctypes.c_int(heads), ctypes.c_int(k_cache.shape[1]), ctypes.c_int(d),
-            ctypes.c_void_p(q.data_ptr()), ctypes.c_int64(q.stride(0)), ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_void_p(k_cache.data_ptr()), ctypes.c_void_p(v_cache.data_ptr()), ctypes.c_int(block_size),
-            ctypes.c_void_p(tables.data_ptr()), ctypes.c_int(tables.shape[1]), ctypes.c_void_p(lens.data_ptr()),
-            ctypes.c_int(threads))
+    rc = lib.sluice_decode_attention(
+        ctypes.c_int(b), ctypes.c_int(heads), ctypes.c_int(k_cache.shape[1]), ctypes.c_int(d),
+        ctypes.c_void_p(q.data_ptr()), ctypes.c_int64(q.stride(0)), ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_void_p(k_cache.data_ptr()), ctypes.c_void_p(v_cache.data_ptr()), ctypes.c_int(block_size),
+        ctypes.c_void_p(tables.data_ptr()), ctypes.c_int(tables.shape[1]), ctypes.c_void_p(lens.data_ptr()),
+        ctypes.c_int(threads))
     if rc != 0:
         raise RuntimeError(f"native decode attention failed ({'out of memory' if rc == -1 else 'bad shapes'})")
     return out

@@ -1,6 +1,5 @@
 """`python -m kernels.cpu`: builds (or finds) this machine's fused decode step now, as `make install` does."""
 
-import ctypes
 import logging
 
 from .build import cache_dir, load
@@ -10,5 +9,4 @@ lib = load()
 if lib is None:
     print("fused CPU decode step: not built (see above); the engine will use its torch path")
 else:
-    lib.sluice_decode_isa.restype = ctypes.c_char_p
     print(f"fused CPU decode step: {lib.sluice_decode_isa().decode()} build in {cache_dir()}")

@@ -84,7 +84,11 @@ def compile_library(arch: tuple[str, ...]) -> ctypes.CDLL | None:
                     return None
                 os.replace(out, target)
             log.info("fused CPU decode step built: %s", target)
-        return ctypes.CDLL(str(target))
+        lib = ctypes.CDLL(str(target))
+        for fn in (lib.sluice_decode_step, lib.sluice_decode_attention):
+            fn.restype = ctypes.c_int  # (ctypes' default; said once here rather than per call)
+        lib.sluice_decode_isa.restype = ctypes.c_char_p
+        return lib
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("fused CPU decode step unavailable (%s); using the torch path", e)
         return None

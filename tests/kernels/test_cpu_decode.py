@@ -158,8 +158,8 @@ def test_fused_step_matches_a_float64_reference(build, config, batch):
 
 
 def test_builds_take_their_code_paths():
-    names = {build: DecodeStep(**TinyModel(**CONFIGS["even-groups"]).dims, block_size=4,
-                               layers=TinyModel(**CONFIGS["even-groups"]).blocks, cos=torch.zeros(8, 16),
+    model = TinyModel(**CONFIGS["even-groups"])
+    names = {build: DecodeStep(**model.dims, block_size=4, layers=model.blocks, cos=torch.zeros(8, 16),
                                sin=torch.zeros(8, 16), lib=cpu_build.compile_library(flags)).isa
              for build, flags in BUILDS.items() if build != "avx2" or {"avx2", "fma", "f16c"} <= _cpu_flags()}
     assert names["plain"] == "scalar"
