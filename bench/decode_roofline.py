@@ -6,8 +6,8 @@ here, in this process, just before.
 
 Breakdown of a step (wall time, without the profiler): the forward (`ModelRunner._forward`), sampling
 (`sample`), and the rest of `LLMEngine.step` (scheduling, output processing, Python). The forward is
-split by a second, profiled run of the same steps into its ops' own time (and the fused CPU decode
-step's wall time, one native call the profiler cannot see into): linear layers (matmuls),
+split by a second, profiled run of the same steps into its ops' own time (and the native CPU forward
+step's wall time, one call the profiler cannot see into): linear layers (matmuls),
 attention (KV write, gather and the attention kernel), norms/rotary/activation (elementwise), and
 the rest of the forward (other ops, dispatch and Python between ops).
 
@@ -52,14 +52,14 @@ def read_bandwidth(nbytes: int = 512 * 2**20) -> float:
 
 
 def weight_bytes(engine: LLMEngine, batch: int) -> int:
-    """Bytes of weights a decode step of `batch` rows reads (the fused step's Q4_1 matrices, or packed
+    """Bytes of weights a decode step of `batch` rows reads (the native step's 4-bit matrices, or packed
     or dense as the model's plan says)."""
     m = engine.runner.model
     layers_packed = m.layer_plan.for_rows(batch).packed if m.layer_plan else False
     head = m.lm_head_fast or m.lm_head  # the output layer actually read each step
     head_packed = m.head_plan.for_rows(batch).packed if m.head_plan and m.lm_head_fast else False
-    if m.fused is not None and batch <= m.fused_max_rows:
-        return head.nbytes(head_packed) + m.fused.nbytes()
+    if m.native is not None:
+        return head.nbytes(head_packed) + m.native.nbytes()
     return head.nbytes(head_packed) + sum(lin.nbytes(layers_packed) for lin in m.linears())
 
 
@@ -73,9 +73,9 @@ class Timers:
         self._sample = model_runner.sample
         runner._forward = self._timed("forward", self._forward)  # type: ignore[method-assign]
         model_runner.sample = self._timed("sampling", self._sample)
-        if runner.model.fused is not None:  # one native call: the profiler sees no ops inside it
-            fused = runner.model.fused
-            fused.run = self._timed("fused", fused.run)  # type: ignore[method-assign]
+        if runner.model.native is not None:  # one native call: the profiler sees no ops inside it
+            native = runner.model.native
+            native.run = self._timed("native", native.run)  # type: ignore[method-assign]
 
     def _timed(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -128,9 +128,10 @@ def main(argv: list[str] | None = None) -> None:
           + (f" + int4 for steps of <= {runner.int4_max_rows} tokens" if runner.int4 else "")
           + f"; KV cache {str(runner.kv_dtype).removeprefix('torch.')}")
     m = runner.model
-    if m.fused is not None:
-        print(f"fused CPU decode step ({m.fused.isa}, {m.fused_threads} threads) for decode batches of up to "
-              f"{m.fused_max_rows}; its Q4_1 weights {m.fused.nbytes() / 2**20:.0f} MiB")
+    if m.native is not None:
+        amx = f"AMX matmuls from {m.amx_min_rows} rows" if m.amx_min_rows else "no AMX matmuls"
+        print(f"native CPU forward step ({m.native.isa}, {m.native_threads} threads) for every step; {amx}; "
+              f"its 4-bit weights {m.native.nbytes() / 2**20:.0f} MiB")
     if m.layer_plan is not None and m.head_plan is not None:
         print(f"CPU step plan (weights/threads by step size): layers {m.layer_plan.describe()}; "
               f"output layer {m.head_plan.describe()}")
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         step = (time.perf_counter() - t) / a.steps
         assert len(engine.scheduler.running) == b and not engine.num_waiting  # all b decoded every step
         fwd, smp = timers.t["forward"] / a.steps, timers.t["sampling"] / a.steps
-        fused = timers.t["fused"] / a.steps
+        native = timers.t["native"] / a.steps
         ops = op_times(engine, a.steps)
         wbytes = weight_bytes(engine, b)
         kv = b * (a.context + a.steps) * runner.kv_bytes_per_token
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"batch {b:3d}: step {step * 1000:7.1f} ms  {b / step:7.1f} tok/s   reads {(wbytes + kv) / 2**20:5.0f} MiB "
               f"(weights {wbytes / 2**20:.0f})  bound {bound * 1000:6.1f} ms   fraction of bound {bound / step:5.2f}   "
               f"step / weight-read time {step / (wbytes / bw):5.1f}x")
-        parts = {"fused layers (kernels/cpu)": fused} if fused else {}
+        parts = {"native layers (kernels/cpu)": native} if native else {}
         parts.update({k: ops.get(k, 0.0) for k in CATEGORIES})
         parts["other ops + dispatch in forward"] = max(0.0, fwd - sum(parts.values()))
         parts["sampling"] = smp

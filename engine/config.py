@@ -29,10 +29,13 @@ class EngineConfig:
     # reads against float32, which matches the reference implementation to ~1e-4.
     weight_dtype: str = "auto"
     int4_max_batch: int | None = None  # int4 only: largest step (tokens) on the 4-bit path; None: measured at start
-    # CPU, 4-bit model, bf16 KV cache: decode steps of up to this many sequences run as one native call
-    # (kernels/cpu/decode.c, built at first use with the machine's C compiler). None: measured at start
-    # against the torch path; 0: off.
-    fused_decode_max_batch: int | None = None
+    # CPU, 4-bit model (GGUF Q4_0/Q4_1), bf16 KV cache: every step, decodes and prefill chunks alike, runs
+    # as one native call over the file's 4-bit blocks (kernels/cpu/forward.c, built at first use with the
+    # machine's C compiler); the layers then hold no dense copy. false: the torch path (int4 + bf16).
+    native_cpu_step: bool = True
+    # Native step, CPUs with AMX: steps of at least this many tokens multiply on AMX tiles (bf16), smaller
+    # ones in int16 dot products. None: measured at start; 0: never.
+    amx_min_rows: int | None = None
     # KV cache; auto: bfloat16 on a CPU when the weights are bf16/int4 (half the memory and bytes read),
     # else the activation dtype. Pages of the pool are only resident once written.
     kv_cache_dtype: str = "auto"
@@ -83,7 +86,7 @@ class EngineConfig:
         if self.weight_dtype not in ("auto", "float32", "bfloat16", "float16", "int4"):
             raise EngineConfigError(
                 f"weight_dtype must be auto, float32, bfloat16, float16 or int4, got {self.weight_dtype!r}")
-        for name in ("int4_max_batch", "fused_decode_max_batch"):
+        for name in ("int4_max_batch", "amx_min_rows"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise EngineConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.priority_aging_s <= 0:

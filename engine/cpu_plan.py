@@ -136,22 +136,22 @@ def measure_plan(run: Callable[[int, bool], Callable[[], object]], max_threads: 
     return Plan(tuple(kept_rows), tuple(kept), above), times
 
 
-def fused_max_rows(time_step: Callable[[int, bool], float], rows: Sequence[int] = ROW_CANDIDATES) -> tuple[
+def amx_min_rows(time_step: Callable[[int, bool], float], rows: Sequence[int] = ROW_CANDIDATES) -> tuple[
         int, dict[int, tuple[float, float]]]:
-    """The largest decode step (rows) up to which the fused native step (kernels/cpu) beats the torch
-    path: `time_step(rows, fused)` times one step either way. Stops once torch wins twice in a row.
-    Returns that row count (0: never) and the times {rows: (fused, torch)} for the log."""
-    best, losses = 0, 0
+    """The smallest step (rows) from which the native step's AMX matmul beats its int16 one at every larger
+    size measured: `time_step(rows, amx)` times one step either way. Stops once AMX has won twice in a
+    row. Returns that row count (0: AMX never won) and the times {rows: (amx, int16)} for the log."""
+    first, wins = 0, 0
     times: dict[int, tuple[float, float]] = {}
     with torch.inference_mode():
         for m in rows:
-            fused = min(time_step(m, True) for _ in range(2))
-            eager = min(time_step(m, False) for _ in range(2))
-            times[m] = (fused, eager)
-            if fused < eager:
-                best, losses = m, 0
-            else:
-                losses += 1
-                if losses >= 2:
+            amx = min(time_step(m, True) for _ in range(2))
+            int16 = min(time_step(m, False) for _ in range(2))
+            times[m] = (amx, int16)
+            if amx < int16:
+                first, wins = first or m, wins + 1
+                if wins >= 2:
                     break
-    return best, times
+            else:
+                first, wins = 0, 0
+    return first, times

@@ -172,11 +172,13 @@ class LayerWeights:
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, weights: MutableMapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, weight_dtype: torch.dtype | None = None, deterministic: bool = False,
-                 q4_blocks: MutableMapping[str, Q4Blocks] | None = None, fused_decode: int = 0):
+                 q4_blocks: MutableMapping[str, Q4Blocks] | None = None, native_block_size: int = 0):
         """q4_blocks: the file's 4-bit weights, for small steps (CPU only; see `Linear`); with them the
-        output layer also gets an int8 copy for small steps. `fused_decode`: the KV cache's block size, to
-        also bind the layers to the fused CPU decode step (kernels/cpu; 0: not). Consumes `weights` and
-        `q4_blocks`: each layer's entries are removed from both once the layer is built."""
+        output layer also gets an int8 copy for small steps. `native_block_size`: the KV cache's block
+        size, to run every step through the native CPU forward step (kernels/cpu) when every layer has
+        4-bit blocks it reads; the layers then get no dense or torch int4 copy at all (0: the torch
+        path). Consumes `weights` and `q4_blocks`: each layer's entries are removed from both once the
+        layer is built."""
         super().__init__()
         self.args = args
         wdt = weight_dtype or dtype
@@ -198,7 +200,7 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(lm_head, None, dtype, det)
         # (Not in deterministic mode: the output layer stays one full-precision batch-invariant matmul.)
         use_q4 = bool(q4_blocks) and int4_available(device) and not det
-        q4_used = False
+        self.cos, self.sin = rope_tables(args, device)
 
         def q4(name: str) -> Q4Blocks | None:
             """The 4-bit blocks of a weight, if it has them and they still match the weight given (a caller
@@ -209,9 +211,25 @@ class LlamaModel(nn.Module):
             b = q4_blocks[name]
             return b if weights[name].shape == b[0].shape and _q4_matches(b, weights[name]) else None
 
+        def drop_layer(i: int) -> None:
+            """The layer's source tensors are not needed any more: freeing them as we go keeps the peak
+            memory of loading near the model's own size instead of the loader's plus the model's."""
+            p = f"model.layers.{i}."
+            for name in [n for n in weights if n.startswith(p)]:
+                del weights[name]
+                if q4_blocks is not None:
+                    q4_blocks.pop(name, None)
+
+        # The whole forward in one native call (kernels/cpu), where every layer has 4-bit blocks it reads.
+        self.native: cpu_kernels.ForwardStep | None = None
+        if (native_block_size and use_q4 and dtype == torch.float32 and q4_blocks is not None
+                and self._native_fits(args, q4_blocks) and cpu_kernels.available()):
+            self.native = self._native_step(args, weights, q4, drop_layer, native_block_size)
+        self.amx_min_rows = 0  # native steps of at least this many rows multiply on AMX (engine/model_runner.py)
+        self.native_threads = 1
         self.layers: list[LayerWeights] = []
-        fused_layers: list[cpu_kernels.LayerBlocks | None] = []
-        for i in range(args.num_layers):
+        q4_used = self.native is not None
+        for i in range(args.num_layers if self.native is None else 0):
             p = f"model.layers.{i}."
             blocks = {name: _fused_blocks([q4(p + n) for n in names]) for name, names in LAYER_LINEARS.items()}
             q4_used = q4_used or any(b is not None for b in blocks.values())
@@ -228,39 +246,50 @@ class LlamaModel(nn.Module):
                 gate_up=Linear(gate_up, None, wdt, det, packed=gate_up4),
                 down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det, packed=down4),
             ))
-            if fused_decode and use_q4:
-                fused_layers.append(self._fused_layer(self.layers[-1], blocks))
-            # The layer's source tensors are not needed any more: freeing them as we go keeps the peak
-            # memory of loading near the model's own size instead of the loader's plus the model's.
-            for name in [n for n in weights if n.startswith(p)]:
-                del weights[name]
-                if q4_blocks is not None:
-                    q4_blocks.pop(name, None)
+            drop_layer(i)
         head8 = Int8Weight(lm_head) if q4_used and wdt != dtype and int8_available(device) else None
         self.lm_head_fast = Linear(lm_head, None, wdt, packed=head8) if wdt != dtype and not det else None
-        self.cos, self.sin = rope_tables(args, device)
-        # The whole decode step in one native call (kernels/cpu), where every layer has its 4-bit blocks.
-        self.fused: cpu_kernels.DecodeStep | None = None
-        if fused_decode and q4_used and dtype == torch.float32 and all(fused_layers) and cpu_kernels.available():
-            self.fused = cpu_kernels.DecodeStep(
-                hidden=args.hidden_size, heads=args.num_heads, kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                inter=args.intermediate_size, eps=args.rms_norm_eps, block_size=fused_decode,
-                layers=[lw for lw in fused_layers if lw is not None], cos=self.cos, sin=self.sin)
-        self.fused_max_rows = 0  # pure decode steps of up to this many rows take `fused` (plan_cpu_steps)
-        self.fused_threads = 1
         # Per step size: packed or dense weights, and threads (CPU; engine/cpu_plan.py). None: leave
         # both alone (GPU, deterministic mode, or before `plan_cpu_steps`).
         self.layer_plan: Plan | None = None
         self.head_plan: Plan | None = None
 
     @staticmethod
-    def _fused_layer(layer: LayerWeights, blocks: dict[str, Q4Blocks | None]) -> cpu_kernels.LayerBlocks | None:
-        """A layer as the fused CPU step reads it (GGML Q4_1 blocks), or None if a weight has no exact blocks."""
-        packed = {name: None if b is None else cpu_kernels.pack_q4_1(*b) for name, b in blocks.items()}
-        if any(b is None for b in packed.values()):
-            return None
-        return cpu_kernels.LayerBlocks(attn_norm=layer.attn_norm, mlp_norm=layer.mlp_norm,
-                                       qkv_bias=layer.qkv.bias, **packed)  # type: ignore[arg-type]
+    def _native_fits(args: ModelArgs, q4_blocks: MutableMapping[str, Q4Blocks]) -> bool:
+        """Every linear weight of every layer has 4-bit blocks, and the shapes are ones the kernel takes
+        (checked before anything is built, so a model it cannot run gets the torch path whole)."""
+        q_n, kv_n = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        shapes_ok = (args.hidden_size % 32 == 0 and args.intermediate_size % 32 == 0 and q_n % 32 == 0
+                     and (q_n + 2 * kv_n) % 16 == 0 and args.head_dim % 16 == 0 and args.head_dim <= 256
+                     and args.num_heads % args.num_kv_heads == 0 and args.num_heads <= 256)
+        return shapes_ok and all(f"model.layers.{i}.{n}" in q4_blocks for i in range(args.num_layers)
+                                 for names in LAYER_LINEARS.values() for n in names)
+
+    def _native_step(self, args: ModelArgs, weights: MutableMapping[str, torch.Tensor],
+                     q4: Callable[[str], Q4Blocks | None], drop_layer: Callable[[int], None],
+                     block_size: int) -> cpu_kernels.ForwardStep | None:
+        """The layers packed for the native forward step (their entries dropped as each is packed), or
+        None when a weight's blocks do not match it (nothing dropped then: the torch path builds it)."""
+        layers: list[cpu_kernels.LayerBlocks] = []
+        for i in range(args.num_layers):
+            p = f"model.layers.{i}."
+            blocks = {name: _fused_blocks([q4(p + n) for n in names]) for name, names in LAYER_LINEARS.items()}
+            packed = {name: None if b is None else cpu_kernels.pack_q4_1(*b) for name, b in blocks.items()}
+            if any(b is None for b in packed.values()):
+                if i:
+                    raise RuntimeError(f"layer {i}'s 4-bit blocks do not match its weights (the layers before it "
+                                       "matched); the model file is inconsistent")
+                return None
+            bias = (torch.cat([weights[p + f"self_attn.{n}_proj.bias"].float() for n in "qkv"])
+                    if args.attention_bias else None)
+            layers.append(cpu_kernels.LayerBlocks(
+                attn_norm=weights[p + "input_layernorm.weight"],
+                mlp_norm=weights[p + "post_attention_layernorm.weight"], qkv_bias=bias, **packed))  # type: ignore[arg-type]
+            drop_layer(i)
+        return cpu_kernels.ForwardStep(
+            hidden=args.hidden_size, heads=args.num_heads, kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+            inter=args.intermediate_size, eps=args.rms_norm_eps, block_size=block_size, layers=layers,
+            cos=self.cos, sin=self.sin)
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -286,7 +315,11 @@ class LlamaModel(nn.Module):
                     lin(xs[lin.weight.shape[1]], packed)
             return run
 
-        self.layer_plan, layer_times = measure_plan(layers, max_threads, can_pack, packed_max_rows)
+        layer_times: dict[int, dict[str, float]] = {}
+        if lins:
+            self.layer_plan, layer_times = measure_plan(layers, max_threads, can_pack, packed_max_rows)
+        else:  # the native step runs the layers: only the output layer to plan
+            self.layer_plan = Plan.fixed(max_threads)
         head = self.lm_head_fast
         if head is None:
             self.head_plan = Plan.fixed(max_threads)
@@ -335,18 +368,20 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def hidden(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-               meta: AttentionMetadata, logits_indices: torch.Tensor, fused: bool | None = None,
-               num_layers: int | None = None) -> torch.Tensor:
+               meta: AttentionMetadata, logits_indices: torch.Tensor, num_layers: int | None = None,
+               amx_min_rows: int | None = None) -> torch.Tensor:
         """The final normalised hidden states at `logits_indices` ([n, hidden]): what `logits` multiplies.
-        `fused`: take (True) or avoid (False) the fused CPU decode step; None: as planned (decode steps of
-        up to `fused_max_rows` rows). `num_layers`: only the first layers (timing at start)."""
+        `num_layers`: only the first layers; `amx_min_rows`: the native step's AMX threshold for this
+        call (both for timing at start)."""
         a = self.args
         rows = token_ids.shape[0]
-        if fused is None:
-            fused = rows <= self.fused_max_rows
-        if (fused and self.fused is not None and meta.num_decodes == rows and kv_cache.dtype == torch.bfloat16):
-            x = self.fused.run(self.embed[token_ids], positions, meta.slot_mapping, meta.block_tables,
-                               meta.seq_lens, kv_cache, self.fused_threads, num_layers)
+        if self.native is not None:
+            # Row -> its sequence's block table: the metadata lists each sequence's rows together.
+            row_seq = torch.repeat_interleave(torch.arange(len(meta.query_lens_host), dtype=torch.int32),
+                                              torch.tensor(meta.query_lens_host), output_size=rows)
+            x = self.native.run(self.embed[token_ids], positions, meta.slot_mapping, meta.block_tables, row_seq,
+                                kv_cache, self.native_threads,
+                                self.amx_min_rows if amx_min_rows is None else amx_min_rows, num_layers)
             return rms_norm(x[logits_indices], self.norm, a.rms_norm_eps)
         packed = self._use(self.layer_plan, rows)
         x = self.embed[token_ids]

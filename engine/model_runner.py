@@ -15,7 +15,7 @@ import torch
 from kernels import AttentionMetadata
 
 from .config import EngineConfig
-from .cpu_plan import ROW_CANDIDATES, fused_max_rows
+from .cpu_plan import ROW_CANDIDATES, amx_min_rows
 from .cuda_graphs import DecodeGraphs
 from .guide import Guides
 from .loader import LoadedModel
@@ -25,10 +25,10 @@ from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-# What the start-up timing of the fused decode step runs: a few layers (the time per layer is what
-# matters, both paths repeat it per layer) and a chat-sized context.
-FUSED_TIMING_LAYERS = 3
-FUSED_TIMING_CONTEXT = 256
+# What the start-up timing of the native step's two matmuls runs: a few layers (the time per layer is
+# what matters, both repeat it per layer) and a chat-sized context.
+NATIVE_TIMING_LAYERS = 3
+NATIVE_TIMING_CONTEXT = 256
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -100,11 +100,11 @@ class ModelRunner:
         self.weight_dtype = pick_weight_dtype(config)
         self.int4 = use_int4(config, loaded, self.device)
         self.kv_dtype = pick_kv_dtype(config, self.device, self.dtype, self.weight_dtype)
-        fused = (self.int4 and self.kv_dtype == torch.bfloat16 and self.dtype == torch.float32
-                 and config.fused_decode_max_batch != 0)
+        native = (self.int4 and self.kv_dtype == torch.bfloat16 and self.dtype == torch.float32
+                  and config.native_cpu_step)
         self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, self.weight_dtype,
                                 deterministic=config.deterministic, q4_blocks=loaded.q4_blocks if self.int4 else None,
-                                fused_decode=config.block_size if fused else 0)
+                                native_block_size=config.block_size if native else 0)
         self.int4_max_rows = 0  # steps of up to this many tokens read the 4-bit weights
         if self.device.type == "cpu" and not config.deterministic:
             self._plan_cpu_steps()
@@ -120,8 +120,8 @@ class ModelRunner:
         self.kv_cache = kv_pool((args.num_layers, 2, (num_blocks + 1) * self.block_size, args.num_kv_heads,
                                  args.head_dim), self.kv_dtype, self.device)
         self.kv_bytes_per_token = kv_bytes_per_token
-        if self.model.fused is not None:
-            self._plan_fused()
+        if self.model.native is not None:
+            self._plan_native()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and not config.deterministic:
@@ -139,33 +139,37 @@ class ModelRunner:
         times = model.plan_cpu_steps(threads, forced)
         assert model.layer_plan is not None and model.head_plan is not None
         self.int4_max_rows = model.layer_plan.packed_max_rows() if forced is None else forced
-        log.info("CPU steps (%d threads): layers %s; output layer %s", threads, model.layer_plan.describe(),
-                 model.head_plan.describe())
+        layers = "native step" if model.native is not None else model.layer_plan.describe()
+        log.info("CPU steps (%d threads): layers %s; output layer %s", threads, layers, model.head_plan.describe())
         log.debug("CPU step timings: %s", times)
 
-    def _plan_fused(self) -> None:
-        """Up to which decode batch the fused native step runs (configured, or timed against the torch
-        path on the first layers with a synthetic context, both at this process's thread count)."""
+    def _plan_native(self) -> None:
+        """From how many rows the native step multiplies on AMX tiles (configured, or timed against its
+        int16 matmul on the first layers with a synthetic context, at this process's thread count)."""
         model, cfg = self.model, self.config
-        assert model.fused is not None
-        model.fused_threads = torch.get_num_threads()
-        if cfg.fused_decode_max_batch is not None:
-            model.fused_max_rows = cfg.fused_decode_max_batch
+        assert model.native is not None
+        model.native_threads = torch.get_num_threads()
+        if not model.native.amx:
+            model.amx_min_rows = 0
+        elif cfg.amx_min_rows is not None:
+            model.amx_min_rows = cfg.amx_min_rows
         else:
-            blocks = -(-FUSED_TIMING_CONTEXT // self.block_size)
+            blocks = -(-NATIVE_TIMING_CONTEXT // self.block_size)
             rows = [r for r in ROW_CANDIDATES if r <= cfg.max_running_requests and r * blocks <= self.num_blocks]
 
-            def time_step(b: int, fused: bool) -> float:
-                step = self._synthetic_decode(b, FUSED_TIMING_CONTEXT)
+            def time_step(b: int, amx: bool) -> float:
+                step = self._synthetic_decode(b, NATIVE_TIMING_CONTEXT)
                 t = time.perf_counter()
-                self.model.hidden(*step, fused=fused, num_layers=FUSED_TIMING_LAYERS)
+                self.model.hidden(*step, num_layers=NATIVE_TIMING_LAYERS, amx_min_rows=1 if amx else 0)
                 return time.perf_counter() - t
 
-            model.fused_max_rows, times = fused_max_rows(time_step, rows)
-            log.debug("fused CPU decode step vs torch (first %d layers, ms): %s", FUSED_TIMING_LAYERS,
-                      {r: (round(f * 1e3, 2), round(e * 1e3, 2)) for r, (f, e) in times.items()})
-        log.info("fused CPU decode step (kernels/cpu, %s, %d threads): decode batches of up to %d sequences",
-                 model.fused.isa, model.fused_threads, model.fused_max_rows)
+            model.amx_min_rows, times = amx_min_rows(time_step, rows)
+            log.debug("native CPU step, AMX vs int16 matmuls (first %d layers, ms): %s", NATIVE_TIMING_LAYERS,
+                      {r: (round(a * 1e3, 2), round(i * 1e3, 2)) for r, (a, i) in times.items()})
+        amx = (f"AMX matmuls from {model.amx_min_rows} rows" if model.amx_min_rows else
+               "no AMX on this CPU" if not model.native.amx else "AMX off")
+        log.info("native CPU forward step (kernels/cpu, %s, %d threads) for every step; %s; its 4-bit weights "
+                 "%d MiB", model.native.isa, model.native_threads, amx, model.native.nbytes() // 2**20)
 
     def _synthetic_decode(self, rows: int, context: int) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

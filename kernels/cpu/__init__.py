@@ -1,9 +1,9 @@
-"""A fused decode step for CPUs (`decode.c`, built by `build.py`): every layer of a batch of one-token
-decodes in one native call over the model file's own Q4_1 blocks.
+"""The forward step for CPUs (`forward.c`, built by `build.py`): every layer of a flat batch of tokens
+(decodes and prefill chunks) in one native call over the model file's own 4-bit weights.
 
-`DecodeStep.run` takes what the torch path takes (embeddings, positions, slots, block tables, context
-lengths, the bf16 KV cache) and leaves each row's residual stream after the last layer in place, so
-the caller's final norm and output layer are shared with the torch path.
+`ForwardStep.run` takes what the torch path takes (embeddings, positions, slots, block tables, the
+bf16 KV cache) and leaves each row's residual stream after the last layer in place, so the caller's
+final norm and output layer are shared with the torch path.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 
 from . import build
 
-GROUP = 32
+GROUP = 32  # inputs per scale and min
+TILE_N = 16  # output rows per block
 
 
 class _Dims(ctypes.Structure):
@@ -24,56 +25,57 @@ class _Dims(ctypes.Structure):
                 ("block_size", ctypes.c_int), ("eps", ctypes.c_float)]
 
 
-class _Matrix(ctypes.Structure):
-    _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p)]
-
-
 class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _Matrix), ("o", _Matrix),
-                ("gate_up", _Matrix), ("down", _Matrix), ("qkv_bias", ctypes.c_void_p)]
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", ctypes.c_void_p),
+                ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                ("qkv_bias", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
-class Q4Matrix:
-    """A Q4_1 weight [N, K] as the kernel reads it: 16 bytes of codes per group of 32 inputs (byte j:
-    element j in the low nibble, j + 16 in the high one, GGML's order) and each group's fp16 scale and
-    min (w = code * d + m)."""
+class Q4Tiles:
+    """A Q4_1 weight [N, K] as the kernel reads it (forward.c, `q4_tiles`): blocks of 16 output rows by
+    32 inputs, each 256 bytes of codes in the order of an AMX bf16 tile (two input positions of all 16
+    rows per 32 codes), then the 16 rows' fp16 scales d and mins m (w = code * d + m). Same bytes per
+    weight as the GGUF's Q4_1 (0.625)."""
 
-    qs: torch.Tensor  # [N, K / 32, 16] uint8
-    d: torch.Tensor  # [N, K / 32] float16
-    m: torch.Tensor  # [N, K / 32] float16
+    blocks: torch.Tensor  # [N / 16, K / 32, 320] uint8
+    shape: tuple[int, int]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m))
-
-    def _struct(self) -> _Matrix:
-        return _Matrix(self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
+        return self.blocks.numel()
 
 
-def pack_q4_1(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> Q4Matrix | None:
+def pack_q4_1(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> Q4Tiles | None:
     """The kernel's layout of codes [N, K] in 0..15 with fp32 scale and min [N, K / 32]; None when K is
-    not a multiple of 32 or a scale or min is not exactly an fp16 (the matrix would not hold the same
-    weights)."""
+    not a multiple of 32, N not one of 16, or a scale or min is not exactly an fp16 (the matrix would
+    not hold the same weights)."""
     n, k = codes.shape
-    if k % GROUP:
+    if k % GROUP or n % TILE_N:
         return None
     d16, m16 = scale.to(torch.float16).contiguous(), mn.to(torch.float16).contiguous()
     if not (torch.equal(d16.float(), scale.float()) and torch.equal(m16.float(), mn.float())):
         return None
-    c = codes.to(torch.uint8).reshape(n, k // GROUP, 2, 16)
-    return Q4Matrix((c[:, :, 0] | (c[:, :, 1] << 4)).contiguous(), d16, m16)
+    nb, g = n // TILE_N, k // GROUP
+    # codes[n, 32 g + 2 r + j] -> [block, group, pair p, r % 2, lane 2 n + j], with r = 2 p + r % 2
+    c = codes.to(torch.uint8).view(nb, TILE_N, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 8, 2, 32)
+    code_bytes = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(nb, g, 256)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] fp16 -> [block, group, 32 bytes]
+        return t.view(nb, TILE_N, g).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    return Q4Tiles(torch.cat([code_bytes, per_block(d16), per_block(m16)], -1).contiguous(), (n, k))
 
 
 @dataclass
 class LayerBlocks:
-    """One layer's weights as the kernel reads them (fp32 norms, Q4_1 matrices, optional QKV bias)."""
+    """One layer's weights as the kernel reads them (fp32 norms, 4-bit matrices, optional QKV bias)."""
 
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
-    qkv: Q4Matrix
-    o: Q4Matrix
-    gate_up: Q4Matrix
-    down: Q4Matrix
+    qkv: Q4Tiles
+    o: Q4Tiles
+    gate_up: Q4Tiles
+    down: Q4Tiles
     qkv_bias: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -87,26 +89,27 @@ class LayerBlocks:
 
     def _struct(self) -> _Layer:
         bias = None if self.qkv_bias is None else self.qkv_bias.data_ptr()
-        return _Layer(self.attn_norm.data_ptr(), self.mlp_norm.data_ptr(), self.qkv._struct(), self.o._struct(),
-                      self.gate_up._struct(), self.down._struct(), bias)
+        return _Layer(self.attn_norm.data_ptr(), self.mlp_norm.data_ptr(), self.qkv.blocks.data_ptr(),
+                      self.o.blocks.data_ptr(), self.gate_up.blocks.data_ptr(), self.down.blocks.data_ptr(), bias)
 
 
 def available() -> bool:
     return build.load() is not None
 
 
-class DecodeStep:
-    """The model's layers, bound once to the native step; `run` per decode step."""
+class ForwardStep:
+    """The model's layers, bound once to the native step; `run` per step."""
 
     def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
                  block_size: int, layers: list[LayerBlocks], cos: torch.Tensor, sin: torch.Tensor,
                  lib: ctypes.CDLL | None = None):
-        """`lib`: a build of decode.c (default: this machine's, `build.load()`)."""
+        """`lib`: a build of forward.c (default: this machine's, `build.load()`)."""
         lib = lib or build.load()
         if lib is None:
-            raise RuntimeError("the fused CPU decode step could not be built (see the log)")
-        self._fn = lib.sluice_decode_step
-        self.isa: str = lib.sluice_decode_isa().decode()  # avx512-vnni, avx512, avx2 or scalar
+            raise RuntimeError("the native CPU forward step could not be built (see the log)")
+        self._fn = lib.sluice_forward
+        self.isa: str = lib.sluice_forward_isa().decode()  # avx512-vnni, avx512, avx2 or scalar
+        self.amx: bool = bool(lib.sluice_amx_available())  # the AMX matmul for steps of many rows
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), block_size, eps)
         self._layers = layers  # keeps the tensors that the structs point to alive
         self._structs = (_Layer * len(layers))(*[lw._struct() for lw in layers])
@@ -117,31 +120,35 @@ class DecodeStep:
         return sum(lw.nbytes() for lw in self._layers)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-            seq_lens: torch.Tensor, kv_cache: torch.Tensor, threads: int,
+            row_seq: torch.Tensor, kv_cache: torch.Tensor, threads: int, amx_min_rows: int = 0,
             num_layers: int | None = None) -> torch.Tensor:
-        """x [B, hidden] fp32 embeddings -> the residual streams after the last layer (x, updated in
-        place). kv_cache [layers, 2, slots, kv_heads, head_dim] bf16; block_tables [B, n] int32.
-        `num_layers`: only the first layers (timing)."""
+        """x [T, hidden] fp32 embeddings -> the residual streams after the last layer (x, updated in
+        place). Row t is the token at positions[t] of the sequence whose block table is
+        block_tables[row_seq[t]] ([S, n] int32); it attends to that sequence's positions 0..positions[t]
+        (its own key included: every row's K/V are written first). kv_cache [layers, 2, slots,
+        kv_heads, head_dim] bf16. `amx_min_rows`: steps of at least that many rows multiply on AMX
+        tiles where the CPU has them (0: never). `num_layers`: only the first layers (timing)."""
         assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.hidden
         assert kv_cache.dtype == torch.bfloat16 and kv_cache.is_contiguous()
-        b = x.shape[0]
+        t = x.shape[0]
         pos = positions.to(torch.int64).contiguous()
         sl = slots.to(torch.int64).contiguous()
         tables = block_tables.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int32).contiguous()
+        rows = row_seq.to(torch.int32).contiguous()
+        assert pos.shape[0] == sl.shape[0] == rows.shape[0] == t
         dims = self._dims
         if num_layers is not None and num_layers < dims.layers:
             dims = _Dims.from_buffer_copy(dims)
             dims.layers = num_layers
-        rc = self._fn(ctypes.byref(dims), self._structs, ctypes.c_int(b), ctypes.c_void_p(x.data_ptr()),
+        rc = self._fn(ctypes.byref(dims), self._structs, ctypes.c_int(t), ctypes.c_void_p(x.data_ptr()),
                       ctypes.c_void_p(pos.data_ptr()), ctypes.c_void_p(sl.data_ptr()),
                       ctypes.c_void_p(tables.data_ptr()), ctypes.c_int(tables.shape[1]),
-                      ctypes.c_void_p(lens.data_ptr()), ctypes.c_void_p(kv_cache.data_ptr()),
+                      ctypes.c_void_p(rows.data_ptr()), ctypes.c_void_p(kv_cache.data_ptr()),
                       ctypes.c_int64(kv_cache.stride(0)), ctypes.c_int64(kv_cache.stride(1)),
                       ctypes.c_void_p(self.cos.data_ptr()), ctypes.c_void_p(self.sin.data_ptr()),
-                      ctypes.c_int(threads))
+                      ctypes.c_int(threads), ctypes.c_int(amx_min_rows))
         if rc != 0:
-            raise RuntimeError(f"fused CPU decode step failed ({'out of memory' if rc == -1 else 'bad shapes'})")
+            raise RuntimeError(f"native CPU forward step failed ({'out of memory' if rc == -1 else 'bad shapes'})")
         return x
 
 

@@ -1,4 +1,4 @@
-"""`python -m kernels.cpu`: builds (or finds) this machine's fused decode step now, as `make install` does."""
+"""`python -m kernels.cpu`: builds (or finds) this machine's native forward step now, as `make install` does."""
 
 import logging
 
@@ -7,6 +7,7 @@ from .build import cache_dir, load
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 lib = load()
 if lib is None:
-    print("fused CPU decode step: not built (see above); the engine will use its torch path")
+    print("native CPU forward step: not built (see above); the engine will use its torch path")
 else:
-    print(f"fused CPU decode step: {lib.sluice_decode_isa().decode()} build in {cache_dir()}")
+    amx = " + AMX" if lib.sluice_amx_available() else ""
+    print(f"native CPU forward step: {lib.sluice_forward_isa().decode()}{amx} build in {cache_dir()}")

@@ -1,4 +1,4 @@
-"""Compiles `decode.c` for this machine on first use and caches the library.
+"""Compiles `forward.c` for this machine on first use and caches the library.
 
 Compiled here rather than shipped: `-march=native` picks AVX-512, AVX2 or plain C for the CPU at hand,
 and a C compiler is all it needs (no torch headers, so a build takes about a second). The cache key
@@ -21,7 +21,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode.c")
+SOURCE = Path(__file__).with_name("forward.c")
 COMMON_FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
 NATIVE = ("-march=native",)  # what serving uses; tests also build x86-64-v3 (AVX2) and plain x86-64
 
@@ -63,14 +63,14 @@ def load() -> ctypes.CDLL | None:
 
 @functools.cache
 def compile_library(arch: tuple[str, ...]) -> ctypes.CDLL | None:
-    """`decode.c` built with the target flags `arch` (e.g. `("-march=native",)`), cached on disk."""
+    """`forward.c` built with the target flags `arch` (e.g. `("-march=native",)`), cached on disk."""
     cc = _compiler()
     if cc is None:
-        log.warning("fused CPU decode step: no C compiler (cc/gcc) found; using the torch path")
+        log.warning("native CPU forward step: no C compiler (cc/gcc) found; using the torch path")
         return None
     flags = (*COMMON_FLAGS, *arch)
     try:
-        target = cache_dir() / f"decode-{_key(cc, flags)}.so"
+        target = cache_dir() / f"forward-{_key(cc, flags)}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             # Build beside the target and rename: processes that start together never load half a file.
@@ -79,17 +79,17 @@ def compile_library(arch: tuple[str, ...]) -> ctypes.CDLL | None:
                 result = subprocess.run([cc, *flags, "-o", str(out), str(SOURCE), "-lm"],
                                         capture_output=True, text=True, timeout=300)
                 if result.returncode != 0:
-                    log.warning("fused CPU decode step: %s failed to build it (%s); using the torch path",
+                    log.warning("native CPU forward step: %s failed to build it (%s); using the torch path",
                                 cc, result.stderr.strip()[-500:])
                     return None
                 os.replace(out, target)
-            log.info("fused CPU decode step built: %s", target)
+            log.info("native CPU forward step built: %s", target)
         lib = ctypes.CDLL(str(target))
-        for fn in (lib.sluice_decode_step, lib.sluice_decode_attention):
+        for fn in (lib.sluice_forward, lib.sluice_decode_attention, lib.sluice_amx_available):
             fn.restype = ctypes.c_int  # (ctypes' default; said once here rather than per call)
-        lib.sluice_decode_isa.restype = ctypes.c_char_p
+        lib.sluice_forward_isa.restype = ctypes.c_char_p
         return lib
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("fused CPU decode step unavailable (%s); using the torch path", e)
+        log.warning("native CPU forward step unavailable (%s); using the torch path", e)
         return None
 

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from engine.cpu_plan import Choice, Plan, fused_max_rows, measure_plan, thread_candidates
+from engine.cpu_plan import Choice, Plan, amx_min_rows, measure_plan, thread_candidates
 
 
 def test_plan_looks_up_the_smallest_bucket_that_holds_the_step():
@@ -75,15 +75,18 @@ def test_losers_are_not_timed_again_at_larger_sizes():
     assert {threads for _, _, threads in calls} == {2}
 
 
-def test_fused_step_runs_up_to_the_last_size_where_it_wins():
-    # fused cost grows faster with rows than the torch path's: it wins up to 16 rows here
-    def time_step(rows: int, fused: bool) -> float:
-        calls.append((rows, fused))
-        return rows * (1.0 if fused else 0.5) + (0.0 if fused else 9.0)
+def test_amx_runs_from_the_first_size_from_which_it_keeps_winning():
+    # AMX costs a fixed widening of the weights per step and little per row; int16 costs per row
+    def time_step(rows: int, amx: bool) -> float:
+        calls.append((rows, amx))
+        return 10.0 + rows * 0.1 if amx else rows * 1.0
 
     calls: list[tuple[int, bool]] = []
-    best, times = fused_max_rows(time_step, (1, 2, 4, 8, 16, 32, 64, 128))
-    assert best == 16  # 16 + 0 < 8 + 9; at 32: 32 > 16 + 9
-    assert set(times) == {1, 2, 4, 8, 16, 32, 64}  # stops after torch won twice in a row
-    assert (128, True) not in calls
-    assert fused_max_rows(lambda rows, fused: 2.0 if fused else 1.0, (1, 2, 4))[0] == 0  # never wins
+    first, times = amx_min_rows(time_step, (1, 2, 4, 8, 16, 32, 64))
+    assert first == 16  # 8: 10.8 > 8; 16: 11.6 < 16
+    assert set(times) == {1, 2, 4, 8, 16, 32}  # stops once AMX has won twice in a row
+    assert (64, True) not in calls
+    # a win that does not last is not taken: only sizes from which AMX keeps winning
+    noisy = {1: (1.0, 2.0), 2: (3.0, 2.0), 4: (1.0, 4.0), 8: (1.0, 8.0)}
+    assert amx_min_rows(lambda rows, amx: noisy[rows][0 if amx else 1], (1, 2, 4, 8))[0] == 4
+    assert amx_min_rows(lambda rows, amx: 2.0 if amx else 1.0, (1, 2, 4))[0] == 0  # never wins

@@ -211,30 +211,45 @@ def test_default_bf16_weights_stay_close_to_the_reference(prompt_ids, ref_logits
     _assert_close_to_reference(fast.prompt_logits(prompt_ids).cpu(), ref_logits)
 
 
-def test_default_int4_weights_stay_close_to_the_reference(prompt_ids, ref_logits, ref_greedy):
-    """The CPU serving default reads the GGUF's own Q4_1 blocks (torch's int4 matmul, bf16 arithmetic) for
-    small steps, and keeps the KV cache in bf16. int4_max_batch=4096 puts the prefill on the int4 path
-    too. Tolerance: as for bf16 weights (mean KL < 0.01, top-1 agreement >= 95%), and the greedy decode
-    (one token per step, through the int8 output layer and its exact top candidates) gives the
-    reference's tokens, both through the fused CPU decode step (kernels/cpu: int16-quantised
-    activations against the same 4-bit codes) and through torch's int4 matmul."""
+def test_torch_int4_weights_stay_close_to_the_reference(prompt_ids, ref_logits, ref_greedy):
+    """Without the native step, a CPU reads the GGUF's own Q4_1 blocks through torch's int4 matmul (bf16
+    arithmetic) for small steps, and keeps the KV cache in bf16. int4_max_batch=4096 puts the prefill on
+    the int4 path too. Tolerance: as for bf16 weights (mean KL < 0.01, top-1 agreement >= 95%), and the
+    greedy decode (one token per step, through the int8 output layer and its exact top candidates)
+    gives the reference's tokens."""
     fast = LLMEngine(EngineConfig(kv_cache_tokens=8192, device="cpu", dtype="float32", int4_max_batch=4096,
-                                  fused_decode_max_batch=64))
-    assert fast.runner.int4 and fast.runner.kv_dtype == torch.bfloat16
+                                  native_cpu_step=False))
+    assert fast.runner.int4 and fast.runner.kv_dtype == torch.bfloat16 and fast.runner.model.native is None
     assert all(lin.packed is not None for lin in fast.runner.model.linears())
     assert fast.runner.model.layer_plan.for_rows(4096).packed  # the prefill reads the 4-bit weights too
     assert fast.runner.model.lm_head_fast.packed is not None  # and the output layer has its int8 copy
     _assert_close_to_reference(fast.prompt_logits(prompt_ids).cpu(), ref_logits)
-    model = fast.runner.model
-    if cpu_kernels.available():
-        assert model.fused is not None and model.fused_max_rows == 64
-        calls = []
-        run = model.fused.run
-        model.fused.run = lambda *a, **k: calls.append(1) or run(*a, **k)  # type: ignore[method-assign]
-        assert _engine_greedy(fast, prompt_ids, GREEDY_TOKENS) == ref_greedy
-        assert len(calls) == GREEDY_TOKENS - 1  # every decode step after the prefill took the fused step
-        model.fused_max_rows = 0
     assert _engine_greedy(fast, prompt_ids, GREEDY_TOKENS) == ref_greedy
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for the native CPU step")
+@pytest.mark.parametrize("amx_min_rows", [0, 1], ids=["int16", "amx"])
+def test_native_cpu_step_stays_close_to_the_reference(prompt_ids, ref_logits, ref_greedy, amx_min_rows):
+    """The CPU serving default: every step through the native forward step (kernels/cpu) over the GGUF's
+    own Q4_1 blocks, with no dense copy of the layers. Its two matmuls each run the whole test:
+    int16-quantised activations (amx_min_rows=0) and, on CPUs with AMX, bf16 tiles for every step
+    (amx_min_rows=1; the serving default takes them only from the measured row count up). Tolerance:
+    as for bf16 weights (mean KL < 0.01, top-1 agreement >= 95%) on the prompt's logits, and the greedy
+    decode gives the reference's tokens, every step (the prefill too) through the native step."""
+    fast = LLMEngine(EngineConfig(kv_cache_tokens=8192, device="cpu", dtype="float32", amx_min_rows=amx_min_rows))
+    model = fast.runner.model
+    assert model.native is not None and not model.layers  # no torch copy of the layers at all
+    if amx_min_rows and not model.native.amx:
+        pytest.skip("this CPU (or OS) has no AMX")
+    assert model.amx_min_rows == amx_min_rows
+    calls = []
+    run = model.native.run
+    model.native.run = lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k)  # type: ignore[method-assign]
+    _assert_close_to_reference(fast.prompt_logits(prompt_ids).cpu(), ref_logits)
+    assert calls == [len(prompt_ids)]
+    calls.clear()
+    assert _engine_greedy(fast, prompt_ids, GREEDY_TOKENS) == ref_greedy
+    assert calls == [len(prompt_ids)] + [1] * (GREEDY_TOKENS - 1)
 
 
 def test_tokenizer_matches_transformers(gguf_engine, hf_tokenizer):

@@ -1,8 +1,9 @@
-"""The fused CPU decode step (kernels/cpu) against a float64 Llama layer stack written out here.
+"""The native CPU forward step (kernels/cpu) against a float64 Llama layer stack written out here.
 
-Random Q4_1 weights, a paged bf16 KV cache holding earlier context in shuffled blocks, odd group
-counts (the unpaired tail of the AVX-512 path), a QKV bias, batches around the 8 rows of one weight
-pass, one and two threads, and every build of decode.c that this CPU can run (native, AVX2, plain C).
+Random Q4_1 weights, a paged bf16 KV cache holding earlier context in shuffled blocks, steps that mix
+one-token decodes with prefill chunks (rows in shuffled order), odd group counts, a QKV bias, row
+counts around the 8 rows of one int16 weight pass and the 16-row AMX tiles, one and two threads,
+and every build of forward.c that this CPU can run (native, AVX2, plain C), with and without AMX.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu import DecodeStep, LayerBlocks, pack_q4_1
+from kernels.cpu import ForwardStep, LayerBlocks, pack_q4_1
 from kernels.cpu import build as cpu_build
 
-pytestmark = pytest.mark.skipif(cpu_build.load() is None, reason="no C compiler to build kernels/cpu/decode.c")
+pytestmark = pytest.mark.skipif(cpu_build.load() is None, reason="no C compiler to build kernels/cpu/forward.c")
 
 
 def _cpu_flags() -> set[str]:
@@ -73,8 +74,11 @@ class TinyModel:
         freqs = torch.outer(pos, inv)
         self.cos, self.sin = freqs.cos().float(), freqs.sin().float()
 
-    def reference(self, x, positions, slots, tables, lens, kv, block_size):
-        """float64 forward of one-token decodes; writes K/V into `kv` (bf16) like the kernel."""
+    def reference(self, x, positions, slots, tables, row_seq, kv, block_size, bf16_matmuls=False):
+        """float64 forward of a flat batch of tokens: row b is position positions[b] of the sequence with
+        block table tables[row_seq[b]]; every row's K/V are written into `kv` (bf16, like the kernel)
+        before any row attends to its sequence's positions 0..positions[b]. `bf16_matmuls`: each matmul's
+        input and weights rounded to bf16 first (what the AMX path and torch's bf16 path compute)."""
         d = self.dims
         D, nh, nkv, eps = d["head_dim"], d["heads"], d["kv_heads"], d["eps"]
         x = x.double().clone()
@@ -88,8 +92,11 @@ class TinyModel:
             v1, v2 = v[:, :D // 2], v[:, D // 2:]
             return torch.cat([v1 * c - v2 * s, v2 * c + v1 * s], -1)
 
+        def mm(v, weight):
+            return _bf16(v) @ _bf16(weight).T if bf16_matmuls else v @ weight.T
+
         for li, (w, (n1, n2), bias) in enumerate(self.layers):
-            qkv = norm(x, n1) @ w["qkv"].T
+            qkv = mm(norm(x, n1), w["qkv"])
             if bias is not None:
                 qkv = qkv + bias.double()
             att = torch.empty(x.shape[0], q_n, dtype=torch.float64)
@@ -100,18 +107,18 @@ class TinyModel:
                 kv[li, 0, slots[b]] = k.to(torch.bfloat16)
                 kv[li, 1, slots[b]] = qkv[b, q_n + kv_n:].view(nkv, D).to(torch.bfloat16)
             for b in range(x.shape[0]):
-                n = int(lens[b])
-                ctx = torch.tensor([int(tables[b, t // block_size]) * block_size + t % block_size for t in range(n)])
+                n, table = int(positions[b]) + 1, tables[int(row_seq[b])]
+                ctx = torch.tensor([int(table[t // block_size]) * block_size + t % block_size for t in range(n)])
                 keys, vals = kv[li, 0, ctx].double(), kv[li, 1, ctx].double()  # [n, nkv, D]
                 q = rope(qkv[b, :q_n].view(nh, D), int(positions[b]))
                 for h in range(nh):
                     g = h // (nh // nkv)
                     s = keys[:, g] @ q[h] / math.sqrt(D)
                     att[b, h * D:(h + 1) * D] = torch.softmax(s, 0) @ vals[:, g]
-            x = x + att @ w["o"].T
-            gu = norm(x, n2) @ w["gate_up"].T
+            x = x + mm(att, w["o"])
+            gu = mm(norm(x, n2), w["gate_up"])
             g, u = gu.chunk(2, -1)
-            x = x + (torch.nn.functional.silu(g) * u) @ w["down"].T
+            x = x + mm(torch.nn.functional.silu(g) * u, w["down"])
         return x
 
 
@@ -123,43 +130,70 @@ CONFIGS = {
 }
 
 
+def _step(rows: int, gen: torch.Generator, block_size: int, blocks_per_seq: int):
+    """A step of `rows` tokens: one-token decodes and prefill chunks (1-12 tokens, starting anywhere in
+    their sequence), in shuffled row order. Returns positions, slots, tables [S, n], row_seq."""
+    chunks = []
+    left = rows
+    while left:
+        n = min(left, int(torch.randint(1, 13, (1,), generator=gen)) if torch.rand(1, generator=gen) < 0.5 else 1)
+        chunks.append(n)
+        left -= n
+    seqs = len(chunks)
+    num_blocks = seqs * blocks_per_seq + 3
+    tables = torch.randperm(num_blocks, generator=gen)[:seqs * blocks_per_seq].view(seqs, blocks_per_seq).int()
+    positions, row_seq = [], []
+    for s, n in enumerate(chunks):
+        start = int(torch.randint(0, blocks_per_seq * block_size - n + 1, (1,), generator=gen))
+        positions += range(start, start + n)
+        row_seq += [s] * n
+    order = torch.randperm(rows, generator=gen)
+    positions, row_seq = torch.tensor(positions)[order], torch.tensor(row_seq, dtype=torch.int32)[order]
+    slots = torch.stack([tables[int(s), int(p) // block_size].long() * block_size + int(p) % block_size
+                         for s, p in zip(row_seq, positions)])
+    return positions, slots, tables, row_seq, num_blocks
+
+
+def _amx_modes(lib) -> list[int]:
+    """amx_min_rows values to run: 0 (the int16 matmul), and 1 (every step on AMX) where it exists."""
+    return [0, 1] if lib.sluice_amx_available() else [0]
+
+
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("batch", [1, 3, 9, 17])
-def test_fused_step_matches_a_float64_reference(build, config, batch):
+@pytest.mark.parametrize("rows", [1, 3, 9, 17, 40])
+def test_forward_step_matches_a_float64_reference(build, config, rows):
     lib = _library(build)
     model = TinyModel(**CONFIGS[config])
     d = model.dims
     block_size, blocks_per_seq = 4, 8
-    gen = torch.Generator().manual_seed(batch)
-    step = DecodeStep(**d, block_size=block_size, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
-    num_blocks = batch * blocks_per_seq + 3
+    gen = torch.Generator().manual_seed(rows)
+    step = ForwardStep(**d, block_size=block_size, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
+    positions, slots, tables, row_seq, num_blocks = _step(rows, gen, block_size, blocks_per_seq)
     kv = (torch.randn(len(model.layers), 2, num_blocks * block_size, d["kv_heads"], d["head_dim"], generator=gen)
           .to(torch.bfloat16))  # earlier context already in the cache
-    tables = torch.randperm(num_blocks, generator=gen)[:batch * blocks_per_seq].view(batch, blocks_per_seq).int()
-    lens = torch.randint(1, blocks_per_seq * block_size + 1, (batch,), generator=gen).int()  # incl. the new token
-    positions = (lens - 1).long()
-    slots = torch.stack([tables[b, int(p) // block_size].long() * block_size + int(p) % block_size
-                         for b, p in enumerate(positions)])
-    x = torch.randn(batch, d["hidden"], generator=gen)
-    kv_ref = kv.clone()
-    want = model.reference(x, positions, slots, tables, lens, kv_ref, block_size)
-    for threads in (1, 2):
-        kv_ours = kv.clone()
-        got = step.run(x.clone(), positions, slots, tables, lens, kv_ours, threads)
-        err = (got.double() - want).abs().max().item()
-        assert err < 2e-3 * want.abs().max().item(), (step.isa, threads, err)
-        # The new K/V landed in their slots (bf16; a last-bit difference from fp32 rounding allowed) ...
-        torch.testing.assert_close(kv_ours.float(), kv_ref.float(), rtol=1e-2, atol=1e-2)
-        # ... and nothing else in the cache changed.
-        others = torch.ones(kv.shape[2], dtype=torch.bool)
-        others[slots] = False
-        assert torch.equal(kv_ours[:, :, others], kv[:, :, others])
+    x = torch.randn(rows, d["hidden"], generator=gen)
+    for amx in _amx_modes(lib):
+        # int16 activations keep ~15 bits: against exact matmuls; the AMX path multiplies bf16 activations
+        # by bf16 weights: against a reference that rounds both the same way
+        kv_ref = kv.clone()
+        want = model.reference(x, positions, slots, tables, row_seq, kv_ref, block_size, bf16_matmuls=bool(amx))
+        for threads in (1, 2):
+            kv_ours = kv.clone()
+            got = step.run(x.clone(), positions, slots, tables, row_seq, kv_ours, threads, amx_min_rows=amx)
+            err = (got.double() - want).abs().max().item()
+            assert err < 2e-3 * want.abs().max().item(), (step.isa, amx, threads, err)
+            # The new K/V landed in their slots (bf16; a last-bit difference from rounding allowed) ...
+            torch.testing.assert_close(kv_ours.float(), kv_ref.float(), rtol=1e-2, atol=1e-2)
+            # ... and nothing else in the cache changed.
+            others = torch.ones(kv.shape[2], dtype=torch.bool)
+            others[slots] = False
+            assert torch.equal(kv_ours[:, :, others], kv[:, :, others])
 
 
 def test_builds_take_their_code_paths():
     model = TinyModel(**CONFIGS["even-groups"])
-    names = {build: DecodeStep(**model.dims, block_size=4, layers=model.blocks, cos=torch.zeros(8, 16),
+    names = {build: ForwardStep(**model.dims, block_size=4, layers=model.blocks, cos=torch.zeros(8, 16),
                                sin=torch.zeros(8, 16), lib=cpu_build.compile_library(flags)).isa
              for build, flags in BUILDS.items() if build != "avx2" or {"avx2", "fma", "f16c"} <= _cpu_flags()}
     assert names["plain"] == "scalar"
@@ -170,11 +204,27 @@ def test_builds_take_their_code_paths():
         assert names["native"] == ("avx512-vnni" if "avx512_vnni" in flags else "avx512")
 
 
-def test_pack_refuses_scales_that_are_not_fp16():
-    codes = torch.zeros(2, 32, dtype=torch.uint8)
-    assert pack_q4_1(codes, torch.full((2, 1), 0.1), torch.zeros(2, 1)) is None  # 0.1 is not an fp16
-    assert pack_q4_1(codes, torch.full((2, 1), 0.125), torch.zeros(2, 1)) is not None
-    assert pack_q4_1(torch.zeros(2, 48, dtype=torch.uint8), torch.ones(2, 1), torch.zeros(2, 1)) is None
+def test_pack_refuses_scales_that_are_not_fp16_and_shapes_off_the_blocks():
+    codes = torch.zeros(16, 32, dtype=torch.uint8)
+    assert pack_q4_1(codes, torch.full((16, 1), 0.1), torch.zeros(16, 1)) is None  # 0.1 is not an fp16
+    assert pack_q4_1(codes, torch.full((16, 1), 0.125), torch.zeros(16, 1)) is not None
+    assert pack_q4_1(torch.zeros(16, 48, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1)) is None
+    assert pack_q4_1(torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 1), torch.zeros(8, 1)) is None
+
+
+def test_pack_puts_each_weight_where_the_kernel_reads_it():
+    """Block (nb, g), pair p, byte i: tile row 2p in the low nibble, 2p + 1 in the high one, lane i = 2n + j
+    holding W[16 nb + n, 32 g + 2 r + j]; then the 16 rows' fp16 d and m."""
+    gen = torch.Generator().manual_seed(0)
+    (codes, scale, mn), _ = _q4(32, 64, gen)
+    blocks = pack_q4_1(codes, scale, mn).blocks
+    assert blocks.shape == (2, 2, 320)
+    for nb, g, r, n, j in [(0, 0, 0, 0, 0), (1, 1, 15, 15, 1), (0, 1, 6, 3, 1), (1, 0, 9, 12, 0)]:
+        byte = int(blocks[nb, g, 32 * (r // 2) + 2 * n + j])
+        assert (byte >> 4 if r % 2 else byte & 0xF) == int(codes[16 * nb + n, 32 * g + 2 * r + j])
+        d = blocks[nb, g, 256:288].view(torch.float16)[n].float()
+        m = blocks[nb, g, 288:320].view(torch.float16)[n].float()
+        assert d == scale[16 * nb + n, g] and m == mn[16 * nb + n, g]
 
 
 @pytest.mark.parametrize("build", list(BUILDS))

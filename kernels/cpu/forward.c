@@ -1,0 +1,1110 @@
+/* A whole forward step of a Llama model in one call, for CPUs: every layer of a flat batch of tokens
+ * (one-token decodes and prefill chunks alike): RMSNorm, matmuls over the model file's own 4-bit
+ * weights, RoPE, KV-cache write, paged attention, SiLU-and-mul, residual adds. Built at first use by
+ * kernels/cpu/build.py with the machine's own flags (-march=native: AMX, AVX-512, AVX2 or plain C,
+ * chosen by the preprocessor below) and called via ctypes.
+ *
+ * Why it exists: a step of a small model in eager torch is ~60 ops per layer, each a few microseconds
+ * of dispatch, torch's int4 matmul first widens the 4-bit codes to bf16, and its dense bf16 weights
+ * cost four times the memory of the file's. Here a layer is a handful of loops over 4-bit blocks,
+ * with the threads of a step kept awake only while the step runs (a spin barrier between phases;
+ * they sleep between steps, so nothing busy-waits while the server is idle).
+ *
+ * Two matmuls read the same weights (`q4_tiles` below). Steps of few rows are bound by the bytes
+ * they read: activations quantised to int16 against the 4-bit codes in integer multiply-adds. Steps
+ * of many rows (prefill chunks, large decode batches) are bound by arithmetic: on CPUs with AMX each
+ * block of weights is widened to bf16 once in L1 and multiplied by 16x32 tiles of bf16 activations
+ * (the numbers the dense bf16 torch path computes, at a fraction of its memory).
+ *
+ * Numerics: activations, norms, RoPE, softmax and accumulations in fp32; the 4-bit weights are
+ * dequantised exactly (q * d + m with the file's fp16 d and m; rounded to bf16 on the AMX path, as
+ * the torch path's bf16 weights are); K/V are stored in the cache as bf16 (round to nearest even, as
+ * torch's .to(bfloat16)). Only the order of summation differs from the torch path.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+#define TILE_N 16 /* output rows of W per block */
+#define BLOCK_BYTES 320 /* one block: 256 bytes of codes, 16 fp16 scales, 16 fp16 mins */
+
+/* A 4-bit matrix W [N, K] (GGML Q4_1 values: w = q * d + m per group of 32 inputs, q in 0..15) in
+ * blocks of 16 output rows by one group: [N / 16, K / 32] blocks of BLOCK_BYTES, block (nb, g) holding
+ * rows n0 = 16 nb .. n0 + 15 and inputs k0 = 32 g .. k0 + 31. Its 256 bytes of codes are 8 pairs of
+ * "tile rows"; tile row r covers inputs k0 + 2r and k0 + 2r + 1 of all 16 output rows, lane i = 2n + j
+ * holding W[n0 + n, k0 + 2r + j] (the layout of an AMX bf16 B tile and of `vpdpwssd` pairs); byte i of
+ * pair p (32 bytes) holds lane i of tile row 2p in its low nibble and of tile row 2p + 1 in its high
+ * one. Then d[16] and m[16] (fp16) of the block's 16 rows. kernels/cpu/__init__.py packs it. */
+typedef struct {
+    const uint8_t *blocks;
+} q4_tiles;
+
+typedef struct {
+    const float *attn_norm, *mlp_norm; /* [hidden] */
+    q4_tiles qkv, o, gate_up, down;
+    const float *qkv_bias; /* [q + 2 kv] or NULL */
+} layer_weights;
+
+typedef struct {
+    int hidden, heads, kv_heads, head_dim, inter, layers, block_size;
+    float eps;
+} dims;
+
+/* ---- scalar helpers ---- */
+
+static inline float fp16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal */
+            float f = (float)man * (1.0f / 16777216.0f);
+            memcpy(&bits, &f, 4);
+            bits |= sign;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* exp(x) for the softmax and SiLU: a range reduction and a degree-6 polynomial (about 2 ulp), written
+ * so that the compiler vectorises the loops that call it. */
+static inline float fast_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return p * scale;
+}
+
+/* ---- row helpers, vectorised by hand (the compiler keeps float reductions and the exp's bit tricks
+ * scalar): the same numbers as the scalar code, 16 (AVX-512) or 8 (AVX2) lanes at a time ---- */
+
+#if defined(__AVX512F__)
+static inline __m512 exp16(__m512 x) { /* fast_exp, lane-wise */
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 q = _mm512_set1_ps(1.9875691500e-4f);
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
+    q = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(q, r), r, r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(q, _mm512_castsi512_ps(e));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 exp8(__m256 x) { /* fast_exp, lane-wise */
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+    __m256 q = _mm256_set1_ps(1.9875691500e-4f);
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.3981999507e-3f));
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(8.3334519073e-3f));
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(4.1665795894e-2f));
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.6666665459e-1f));
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(5.0000001201e-1f));
+    q = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(q, r), r, r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(q, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+/* s[t] = exp(s[t] - m) for t < n; returns their sum (softmax numerators). */
+static inline float exp_shifted(float *s, int n, float m) {
+    int t = 0;
+    float total = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps(), mv = _mm512_set1_ps(m);
+    for (; t + 16 <= n; t += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
+        _mm512_storeu_ps(s + t, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    total = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
+    for (; t + 8 <= n; t += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    total = hsum8(acc);
+#endif
+    for (; t < n; t++) {
+        s[t] = fast_exp(s[t] - m);
+        total += s[t];
+    }
+    return total;
+}
+
+/* a[i] = silu(g[i]) * u[i] for i < n (n: a multiple of 16). */
+static inline void silu_mul(const float *g, const float *u, float *a, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        __m512 gv = _mm512_loadu_ps(g + i);
+        __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+        _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_div_ps(gv, den), _mm512_loadu_ps(u + i)));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) a[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
+}
+
+static inline float dot(const float *a, const float *b, int n) { /* n: a multiple of 16 */
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum8(acc);
+#else
+    float s = 0;
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+#endif
+}
+
+static inline float abs_max(const float *x, int n) { /* n: a multiple of 16 */
+#if defined(__AVX512F__)
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    return _mm512_reduce_max_ps(m);
+#else
+    float m = 0;
+    for (int i = 0; i < n; i++) m = fabsf(x[i]) > m ? fabsf(x[i]) : m;
+    return m;
+#endif
+}
+
+/* dst[i] = bf16(src[i]), round to nearest even (n: a multiple of 16). */
+static inline void to_bf16_row(const float *src, uint16_t *dst, int n) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    for (int i = 0; i < n; i += 32)
+        _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i)));
+#else
+    for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+#endif
+}
+
+/* ---- threads: a pool that wakes once per step and meets at spin barriers inside it ---- */
+
+#define MAX_THREADS 64
+
+typedef void (*job_fn)(void *arg, int tid);
+
+typedef struct {
+    pthread_mutex_t lock; /* guards generation, fn, arg */
+    pthread_cond_t wake;
+    int nthreads; /* workers started, plus the caller */
+    int generation; /* bumped per job */
+    job_fn fn;
+    void *arg;
+    atomic_int arrived, barrier_gen, done;
+} pool_t;
+
+static pool_t pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 1, 0, NULL, NULL, 0, 0, 0};
+static pthread_t workers[MAX_THREADS];
+static pthread_mutex_t step_lock = PTHREAD_MUTEX_INITIALIZER; /* one job at a time per process */
+static int worker_ids[MAX_THREADS];
+
+static void barrier(int n) {
+    if (n <= 1) return;
+    int gen = atomic_load_explicit(&pool.barrier_gen, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&pool.arrived, 1, memory_order_acq_rel) == n - 1) {
+        atomic_store_explicit(&pool.arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&pool.barrier_gen, 1, memory_order_acq_rel);
+    } else {
+        while (atomic_load_explicit(&pool.barrier_gen, memory_order_acquire) == gen) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+        }
+    }
+}
+
+static void *worker_main(void *arg) {
+    int tid = *(int *)arg, seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool.lock);
+        while (pool.generation == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+        seen = pool.generation;
+        job_fn fn = pool.fn;
+        void *arg = pool.arg;
+        pthread_mutex_unlock(&pool.lock);
+        fn(arg, tid); /* returns at once for tids past the job's thread count */
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_acq_rel);
+    }
+    return NULL;
+}
+
+static int ensure_workers(int n) {
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    while (pool.nthreads < n) {
+        int tid = pool.nthreads;
+        worker_ids[tid] = tid;
+        if (pthread_create(&workers[tid], NULL, worker_main, &worker_ids[tid]) != 0) break;
+        pthread_detach(workers[tid]);
+        pool.nthreads++;
+    }
+    return n < pool.nthreads ? n : pool.nthreads;
+}
+
+/* Runs fn(arg, tid) on the caller (tid 0) and the workers; returns once every worker has left it. */
+static void run_parallel(job_fn fn, void *arg, int nthreads) {
+    if (nthreads > 1) {
+        atomic_store(&pool.done, 0);
+        pthread_mutex_lock(&pool.lock);
+        pool.fn = fn;
+        pool.arg = arg;
+        pool.generation++;
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    fn(arg, 0);
+    if (nthreads > 1)
+        while (atomic_load_explicit(&pool.done, memory_order_acquire) < pool.nthreads - 1) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+        }
+}
+
+/* ---- AMX: the process asks the kernel once for the tile state; each thread configures its tiles ---- */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_state; /* 0: not asked yet, 1: usable, -1: refused by the kernel */
+
+static int amx_usable(void) {
+    if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return amx_state == 1;
+}
+
+static void amx_configure(void) { /* tiles 0-3: C (16 x 16 fp32), 4-5: A (16 x 32 bf16), 6-7: B (16 x 32 bf16) */
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+#else
+#define HAVE_AMX 0
+static int amx_usable(void) { return 0; }
+#endif
+
+/* ---- the matmuls: y[b, n] = sum_k x[b, k] W[n, k] over q4_tiles ----
+ *
+ * Few rows, `matmul_int16`: each input row is quantised to int16 with one scale (dx = max|x| / 32767:
+ * an element 100 times smaller than the row's largest still keeps ~8 significant bits, what the bf16
+ * the torch path rounds activations to keeps for every element; int8, as llama.cpp does, flipped
+ * greedy near-ties of the reference test). A block's dot products are then integer multiply-adds
+ * (`vpdpwssd` / `vpmaddwd`: one instruction per tile row and input row, 16 output rows at once) over
+ * the 4-bit codes; the block's dw scales them and the row's dx applies once at the end:
+ * sum_i (q_i dw + mw) x_i ~= dx (sum_g dw_g sum_i q_i xq_i + sum_g mw_g sx_g / dx), the min term with
+ * the exact fp32 sums sx of each group's inputs.
+ *
+ * Many rows, `matmul_amx`: x rounded to bf16 (as the torch path's bf16 matmul does), each block
+ * widened to a bf16 B tile (q * d + m in fp32, then rounded), tiles multiplied and accumulated in fp32. */
+
+#define ROWS_PER_PASS 8
+
+typedef struct {
+    int16_t *q; /* [B, K] */
+    float *dx; /* [B]: each row's scale */
+    float *sx; /* [B, G]: exact sums of each group's inputs, divided by the row's dx */
+    uint16_t *bf; /* the rows in bf16 for the AMX path, as A tiles: [rows rounded up to 32 / 16][K / 32][16 x 32] */
+} qx_t;
+
+/* Rows [b0, b1) of x [B, K] (threads prepare disjoint rows): int16 for matmul_int16, or bf16. */
+static void quantize_x(const float *x, int K, qx_t *qx, int b0, int b1, int to_bf16) {
+    const int G = K / GROUP;
+    for (int b = b0; b < b1; b++) {
+        const float *row = x + (size_t)b * K;
+        if (to_bf16) { /* row b's group g at tile (b / 16, g), row b % 16: tiles of 16 rows x 32 contiguous */
+            uint16_t *tiles = qx->bf + (size_t)(b / 16) * 16 * K + (b % 16) * GROUP;
+            for (int g = 0; g < G; g++) to_bf16_row(row + g * GROUP, tiles + (size_t)g * 16 * GROUP, GROUP);
+            continue;
+        }
+        const float amax = abs_max(row, K);
+        const float d = amax / 32767.0f, id = amax > 0 ? 32767.0f / amax : 0.0f;
+        qx->dx[b] = d;
+        int16_t *dst = qx->q + (size_t)b * K;
+        for (int g = 0; g < G; g++) {
+            const float *p = row + g * GROUP;
+#if defined(__AVX512F__)
+            __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16), idv = _mm512_set1_ps(id);
+            qx->sx[(size_t)b * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi)) * id;
+            _mm256_storeu_si256((__m256i *)(dst + g * GROUP), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, idv))));
+            _mm256_storeu_si256((__m256i *)(dst + g * GROUP + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, idv))));
+#else
+            float sum = 0;
+            for (int j = 0; j < GROUP; j++) {
+                sum += p[j];
+                dst[g * GROUP + j] = (int16_t)lrintf(p[j] * id);
+            }
+            qx->sx[(size_t)b * G + g] = sum * id;
+#endif
+        }
+    }
+}
+
+/* One column of blocks (16 output rows n0.., all K) for nb <= ROWS_PER_PASS input rows: y[b, n0 + n]. */
+static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, int G, const qx_t *qx, int K,
+                                                            int nb, float *y, int ldy) {
+    float out[ROWS_PER_PASS][TILE_N];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 accf[ROWS_PER_PASS];
+    for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi16(0xf);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
+        __m512i acc[ROWS_PER_PASS];
+        for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
+        for (int p = 0; p < 8; p++) {
+            __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * p)));
+            __m512i w0 = _mm512_and_si512(w, low), w1 = _mm512_srli_epi16(w, 4);
+            for (int b = 0; b < nb; b++) {
+                const int16_t *xp = qx->q + (size_t)b * K + g * GROUP + 4 * p;
+                int32_t x0, x1;
+                memcpy(&x0, xp, 4);
+                memcpy(&x1, xp + 2, 4);
+#if defined(__AVX512VNNI__)
+                acc[b] = _mm512_dpwssd_epi32(acc[b], w0, _mm512_set1_epi32(x0));
+                acc[b] = _mm512_dpwssd_epi32(acc[b], w1, _mm512_set1_epi32(x1));
+#else
+                acc[b] = _mm512_add_epi32(acc[b], _mm512_add_epi32(_mm512_madd_epi16(w0, _mm512_set1_epi32(x0)),
+                                                                   _mm512_madd_epi16(w1, _mm512_set1_epi32(x1))));
+#endif
+            }
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
+        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+        for (int b = 0; b < nb; b++) {
+            accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b]), d, accf[b]);
+            accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(qx->sx[(size_t)b * G + g]), accf[b]);
+        }
+    }
+    for (int b = 0; b < nb; b++) _mm512_storeu_ps(out[b], accf[b]);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
+    const __m256i low = _mm256_set1_epi16(0xf);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
+        __m256i acc[ROWS_PER_PASS][2];
+        for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
+        for (int p = 0; p < 8; p++) {
+            /* bytes 0-15: output rows 0-7, bytes 16-31: rows 8-15 */
+            __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * p)));
+            __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * p + 16)));
+            __m256i lo0 = _mm256_and_si256(lo, low), lo1 = _mm256_srli_epi16(lo, 4);
+            __m256i hi0 = _mm256_and_si256(hi, low), hi1 = _mm256_srli_epi16(hi, 4);
+            for (int b = 0; b < nb; b++) {
+                const int16_t *xp = qx->q + (size_t)b * K + g * GROUP + 4 * p;
+                int32_t x0i, x1i;
+                memcpy(&x0i, xp, 4);
+                memcpy(&x1i, xp + 2, 4);
+                __m256i x0 = _mm256_set1_epi32(x0i), x1 = _mm256_set1_epi32(x1i);
+                acc[b][0] = _mm256_add_epi32(acc[b][0], _mm256_add_epi32(_mm256_madd_epi16(lo0, x0),
+                                                                         _mm256_madd_epi16(lo1, x1)));
+                acc[b][1] = _mm256_add_epi32(acc[b][1], _mm256_add_epi32(_mm256_madd_epi16(hi0, x0),
+                                                                         _mm256_madd_epi16(hi1, x1)));
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * h)));
+            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * h)));
+            for (int b = 0; b < nb; b++) {
+                __m256 o = _mm256_loadu_ps(out[b] + 8 * h);
+                o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][h]), d, o);
+                o = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[(size_t)b * G + g]), o);
+                _mm256_storeu_ps(out[b] + 8 * h, o);
+            }
+        }
+    }
+#else
+    for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
+        const uint16_t *dw = (const uint16_t *)(blk + 256), *mw = (const uint16_t *)(blk + 288);
+        for (int b = 0; b < nb; b++) {
+            const int16_t *xq = qx->q + (size_t)b * K + g * GROUP;
+            int32_t s[TILE_N] = {0};
+            for (int p = 0; p < 8; p++)
+                for (int i = 0; i < 32; i++) {
+                    const uint8_t c = blk[32 * p + i];
+                    const int n = i / 2, j = i % 2;
+                    s[n] += (c & 0xf) * xq[4 * p + j] + (c >> 4) * xq[4 * p + 2 + j];
+                }
+            const float sx = qx->sx[(size_t)b * G + g];
+            for (int n = 0; n < TILE_N; n++) out[b][n] += (float)s[n] * fp16_to_f32(dw[n]) + fp16_to_f32(mw[n]) * sx;
+        }
+    }
+#endif
+    for (int b = 0; b < nb; b++)
+        for (int n = 0; n < TILE_N; n++) y[(size_t)b * ldy + n] = out[b][n] * qx->dx[b];
+}
+
+/* This thread's share of y[B, N] = x[B, K] W^T (x quantised by quantize_x): columns of blocks split evenly. */
+static void matmul_int16(const q4_tiles *w, int N, int K, const qx_t *qx, int B, float *y, int tid, int nt) {
+    const int G = K / GROUP, NB = N / TILE_N, per = (NB + nt - 1) / nt;
+    const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
+    for (int c = c0; c < c1; c++) {
+        const uint8_t *col = w->blocks + (size_t)c * G * BLOCK_BYTES;
+        for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {
+            const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
+            qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL};
+            float *yb = y + (size_t)b0 * N + c * TILE_N;
+            switch (nb) { /* a constant nb per call: the compiler keeps each row's accumulator in a register */
+                case 1: q4_column(col, G, &part, K, 1, yb, N); break;
+                case 2: q4_column(col, G, &part, K, 2, yb, N); break;
+                case 3: q4_column(col, G, &part, K, 3, yb, N); break;
+                case 4: q4_column(col, G, &part, K, 4, yb, N); break;
+                case 5: q4_column(col, G, &part, K, 5, yb, N); break;
+                case 6: q4_column(col, G, &part, K, 6, yb, N); break;
+                case 7: q4_column(col, G, &part, K, 7, yb, N); break;
+                default: q4_column(col, G, &part, K, 8, yb, N); break;
+            }
+        }
+    }
+}
+
+#if HAVE_AMX
+/* Block -> a bf16 B tile: 16 rows (input pairs) of 32 bf16 (lane 2n + j), exactly the block's layout. */
+static inline void widen_block(const uint8_t *blk, uint16_t *tile) {
+    const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_rows = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+    __m512 d0 = _mm512_permutexvar_ps(lo_rows, d), d1 = _mm512_permutexvar_ps(hi_rows, d);
+    __m512 m0 = _mm512_permutexvar_ps(lo_rows, m), m1 = _mm512_permutexvar_ps(hi_rows, m);
+    const __m512i low = _mm512_set1_epi32(0xf);
+    for (int p = 0; p < 8; p++) {
+        __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p))); /* lanes 0-15 */
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p + 16))); /* 16-31 */
+        __m512 r0a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(a, low)), d0, m0);
+        __m512 r0b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d1, m1);
+        __m512 r1a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), d0, m0);
+        __m512 r1b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1);
+        _mm512_storeu_si512(tile + (2 * p) * 32, (__m512i)_mm512_cvtne2ps_pbh(r0b, r0a));
+        _mm512_storeu_si512(tile + (2 * p + 1) * 32, (__m512i)_mm512_cvtne2ps_pbh(r1b, r1a));
+    }
+}
+
+/* This thread's share of y[M, N] = x[M, K] W^T with x in bf16 (qx->bf, rows padded to a multiple of 16;
+ * y holds that many rows too): pairs of block columns (32 outputs) split evenly; each pair widened
+ * once into `scratch` ([K / 32][2][512] bf16) and multiplied by every 32-row slice of x. */
+static void matmul_amx(const q4_tiles *w, int N, int K, const qx_t *qx, int M, float *y, uint16_t *scratch,
+                       int tid, int nt) {
+    const int G = K / GROUP, NB = N / TILE_N, NP = (NB + 1) / 2, per = (NP + nt - 1) / nt;
+    const int p0 = tid * per, p1 = p0 + per < NP ? p0 + per : NP;
+    if (p0 >= p1) return;
+    amx_configure();
+    const uint16_t *x = qx->bf;
+    for (int pc = p0; pc < p1; pc++) {
+        const int c = 2 * pc, two_cols = c + 1 < NB;
+        for (int g = 0; g < G; g++) {
+            widen_block(w->blocks + ((size_t)c * G + g) * BLOCK_BYTES, scratch + (size_t)g * 1024);
+            if (two_cols) widen_block(w->blocks + ((size_t)(c + 1) * G + g) * BLOCK_BYTES, scratch + (size_t)g * 1024 + 512);
+        }
+        for (int m0 = 0; m0 < M; m0 += 32) {
+            const int two_rows = m0 + 16 < M;
+            const uint16_t *xa = x + (size_t)m0 * K, *xb = xa + (size_t)16 * K; /* tiles [rows / 16][G][16 x 32] */
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int g = 0; g < G; g++) {
+                const uint16_t *bt = scratch + (size_t)g * 1024;
+                _tile_loadd(4, xa + (size_t)g * 16 * GROUP, 64);
+                _tile_loadd(6, bt, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_cols) {
+                    _tile_loadd(7, bt + 512, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (two_rows) {
+                    _tile_loadd(5, xb + (size_t)g * 16 * GROUP, 64);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two_cols) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            float *ya = y + (size_t)m0 * N + c * TILE_N, *yb = ya + (size_t)16 * N;
+            _tile_stored(0, ya, N * 4);
+            if (two_cols) _tile_stored(1, ya + TILE_N, N * 4);
+            if (two_rows) {
+                _tile_stored(2, yb, N * 4);
+                if (two_cols) _tile_stored(3, yb + TILE_N, N * 4);
+            }
+        }
+    }
+}
+#endif
+
+static void rms_norm_rows(const float *x, const float *w, float *out, int rows, int n, float eps) {
+    for (int b = 0; b < rows; b++) {
+        const float *xb = x + (size_t)b * n;
+        float inv = 1.0f / sqrtf(dot(xb, xb, n) / n + eps);
+        for (int i = 0; i < n; i++) out[(size_t)b * n + i] = xb[i] * inv * w[i];
+    }
+}
+
+static void rope(float *v, const float *c, const float *s, int half) {
+    for (int i = 0; i < half; i++) {
+        float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c[i] - x2 * s[i];
+        v[i + half] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+static inline void bf16_to_f32_row(const uint16_t *src, float *dst, int n) { /* vectorised by the compiler */
+    uint32_t bits[256];
+    for (int i = 0; i < n; i++) bits[i] = (uint32_t)src[i] << 16;
+    memcpy(dst, bits, (size_t)n * 4);
+}
+
+/* Where a sequence's cached keys and values are: the layer's K and V at this kv head, the stride of a
+ * cache slot, the block table and the block size. */
+typedef struct {
+    const uint16_t *k, *v;
+    int64_t slot_stride;
+    const int32_t *table;
+    int block_size;
+} kv_view;
+
+/* The cache offsets (elements) of positions [t0, t0 + cnt): one division per chunk, not per key (an
+ * integer division costs more than a key's dot products). */
+static inline void chunk_slots(const kv_view *kv, int t0, int cnt, int64_t *slots) {
+    int blk = t0 / kv->block_size, off = t0 - blk * kv->block_size;
+    for (int j = 0; j < cnt; j++) {
+        slots[j] = ((int64_t)kv->table[blk] * kv->block_size + off) * kv->slot_stride;
+        if (++off == kv->block_size) off = 0, blk++;
+    }
+}
+
+/* Plain C: every head size and group. */
+static void attend_generic(const float *q, int group, int D, const kv_view *kv, int n, float *scores, float *out) {
+    const float scale = 1.0f / sqrtf((float)D);
+    float row[256], mx[256], sum[256];
+    for (int h = 0; h < group; h++) mx[h] = -INFINITY, sum[h] = 0;
+    int64_t slots[16];
+    for (int t = 0; t < n; t++) {
+        if (t % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
+        bf16_to_f32_row(kv->k + slots[t % 16], row, D);
+        for (int h = 0; h < group; h++) {
+            float s = dot(q + h * D, row, D) * scale;
+            scores[h * n + t] = s;
+            mx[h] = s > mx[h] ? s : mx[h];
+        }
+    }
+    for (int h = 0; h < group; h++) {
+        sum[h] = exp_shifted(scores + h * n, n, mx[h]);
+    }
+    for (int i = 0; i < group * D; i++) out[i] = 0;
+    for (int t = 0; t < n; t++) {
+        if (t % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
+        bf16_to_f32_row(kv->v + slots[t % 16], row, D);
+        for (int h = 0; h < group; h++) {
+            float p = scores[h * n + t], *o = out + h * D;
+            for (int i = 0; i < D; i++) o[i] += p * row[i];
+        }
+    }
+    for (int h = 0; h < group; h++) {
+        float inv = 1.0f / sum[h], *o = out + h * D;
+        for (int i = 0; i < D; i++) o[i] *= inv;
+    }
+}
+
+#if defined(__AVX512F__)
+#define FAST_GROUP 4 /* query heads per kv head */
+#define MAX_HEADS 256
+#define FAST_CHUNKS 8 /* head_dim / 16 */
+
+static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* r[j] = the sum of v[j]'s 16 lanes, for 16 vectors at once (a tree of lane permutes and adds: ~3 ops
+ * per vector instead of a full horizontal sum each). */
+static inline __m512 hsum16(const __m512 *v) {
+    const __m512i a1 = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i b1 = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
+    const __m512i a2 = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512i b2 = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+    const __m512i a3 = _mm512_set_epi32(29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
+    const __m512i b3 = _mm512_set_epi32(31, 30, 27, 26, 23, 22, 19, 18, 15, 14, 11, 10, 7, 6, 3, 2);
+    const __m512i a4 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i b4 = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) /* [vector 2i: 8 partial sums | vector 2i+1: 8] */
+        w[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], a1, v[2 * i + 1]),
+                             _mm512_permutex2var_ps(v[2 * i], b1, v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* four vectors, 4 partial sums each */
+        x[i] = _mm512_add_ps(_mm512_permutex2var_ps(w[2 * i], a2, w[2 * i + 1]),
+                             _mm512_permutex2var_ps(w[2 * i], b2, w[2 * i + 1]));
+    for (int i = 0; i < 2; i++) /* eight vectors, 2 each */
+        y[i] = _mm512_add_ps(_mm512_permutex2var_ps(x[2 * i], a3, x[2 * i + 1]),
+                             _mm512_permutex2var_ps(x[2 * i], b3, x[2 * i + 1]));
+    return _mm512_add_ps(_mm512_permutex2var_ps(y[0], a4, y[1]), _mm512_permutex2var_ps(y[0], b4, y[1]));
+}
+
+/* Asks for the cache rows at `slots` (heads from `off`, `bytes` of each) ahead of their use: a
+ * sequence's blocks lie anywhere in the pool, so the hardware prefetcher starts cold at each one.
+ * (Inline asm: GCC deletes loops whose only effect is `__builtin_prefetch`.) */
+static inline void prefetch_rows(const uint16_t *base, const int64_t *slots, int cnt, int off, int bytes, int l1) {
+    for (int j = 0; j < cnt; j++) {
+        const char *p = (const char *)(base + slots[j] + off);
+        for (int b = 0; b < bytes; b += 64) {
+            if (l1)
+                __asm__ volatile("prefetcht0 (%0)" ::"r"(p + b));
+            else
+                __asm__ volatile("prefetcht1 (%0)" ::"r"(p + b));
+        }
+    }
+}
+
+/* AVX-512: keys in chunks of 16 positions; within a chunk every kv head in [kv0, kv1) in turn (a
+ * cache slot holds all kv heads side by side, so a chunk's rows stay in L1 while its heads are read);
+ * each key widened once for the group's query heads, and their 16 dot products summed across lanes
+ * together (hsum16). q: the sequence's [heads, D]; scores [(kv1 - kv0) * group, n]; out [heads, D]. */
+static void attend_avx512(const float *q, int group, int D, const kv_view *kv, int kv0, int kv1, int n,
+                          float *scores, float *out) {
+    const int C = D / 16, nh = (kv1 - kv0) * group;
+    const float scale = 1.0f / sqrtf((float)D);
+    float mx[MAX_HEADS], sum[MAX_HEADS];
+    const int row_bytes = (kv1 - kv0) * D * 2; /* of one position's keys (or values) that we read */
+    int64_t slots[16], next[16];
+    for (int h = 0; h < nh; h++) mx[h] = -INFINITY;
+    __m512 part[FAST_GROUP][16];
+    chunk_slots(kv, 0, n < 16 ? n : 16, next);
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const int cnt = n - t0 < 16 ? n - t0 : 16, cnt_next = n - t0 - 16 < 16 ? n - t0 - 16 : 16;
+        const __mmask16 valid = (__mmask16)((1u << cnt) - 1);
+        memcpy(slots, next, sizeof slots);
+        if (cnt_next > 0) {
+            chunk_slots(kv, t0 + 16, cnt_next, next);
+            prefetch_rows(kv->k, next, cnt_next, kv0 * D, row_bytes, 1); /* the next keys, to L1 */
+        }
+        prefetch_rows(kv->v, slots, cnt, kv0 * D, row_bytes, 0); /* these values, to L2 */
+        for (int kvh = kv0; kvh < kv1; kvh++) {
+            __m512 qv[FAST_GROUP][FAST_CHUNKS];
+            for (int h = 0; h < group; h++)
+                for (int c = 0; c < C; c++)
+                    qv[h][c] = _mm512_mul_ps(_mm512_loadu_ps(q + (kvh * group + h) * D + c * 16), _mm512_set1_ps(scale));
+            for (int j = 0; j < 16; j++) {
+                if (j >= cnt) {
+                    for (int h = 0; h < group; h++) part[h][j] = _mm512_setzero_ps();
+                    continue;
+                }
+                const uint16_t *k = kv->k + slots[j] + kvh * D;
+                __m512 kf[FAST_CHUNKS] = {_mm512_setzero_ps()};
+                for (int c = 0; c < C; c++) kf[c] = bf16x16(k + c * 16);
+                for (int h = 0; h < group; h++) {
+                    __m512 acc = _mm512_mul_ps(qv[h][0], kf[0]);
+                    for (int c = 1; c < C; c++) acc = _mm512_fmadd_ps(qv[h][c], kf[c], acc);
+                    part[h][j] = acc;
+                }
+            }
+            for (int h = 0; h < group; h++) {
+                const int r = (kvh - kv0) * group + h;
+                __m512 sc = hsum16(part[h]);
+                _mm512_mask_storeu_ps(scores + (size_t)r * n + t0, valid, sc);
+                float m = _mm512_mask_reduce_max_ps(valid, sc);
+                mx[r] = m > mx[r] ? m : mx[r];
+            }
+        }
+    }
+    for (int r = 0; r < nh; r++) {
+        sum[r] = exp_shifted(scores + (size_t)r * n, n, mx[r]);
+    }
+    float *o = out + kv0 * group * D;
+    for (int i = 0; i < nh * D; i++) o[i] = 0;
+    chunk_slots(kv, 0, n < 16 ? n : 16, next);
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const int cnt = n - t0 < 16 ? n - t0 : 16, cnt_next = n - t0 - 16 < 16 ? n - t0 - 16 : 16;
+        memcpy(slots, next, sizeof slots);
+        if (cnt_next > 0) {
+            chunk_slots(kv, t0 + 16, cnt_next, next);
+            prefetch_rows(kv->v, next, cnt_next, kv0 * D, row_bytes, 1);
+        }
+        for (int kvh = kv0; kvh < kv1; kvh++) {
+            const int r0 = (kvh - kv0) * group;
+            __m512 acc[FAST_GROUP][FAST_CHUNKS];
+            for (int h = 0; h < group; h++)
+                for (int c = 0; c < C; c++) acc[h][c] = _mm512_loadu_ps(o + (r0 + h) * D + c * 16);
+            for (int j = 0; j < cnt; j++) {
+                const uint16_t *v = kv->v + slots[j] + kvh * D;
+                __m512 vf[FAST_CHUNKS];
+                for (int c = 0; c < C; c++) vf[c] = bf16x16(v + c * 16);
+                for (int h = 0; h < group; h++) {
+                    __m512 p = _mm512_set1_ps(scores[(size_t)(r0 + h) * n + t0 + j]);
+                    for (int c = 0; c < C; c++) acc[h][c] = _mm512_fmadd_ps(p, vf[c], acc[h][c]);
+                }
+            }
+            for (int h = 0; h < group; h++)
+                for (int c = 0; c < C; c++) _mm512_storeu_ps(o + (r0 + h) * D + c * 16, acc[h][c]);
+        }
+    }
+    for (int r = 0; r < nh; r++) {
+        __m512 inv = _mm512_set1_ps(1.0f / sum[r]);
+        for (int c = 0; c < C; c++)
+            _mm512_storeu_ps(o + r * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c * 16), inv));
+    }
+}
+#endif
+
+/* Attention of one sequence's query heads of kv heads [kv0, kv1) (q, out: the sequence's [heads, D];
+ * kv: the layer's cache at kv head 0) over its n cached keys and values; scores: [heads, n] of scratch. */
+static void attend(const float *q, int heads, int kv_heads, int D, const kv_view *kv, int kv0, int kv1, int n,
+                   float *scores, float *out) {
+    const int group = heads / kv_heads;
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && D >= 16 && D / 16 <= FAST_CHUNKS && group <= FAST_GROUP) {
+        attend_avx512(q, group, D, kv, kv0, kv1, n, scores, out);
+        return;
+    }
+#endif
+    for (int kvh = kv0; kvh < kv1; kvh++) {
+        kv_view at = *kv;
+        at.k += kvh * D, at.v += kvh * D;
+        attend_generic(q + kvh * group * D, group, D, &at, n, scores, out + kvh * group * D);
+    }
+}
+
+/* Attention jobs: whole sequences when there are enough of them for every thread (each reads its
+ * cache rows once, all kv heads together), else one (sequence, kv head) pair each. */
+static inline int attention_jobs(int B, int kv_heads, int nt) { return B >= nt ? B : B * kv_heads; }
+
+static inline void attention_job(int job, int B, int kv_heads, int nt, int *b, int *kv0, int *kv1) {
+    if (B >= nt) {
+        *b = job, *kv0 = 0, *kv1 = kv_heads;
+    } else {
+        *b = job / kv_heads, *kv0 = job % kv_heads, *kv1 = *kv0 + 1;
+    }
+}
+
+/* [lo, hi): this thread's share of n items. */
+static inline void span(int n, int tid, int nt, int *lo, int *hi) {
+    int per = (n + nt - 1) / nt;
+    *lo = tid * per < n ? tid * per : n;
+    *hi = *lo + per < n ? *lo + per : n;
+}
+
+/* ---- the step ---- */
+
+typedef struct {
+    const dims *dm;
+    const layer_weights *layers;
+    int B, nthreads, amx; /* B rows (tokens); amx: this step's matmuls take the AMX path */
+    float *x; /* [B, hidden]: the residual stream */
+    const int64_t *pos, *slots;
+    const int32_t *tables, *row_seq; /* block tables [sequences, table_stride]; each row's sequence */
+    int table_stride;
+    uint16_t *kv;
+    int64_t layer_stride, kv_stride;
+    const float *cos, *sin;
+    /* scratch (row buffers hold B rounded up to 32 rows: the AMX path writes whole tiles) */
+    float *h, *qkv, *att, *gu, *act, *scores;
+    qx_t qx; /* the current matmul's input, quantised */
+    uint16_t *tile_scratch; /* per thread: one column pair of weights widened to bf16 */
+    size_t tile_scratch_per_thread;
+    int max_ctx;
+} step_ctx;
+
+static void prepare_x(step_ctx *c, const float *x, int K, int b0, int b1) { quantize_x(x, K, &c->qx, b0, b1, c->amx); }
+
+static void step_matmul(step_ctx *c, const q4_tiles *w, int N, int K, float *y, int tid) {
+#if HAVE_AMX
+    if (c->amx) {
+        matmul_amx(w, N, K, &c->qx, c->B, y, c->tile_scratch + (size_t)tid * c->tile_scratch_per_thread, tid,
+                   c->nthreads);
+        return;
+    }
+#endif
+    matmul_int16(w, N, K, &c->qx, c->B, y, tid, c->nthreads);
+}
+
+/* Every thread runs this; the phases between barriers split their work: matmul columns, attention by
+ * (row, kv head), elementwise work by row or by group of 32. A row attends to its sequence's cache up
+ * to its own position: the rows of a prefill chunk are written to the cache together, before any
+ * of them attends, and each sees the keys before it and its own. */
+static void run_step(void *arg, int tid) {
+    step_ctx *c = arg;
+    const dims *dm = c->dm;
+    const int B = c->B, H = dm->hidden, D = dm->head_dim, Hkv = dm->kv_heads, I = dm->inter, nt = c->nthreads;
+    const int q_n = dm->heads * D, kv_n = Hkv * D, qkv_n = q_n + 2 * kv_n;
+    if (tid >= nt) return;
+#if defined(__SSE2__)
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040); /* flush denormals to zero (FTZ, DAZ): each one costs a microcode assist */
+#endif
+    float *scores = c->scores + (size_t)tid * c->max_ctx * dm->heads;
+    int b0, b1, gi0, gi1; /* my rows; my groups of the MLP's activations */
+    span(B, tid, nt, &b0, &b1);
+    span(I / GROUP, tid, nt, &gi0, &gi1);
+    for (int l = 0; l < dm->layers; l++) {
+        const layer_weights *lw = c->layers + l;
+        for (int b = b0; b < b1; b++) { /* (the previous layer's MLP output joins the residual here) */
+            float *xb = c->x + (size_t)b * H;
+            if (l > 0)
+                for (int i = 0; i < H; i++) xb[i] += c->h[(size_t)b * H + i];
+            rms_norm_rows(xb, lw->attn_norm, c->h + (size_t)b * H, 1, H, dm->eps);
+        }
+        prepare_x(c, c->h, H, b0, b1);
+        barrier(nt);
+        step_matmul(c, &lw->qkv, qkv_n, H, c->qkv, tid);
+        barrier(nt);
+        uint16_t *kc = c->kv + l * c->layer_stride, *vc = kc + c->kv_stride;
+        for (int b = b0; b < b1; b++) {
+            float *row = c->qkv + (size_t)b * qkv_n;
+            if (lw->qkv_bias)
+                for (int i = 0; i < qkv_n; i++) row[i] += lw->qkv_bias[i];
+            const float *cs = c->cos + c->pos[b] * (D / 2), *sn = c->sin + c->pos[b] * (D / 2);
+            for (int h = 0; h < dm->heads + Hkv; h++) rope(row + h * D, cs, sn, D / 2);
+            for (int i = 0; i < kv_n; i++) {
+                kc[c->slots[b] * kv_n + i] = f32_to_bf16(row[q_n + i]);
+                vc[c->slots[b] * kv_n + i] = f32_to_bf16(row[q_n + kv_n + i]);
+            }
+        }
+        barrier(nt);
+        for (int job = tid; job < attention_jobs(B, Hkv, nt); job += nt) {
+            int b, kv0, kv1;
+            attention_job(job, B, Hkv, nt, &b, &kv0, &kv1);
+            kv_view view = {kc, vc, kv_n, c->tables + (size_t)c->row_seq[b] * c->table_stride, dm->block_size};
+            attend(c->qkv + (size_t)b * qkv_n, dm->heads, Hkv, D, &view, kv0, kv1, (int)c->pos[b] + 1, scores,
+                   c->att + (size_t)b * q_n);
+        }
+        barrier(nt);
+        prepare_x(c, c->att, q_n, b0, b1);
+        barrier(nt);
+        step_matmul(c, &lw->o, H, q_n, c->h, tid);
+        barrier(nt);
+        for (int b = b0; b < b1; b++) {
+            float *xb = c->x + (size_t)b * H;
+            for (int i = 0; i < H; i++) xb[i] += c->h[(size_t)b * H + i];
+            rms_norm_rows(xb, lw->mlp_norm, c->h + (size_t)b * H, 1, H, dm->eps);
+        }
+        prepare_x(c, c->h, H, b0, b1);
+        barrier(nt);
+        step_matmul(c, &lw->gate_up, 2 * I, H, c->gu, tid);
+        barrier(nt);
+        for (int b = 0; b < B; b++) {
+            const float *g = c->gu + (size_t)b * 2 * I, *u = g + I;
+            float *a = c->act + (size_t)b * I;
+            silu_mul(g + gi0 * GROUP, u + gi0 * GROUP, a + gi0 * GROUP, (gi1 - gi0) * GROUP);
+        }
+        barrier(nt);
+        prepare_x(c, c->act, I, b0, b1);
+        barrier(nt);
+        step_matmul(c, &lw->down, H, I, c->h, tid);
+        barrier(nt);
+    }
+    for (int b = b0; b < b1; b++)
+        for (int i = 0; i < H; i++) c->x[(size_t)b * H + i] += c->h[(size_t)b * H + i];
+#if HAVE_AMX
+    if (c->amx) _tile_release();
+#endif
+#if defined(__SSE2__)
+    _mm_setcsr(csr);
+#endif
+}
+
+static int forward_locked(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,
+                          const int64_t *slots, const int32_t *tables, int table_stride, const int32_t *row_seq,
+                          uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
+                          int nthreads, int amx_min_rows) {
+    const int H = dm->hidden, I = dm->inter, q_n = dm->heads * dm->head_dim;
+    const int qkv_n = q_n + 2 * dm->kv_heads * dm->head_dim;
+    int max_ctx = 1;
+    for (int b = 0; b < B; b++) max_ctx = positions[b] + 1 > max_ctx ? (int)positions[b] + 1 : max_ctx;
+    nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
+    const int amx = amx_min_rows > 0 && B >= amx_min_rows && amx_usable();
+    const int R = (B + 31) / 32 * 32; /* rows of the row buffers */
+    const int kmax = H > q_n ? (H > I ? H : I) : (q_n > I ? q_n : I), gmax = kmax / GROUP;
+    const size_t per_thread = (size_t)gmax * 1024; /* bf16 elements: a widened column pair of the widest K */
+    size_t floats = (size_t)R * (H + qkv_n + q_n + 2 * I + I + 1 + gmax + kmax / 2 + kmax / 2) +
+                    (size_t)nthreads * max_ctx * dm->heads + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
+    float *buf = calloc(floats, sizeof(float));
+    if (!buf) return -1;
+    step_ctx c = {.dm = dm, .layers = layers, .B = B, .nthreads = nthreads, .amx = amx, .x = x, .pos = positions,
+                  .slots = slots, .tables = tables, .row_seq = row_seq, .table_stride = table_stride, .kv = kv,
+                  .layer_stride = layer_stride, .kv_stride = kv_stride, .cos = cos, .sin = sin};
+    float *p = buf;
+    c.h = p, p += (size_t)R * H;
+    c.qkv = p, p += (size_t)R * qkv_n;
+    c.att = p, p += (size_t)R * q_n;
+    c.gu = p, p += (size_t)R * 2 * I;
+    c.act = p, p += (size_t)R * I;
+    c.qx.dx = p, p += (size_t)R;
+    c.qx.sx = p, p += (size_t)R * gmax;
+    c.qx.q = (int16_t *)p, p += (size_t)R * kmax / 2;
+    c.qx.bf = (uint16_t *)p, p += (size_t)R * kmax / 2;
+    c.scores = p, p += (size_t)nthreads * max_ctx * dm->heads;
+    p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); /* (the 16 spare floats) */
+    c.tile_scratch = (uint16_t *)p;
+    c.tile_scratch_per_thread = per_thread;
+    c.max_ctx = max_ctx;
+    run_parallel(run_step, &c, nthreads);
+    free(buf);
+    return 0;
+}
+
+/* x [B, hidden]: each row's token embedding in, its residual stream after the last layer out (the
+ * caller applies the final norm). Rows are tokens: decodes and prefill chunks in any order.
+ * positions, slots: each token's position and cache slot; row_seq[b]: the row of `tables`
+ * [sequences, table_stride] (block tables) of its sequence. A row attends to positions 0..positions[b]
+ * of its sequence. kv: the bf16 cache [layers, 2, slots, kv_heads, head_dim] with its layer and K-to-V
+ * strides in elements. cos/sin [max_pos, head_dim / 2]. amx_min_rows: steps of at least this many
+ * rows multiply on AMX tiles where this build and the OS allow it (0: never).
+ * Returns 0, -1 when out of memory, -2 for shapes this kernel does not take. */
+int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,
+                   const int64_t *slots, const int32_t *tables, int table_stride, const int32_t *row_seq,
+                   uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
+                   int nthreads, int amx_min_rows) {
+    const int q_n = dm->heads * dm->head_dim, qkv_n = q_n + 2 * dm->kv_heads * dm->head_dim;
+    if (dm->head_dim > 256 || dm->head_dim % 16 || dm->heads % dm->kv_heads || dm->heads > 256 ||
+        dm->hidden % GROUP || dm->inter % GROUP || q_n % GROUP || qkv_n % TILE_N || dm->hidden % TILE_N)
+        return -2;
+    if (B <= 0) return 0;
+    pthread_mutex_lock(&step_lock);
+    int rc = forward_locked(dm, layers, B, x, positions, slots, tables, table_stride, row_seq, kv, layer_stride,
+                            kv_stride, cos, sin, nthreads, amx_min_rows);
+    pthread_mutex_unlock(&step_lock);
+    return rc;
+}
+
+/* Whether this build has the AMX path and the OS lets this process use it. */
+int sluice_amx_available(void) { return amx_usable(); }
+
+/* ---- attention alone, for the torch path's decode rows (steps too large for the fused step) ---- */
+
+typedef struct {
+    int B, heads, kv_heads, head_dim, block_size, table_stride, nthreads, max_ctx;
+    const float *q;
+    int64_t q_stride;
+    float *out, *scores;
+    const uint16_t *k, *v;
+    const int32_t *tables, *seq_lens;
+} attn_ctx;
+
+static void run_attention(void *arg, int tid) {
+    attn_ctx *a = arg;
+    if (tid >= a->nthreads) return;
+    const int D = a->head_dim, kv_n = a->kv_heads * D;
+    float *scores = a->scores + (size_t)tid * a->max_ctx * a->heads;
+    for (int job = tid; job < attention_jobs(a->B, a->kv_heads, a->nthreads); job += a->nthreads) {
+        int b, kv0, kv1;
+        attention_job(job, a->B, a->kv_heads, a->nthreads, &b, &kv0, &kv1);
+        kv_view view = {a->k, a->v, kv_n, a->tables + (size_t)b * a->table_stride, a->block_size};
+        attend(a->q + b * a->q_stride, a->heads, a->kv_heads, D, &view, kv0, kv1, a->seq_lens[b], scores,
+               a->out + (size_t)b * a->heads * D);
+    }
+}
+
+/* q: B rows of [heads, head_dim] fp32, rows q_stride elements apart (a slice of a fused QKV output);
+ * out [B, heads, head_dim]; k, v: one layer's bf16 cache [slots, kv_heads, head_dim], this step's keys
+ * and values already written. Returns 0, -1 out of memory, -2 bad shapes. */
+int sluice_decode_attention(int B, int heads, int kv_heads, int head_dim, const float *q, int64_t q_stride,
+                            float *out, const uint16_t *k, const uint16_t *v, int block_size, const int32_t *tables,
+                            int table_stride, const int32_t *seq_lens, int nthreads) {
+    if (head_dim > 256 || head_dim % 16 || heads % kv_heads || heads > 256) return -2;
+    int max_ctx = 1;
+    for (int b = 0; b < B; b++) max_ctx = seq_lens[b] > max_ctx ? seq_lens[b] : max_ctx;
+    pthread_mutex_lock(&step_lock);
+    nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
+    float *scores = malloc((size_t)nthreads * max_ctx * heads * sizeof(float));
+    if (!scores) {
+        pthread_mutex_unlock(&step_lock);
+        return -1;
+    }
+    attn_ctx a = {B, heads, kv_heads, head_dim, block_size, table_stride, nthreads, max_ctx, q, q_stride, out,
+                  scores, k, v, tables, seq_lens};
+    run_parallel(run_attention, &a, nthreads);
+    free(scores);
+    pthread_mutex_unlock(&step_lock);
+    return 0;
+}
+
+/* Which of the code paths above this build took (for the log and the tests). */
+
+/* Which of the int16 matmul's code paths this build took (for the log and the tests). */
+const char *sluice_forward_isa(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return "avx512-vnni";
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}
