@@ -91,9 +91,12 @@ class Int4Weight:
 class Int8Weight:
     """A weight as int8 with one scale per output row (`_weight_int8pack_mm`): half of bf16's bytes.
     Used for the output layer, whose rows a decode step reads in full while only each row's top
-    candidates matter (and those are recomputed at full precision, see `LlamaModel.logits`)."""
+    candidates matter (and those are recomputed at full precision, see `LlamaModel.logits`).
+    `native`: steps of up to `kernels.cpu.MAX_HEAD_ROWS` rows multiply natively (int16 activations,
+    integer dot products: a stream over the int8 bytes, where torch's kernel runs at half that speed)."""
 
-    def __init__(self, weight: torch.Tensor, chunk_rows: int = 4096):
+    def __init__(self, weight: torch.Tensor, chunk_rows: int = 4096, native: bool = False):
+        self.native = native
         n = weight.shape[0]
         self.q = torch.empty(weight.shape, dtype=torch.int8)
         scales = torch.empty(n)
@@ -108,6 +111,8 @@ class Int8Weight:
         return self.q.numel() + self.scales.numel() * 2
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.shape[0] <= cpu_kernels.MAX_HEAD_ROWS:
+            return cpu_kernels.int8_logits(x, self.q, self.scales, torch.get_num_threads())
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scales)
 
 
@@ -247,7 +252,8 @@ class LlamaModel(nn.Module):
                 down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det, packed=down4),
             ))
             drop_layer(i)
-        head8 = Int8Weight(lm_head) if q4_used and wdt != dtype and int8_available(device) else None
+        head8 = (Int8Weight(lm_head, native=self.native is not None)
+                 if q4_used and wdt != dtype and int8_available(device) else None)
         self.lm_head_fast = Linear(lm_head, None, wdt, packed=head8) if wdt != dtype and not det else None
         # Per step size: packed or dense weights, and threads (CPU; engine/cpu_plan.py). None: leave
         # both alone (GPU, deterministic mode, or before `plan_cpu_steps`).
@@ -350,7 +356,13 @@ class LlamaModel(nn.Module):
     def logits(self, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
         if self.lm_head_fast is None or exact:
             return self.lm_head(h).float()
-        logits = self.lm_head_fast(h, self._use(self.head_plan, h.shape[0])).float()
+        packed = self._use(self.head_plan, h.shape[0])
+        head8 = self.lm_head_fast.packed
+        if packed and isinstance(head8, Int8Weight) and head8.native and h.shape[0] <= cpu_kernels.MAX_HEAD_ROWS:
+            # One native call: the int8 products, each row's top candidates and their exact values.
+            return cpu_kernels.int8_logits(h, head8.q, head8.scales, torch.get_num_threads(),
+                                           exact=self.lm_head.weight, refine=REFINE_TOP)
+        logits = self.lm_head_fast(h, packed).float()
         top = logits.topk(REFINE_TOP, dim=-1).indices  # [n, k]
         rows = self.lm_head.weight[top]  # [n, k, hidden], full precision
         return logits.scatter_(1, top, torch.einsum("nd,nkd->nk", h.to(rows.dtype), rows).float())

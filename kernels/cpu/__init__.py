@@ -178,3 +178,31 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if rc != 0:
         raise RuntimeError(f"native decode attention failed ({'out of memory' if rc == -1 else 'bad shapes'})")
     return out
+
+
+MAX_HEAD_ROWS = 8  # forward.c's ROWS_PER_PASS: rows of one int8 output-layer call
+
+
+def int8_logits(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, threads: int,
+                exact: torch.Tensor | None = None, refine: int = 0, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [B, K] fp32 (B <= MAX_HEAD_ROWS) times int8 weights q [V, K] with bf16 scales [V] (w = q * scale),
+    natively: each row of x quantised to int16, integer dot products. With `exact` ([V, K] fp32), each
+    row's `refine` largest outputs are recomputed against it at full precision. Returns [B, V] fp32."""
+    lib = lib or build.load()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels could not be built (see the log)")
+    b, k = x.shape
+    assert q.dtype == torch.int8 and scales.dtype == torch.bfloat16 and q.shape[1] == k and b <= MAX_HEAD_ROWS
+    x = x.float().contiguous()
+    q, scales = q.contiguous(), scales.contiguous()
+    if exact is not None:
+        assert exact.dtype == torch.float32 and exact.is_contiguous() and exact.shape == q.shape
+    out = torch.empty(b, q.shape[0])
+    rc = lib.sluice_int8_logits(ctypes.c_int(b), ctypes.c_int(k), ctypes.c_void_p(x.data_ptr()),
+                                ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(scales.data_ptr()),
+                                ctypes.c_int(q.shape[0]), ctypes.c_void_p(out.data_ptr()),
+                                ctypes.c_void_p(None if exact is None else exact.data_ptr()),
+                                ctypes.c_int(refine if exact is not None else 0), ctypes.c_int(threads))
+    if rc != 0:
+        raise RuntimeError(f"native int8 output layer failed ({'out of memory' if rc == -1 else 'bad shapes'})")
+    return out

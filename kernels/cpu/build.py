@@ -85,7 +85,8 @@ def compile_library(arch: tuple[str, ...]) -> ctypes.CDLL | None:
                 os.replace(out, target)
             log.info("native CPU forward step built: %s", target)
         lib = ctypes.CDLL(str(target))
-        for fn in (lib.sluice_forward, lib.sluice_decode_attention, lib.sluice_amx_available):
+        for fn in (lib.sluice_forward, lib.sluice_decode_attention, lib.sluice_amx_available,
+                   lib.sluice_int8_logits):
             fn.restype = ctypes.c_int  # (ctypes' default; said once here rather than per call)
         lib.sluice_forward_isa.restype = ctypes.c_char_p
         return lib

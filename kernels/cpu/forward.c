@@ -120,6 +120,19 @@ static inline float fast_exp(float x) {
     return p * scale;
 }
 
+/* Asks for the bytes [p, p + n) into L2 ahead of a stream's reads: one core's line fill buffers alone
+ * cap what it streams from memory well below the memory's bandwidth; L2 prefetches add to them.
+ * (Inline asm: GCC deletes loops whose only effect is `__builtin_prefetch`.) */
+static inline void prefetch_l2(const void *p, size_t n) {
+#if defined(__x86_64__)
+    for (size_t b = 0; b < n; b += 64) __asm__ volatile("prefetcht1 (%0)" ::"r"((const char *)p + b));
+#else
+    (void)p, (void)n;
+#endif
+}
+
+#define PREFETCH_AHEAD 8192 /* bytes of weights ahead of the one being read */
+
 /* ---- row helpers, vectorised by hand (the compiler keeps float reductions and the exp's bit tricks
  * scalar): the same numbers as the scalar code, 16 (AVX-512) or 8 (AVX2) lanes at a time ---- */
 
@@ -428,6 +441,7 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
     const __m512i low = _mm512_set1_epi16(0xf);
     for (int g = 0; g < G; g++) {
         const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, BLOCK_BYTES);
         __m512i acc[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
         for (int p = 0; p < 8; p++) {
@@ -460,6 +474,7 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
     const __m256i low = _mm256_set1_epi16(0xf);
     for (int g = 0; g < G; g++) {
         const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, BLOCK_BYTES);
         __m256i acc[ROWS_PER_PASS][2];
         for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
         for (int p = 0; p < 8; p++) {
@@ -1045,7 +1060,179 @@ int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x,
 /* Whether this build has the AMX path and the OS lets this process use it. */
 int sluice_amx_available(void) { return amx_usable(); }
 
-/* ---- attention alone, for the torch path's decode rows (steps too large for the fused step) ---- */
+/* ---- the output layer of small steps: int8 weights (one scale per row) against int16 activations ----
+ *
+ * The output layer reads as many bytes as a third of the layers; for a step of few rows it is a
+ * stream over its int8 copy (engine/model.py, Int8Weight), each row's top candidates recomputed
+ * exactly by the caller. Rows of W split between threads; each weight vector widened once for all
+ * input rows. */
+
+#define MAX_REFINE 64
+
+typedef struct {
+    int B, K, V, nthreads, refine;
+    const float *x;
+    const int8_t *w;
+    const uint16_t *scale; /* [V] bf16 */
+    const float *exact; /* [V, K] fp32 or NULL */
+    float *out;
+    qx_t qx;
+    int32_t *cand; /* [threads, B, refine]: each thread's best rows of each input row */
+} head_ctx;
+
+/* The `k` largest of out[r0..r1) into idx (unordered): a running minimum among the kept ones. */
+static void top_k(const float *out, int r0, int r1, int k, int32_t *idx) {
+    float val[MAX_REFINE];
+    int n = 0, lo = 0;
+    for (int r = r0; r < r1; r++) {
+        const float v = out[r];
+        if (n < k) {
+            val[n] = v, idx[n] = r, n++;
+            if (n == k)
+                for (int i = 1; i < k; i++) lo = val[i] < val[lo] ? i : lo;
+        } else if (v > val[lo]) {
+            val[lo] = v, idx[lo] = r;
+            for (int i = 0; i < k; i++) lo = val[i] < val[lo] ? i : lo;
+        }
+    }
+    for (; n < k; n++) idx[n] = -1;
+}
+
+/* Rows [r0, r1) of W for the B (a constant per call) input rows. int32 sums over 256 inputs at most
+ * (127 * 32767 * 256 < 2^31), then in fp32. */
+static inline __attribute__((always_inline)) void head_rows(const head_ctx *c, int B, int r0, int r1) {
+    const int K = c->K;
+    for (int r = r0; r < r1; r++) {
+        const int8_t *w = c->w + (size_t)r * K;
+        prefetch_l2(w + PREFETCH_AHEAD, K);
+        const float s = bf16_to_f32(c->scale[r]);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        __m512 accf[ROWS_PER_PASS];
+        for (int b = 0; b < B; b++) accf[b] = _mm512_setzero_ps();
+        for (int k0 = 0; k0 < K; k0 += 256) {
+            __m512i acc[ROWS_PER_PASS];
+            for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_si512();
+            const int k1 = k0 + 256 < K ? k0 + 256 : K;
+            for (int k = k0; k < k1; k += 32) {
+                __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k)));
+                for (int b = 0; b < B; b++) {
+                    __m512i xv = _mm512_loadu_si512(c->qx.q + (size_t)b * K + k);
+#if defined(__AVX512VNNI__)
+                    acc[b] = _mm512_dpwssd_epi32(acc[b], wv, xv);
+#else
+                    acc[b] = _mm512_add_epi32(acc[b], _mm512_madd_epi16(wv, xv));
+#endif
+                }
+            }
+            for (int b = 0; b < B; b++) accf[b] = _mm512_add_ps(accf[b], _mm512_cvtepi32_ps(acc[b]));
+        }
+        for (int b = 0; b < B; b++) c->out[(size_t)b * c->V + r] = _mm512_reduce_add_ps(accf[b]) * s * c->qx.dx[b];
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 accf[ROWS_PER_PASS];
+        for (int b = 0; b < B; b++) accf[b] = _mm256_setzero_ps();
+        for (int k0 = 0; k0 < K; k0 += 256) {
+            __m256i acc[ROWS_PER_PASS];
+            for (int b = 0; b < B; b++) acc[b] = _mm256_setzero_si256();
+            const int k1 = k0 + 256 < K ? k0 + 256 : K;
+            for (int k = k0; k < k1; k += 16) {
+                __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
+                for (int b = 0; b < B; b++)
+                    acc[b] = _mm256_add_epi32(acc[b], _mm256_madd_epi16(wv, _mm256_loadu_si256(
+                                                                          (const __m256i *)(c->qx.q + (size_t)b * K + k))));
+            }
+            for (int b = 0; b < B; b++) accf[b] = _mm256_add_ps(accf[b], _mm256_cvtepi32_ps(acc[b]));
+        }
+        for (int b = 0; b < B; b++) c->out[(size_t)b * c->V + r] = hsum8(accf[b]) * s * c->qx.dx[b];
+#else
+        for (int b = 0; b < B; b++) {
+            const int16_t *xq = c->qx.q + (size_t)b * K;
+            float acc = 0;
+            for (int k0 = 0; k0 < K; k0 += 256) {
+                int32_t part = 0;
+                for (int k = k0; k < K && k < k0 + 256; k++) part += (int32_t)w[k] * xq[k];
+                acc += (float)part;
+            }
+            c->out[(size_t)b * c->V + r] = acc * s * c->qx.dx[b];
+        }
+#endif
+    }
+}
+
+static void run_head(void *arg, int tid) {
+    head_ctx *c = arg;
+    if (tid >= c->nthreads) return;
+    int b0, b1, r0, r1;
+    span(c->B, tid, c->nthreads, &b0, &b1);
+    quantize_x(c->x, c->K, &c->qx, b0, b1, 0);
+    barrier(c->nthreads);
+    span(c->V, tid, c->nthreads, &r0, &r1);
+    switch (c->B) { /* a constant row count per call: the accumulators stay in registers */
+        case 1: head_rows(c, 1, r0, r1); break;
+        case 2: head_rows(c, 2, r0, r1); break;
+        case 3: head_rows(c, 3, r0, r1); break;
+        case 4: head_rows(c, 4, r0, r1); break;
+        case 5: head_rows(c, 5, r0, r1); break;
+        case 6: head_rows(c, 6, r0, r1); break;
+        case 7: head_rows(c, 7, r0, r1); break;
+        default: head_rows(c, 8, r0, r1); break;
+    }
+    if (!c->exact || c->refine <= 0) return;
+    /* Each row's best candidates at full precision: every thread's best of its rows of W, then the best
+     * of those, each recomputed as an fp32 dot product with the exact weights. */
+    const int k = c->refine;
+    for (int b = 0; b < c->B; b++) top_k(c->out + (size_t)b * c->V, r0, r1, k, c->cand + ((size_t)tid * c->B + b) * k);
+    barrier(c->nthreads);
+    for (int b = b0; b < b1; b++) {
+        float *row = c->out + (size_t)b * c->V;
+        float val[MAX_REFINE * MAX_THREADS];
+        int32_t all[MAX_REFINE * MAX_THREADS], best[MAX_REFINE];
+        int n = 0;
+        for (int t = 0; t < c->nthreads; t++)
+            for (int i = 0; i < k; i++) {
+                const int32_t r = c->cand[((size_t)t * c->B + b) * k + i];
+                if (r >= 0) val[n] = row[r], all[n++] = r;
+            }
+        /* the k best of the n candidates: plain selection (n = threads * k is small) */
+        int kept = n < k ? n : k;
+        for (int i = 0; i < kept; i++) {
+            int m = i;
+            for (int j = i + 1; j < n; j++) m = val[j] > val[m] ? j : m;
+            float tv = val[i];
+            int32_t ti = all[i];
+            val[i] = val[m], all[i] = all[m], val[m] = tv, all[m] = ti;
+            best[i] = all[i];
+        }
+        for (int i = 0; i < kept; i++) row[best[i]] = dot(c->x + (size_t)b * c->K, c->exact + (size_t)best[i] * c->K, c->K);
+    }
+}
+
+/* out [B, V] = x [B, K] (fp32) W^T for W int8 [V, K] with bf16 scales [V] (w = q * scale), B <=
+ * ROWS_PER_PASS, K a multiple of 32. `exact` [V, K] fp32 (or NULL): each row's `refine` largest
+ * outputs are then recomputed against it at full precision. Returns 0, -1 when out of memory, -2 for
+ * shapes it does not take. */
+int sluice_int8_logits(int B, int K, const float *x, const int8_t *w, const uint16_t *scale, int V, float *out,
+                       const float *exact, int refine, int nthreads) {
+    if (B < 1 || B > ROWS_PER_PASS || K % GROUP || refine > MAX_REFINE || refine > V) return -2;
+    pthread_mutex_lock(&step_lock);
+    nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
+    float *buf = malloc(((size_t)B * (1 + K / GROUP) + (size_t)B * K / 2 + (size_t)nthreads * B * MAX_REFINE) *
+                        sizeof(float));
+    if (!buf) {
+        pthread_mutex_unlock(&step_lock);
+        return -1;
+    }
+    head_ctx c = {B, K, V, nthreads, refine, x, w, scale, exact, out, {NULL, NULL, NULL, NULL}, NULL};
+    c.qx.dx = buf;
+    c.qx.sx = buf + B;
+    c.qx.q = (int16_t *)(buf + (size_t)B * (1 + K / GROUP));
+    c.cand = (int32_t *)(buf + (size_t)B * (1 + K / GROUP) + (size_t)B * K / 2);
+    run_parallel(run_head, &c, nthreads);
+    free(buf);
+    pthread_mutex_unlock(&step_lock);
+    return 0;
+}
+
+/* ---- attention alone, for the torch path's decode rows (the torch path) ---- */
 
 typedef struct {
     int B, heads, kv_heads, head_dim, block_size, table_stride, nthreads, max_ctx;

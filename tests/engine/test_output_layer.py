@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import kernels.cpu as cpu_kernels
 from engine.cpu_plan import Plan
 from engine.model import REFINE_TOP, Int4Weight, Int8Weight, Linear, LlamaModel, int4_available, int8_available
 
@@ -65,3 +66,31 @@ def test_int8_output_layer_keeps_the_exact_top_candidates():
     int8_only = model.lm_head_fast(x, packed=True).float()
     assert (int8_only - exact).abs().max() > 1e-3  # without the refinement the values really differ
     assert (fast - exact).abs().max() < 0.1
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for kernels/cpu")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_native_int8_output_layer_refines_the_top_candidates(rows):
+    """The native int8 output layer (kernels/cpu, small steps): its products equal the int8 weights'
+    to fp32 rounding, and each row's REFINE_TOP best are recomputed against the exact weights, in the
+    same call, on one and two threads; the model's logits take that call for packed steps."""
+    torch.manual_seed(rows)
+    weight = torch.randn(5003, 64) * 0.05  # not a multiple of the threads' shares
+    w8 = Int8Weight(weight, native=True)
+    x = torch.randn(rows, 64)
+    int8_ref = x.double() @ (w8.q.double() * w8.scales.double()[:, None]).T
+    exact = x @ weight.T
+    for threads in (1, 2):
+        plain = cpu_kernels.int8_logits(x, w8.q, w8.scales, threads)
+        torch.testing.assert_close(plain.double(), int8_ref, rtol=1e-4, atol=1e-4)  # int16 activations
+        refined = cpu_kernels.int8_logits(x, w8.q, w8.scales, threads, exact=weight, refine=REFINE_TOP)
+        top = plain.topk(REFINE_TOP, dim=-1).indices
+        torch.testing.assert_close(refined.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+        rest = torch.ones_like(plain, dtype=torch.bool).scatter_(1, top, False)
+        assert torch.equal(refined[rest], plain[rest])  # only the candidates changed
+        assert torch.equal(refined.argmax(-1), exact.argmax(-1))
+    model = LlamaModel.__new__(LlamaModel)
+    model.lm_head = Linear(weight, None, torch.float32)
+    model.lm_head_fast = Linear(weight, None, torch.bfloat16, packed=w8)
+    model.head_plan = Plan.fixed(torch.get_num_threads(), packed_max_rows=64)
+    torch.testing.assert_close(model.logits(x), cpu_kernels.int8_logits(x, w8.q, w8.scales, 2, weight, REFINE_TOP))
