@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import random
 import time
 
 from .block_manager import BlockManager
@@ -62,6 +63,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self._seqs: dict[str, Sequence] = {}
+        self._noise_seeds = random.Random(config.seed)
         self._outputs: dict[str, OutputProcessor] = {}
         runner = self.runner
         weights = ("layers 4-bit (native step), output layer " if runner.model.native is not None else "") + (
@@ -111,7 +113,9 @@ class LLMEngine:
                 raise RequestRejected(
                     f"the prompt ({prompt_len} tokens) cannot fit in this engine's KV pool of "
                     f"{self.capacity_tokens} tokens", code="context_length_exceeded", param="messages")
-        seq = Sequence.from_request(req, max_tokens, self.runner.model.args.vocab_size, self.eos_token_ids)
+        seq = Sequence.from_request(req, max_tokens, self.eos_token_ids)
+        if req.sampling.seed is None:  # the noise of unseeded requests: from the engine's seeded stream
+            seq.noise_seed = self._noise_seeds.getrandbits(62)
         if seq.num_new_outputs < 0 or len(seq.output_token_ids) >= max_tokens:
             raise RequestRejected("the resumed tokens already reach max_tokens", param="max_tokens")
         if req.sampling.guide is not None:

@@ -122,7 +122,6 @@ class ModelRunner:
         self.kv_bytes_per_token = kv_bytes_per_token
         if self.model.native is not None:
             self._plan_native()
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and not config.deterministic:
             max_len = config.max_model_len or args.max_position_embeddings
@@ -207,7 +206,7 @@ class ModelRunner:
         if not samplers:
             return {}
         logits = self._exact_for_logprobs(logits, hidden, samplers)
-        return dict(zip(samplers, sample(logits, samplers, self.generator, self.guides)))
+        return dict(zip(samplers, sample(logits, samplers, self.guides)))
 
     def _exact_for_logprobs(self, logits: torch.Tensor, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """With the bf16 output layer only each row's top candidates are exact: rows that want logprobs

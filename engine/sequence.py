@@ -13,8 +13,6 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import torch
-
 from .guide import GuideMatcher
 from .request import EngineRequest, FinishReason, SamplingParams
 
@@ -46,9 +44,8 @@ class Sequence:
     stop_token_ids: frozenset[int] = frozenset()  # sampling a token in this set finishes with "stop"
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
-    generator: torch.Generator | None = None
-    # The device sampler's noise is a pure function of (seed, token index): unseeded requests get a
-    # random seed of their own.
+    # The sampler's noise is a pure function of (seed, token index): unseeded requests get a random seed
+    # of their own, and a resumed request continues its stream at its first new token.
     noise_seed: int = field(default_factory=lambda: random.getrandbits(62))
     order: int = field(default_factory=lambda: next(_order))  # tie-break for equal arrival times
     guide: GuideMatcher | None = None  # constrained decoding: the grammar's state after output_token_ids
@@ -58,8 +55,7 @@ class Sequence:
     seen_token_ids: dict[int, None] = field(default_factory=dict)  # an ordered set
 
     @classmethod
-    def from_request(cls, req: EngineRequest, max_tokens: int, vocab_size: int = 0,
-                     eos_token_ids: Iterable[int] = ()) -> Sequence:
+    def from_request(cls, req: EngineRequest, max_tokens: int, eos_token_ids: Iterable[int] = ()) -> Sequence:
         """`eos_token_ids` stop the sequence too, unless the request sets `ignore_eos`."""
         stop_ids = set(req.sampling.stop_token_ids)
         if not req.sampling.ignore_eos:
@@ -76,11 +72,6 @@ class Sequence:
             seq.seen_token_ids = dict.fromkeys(seq.prompt_token_ids + seq.output_token_ids)
         if req.sampling.seed is not None:
             seq.noise_seed = req.sampling.seed & (2**62 - 1)
-            seq.generator = torch.Generator().manual_seed(req.sampling.seed)
-            # A resumed request continues the same random stream, as if it had never stopped: the
-            # sampler draws one number per vocabulary entry per token.
-            if seq.num_resumed_tokens and req.sampling.temperature > 0:
-                torch.empty(seq.num_resumed_tokens, vocab_size).exponential_(generator=seq.generator)
         return seq
 
     def append_output(self, token_id: int) -> None:

@@ -206,3 +206,24 @@ def int8_logits(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, threads:
     if rc != 0:
         raise RuntimeError(f"native int8 output layer failed ({'out of memory' if rc == -1 else 'bad shapes'})")
     return out
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seeds: torch.Tensor, offsets: torch.Tensor, threads: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """kernels.sampling.sample_tokens natively, row by row (the same semantics and noise): logits [B, V]
+    fp32; temperature, top_p [B] fp32; top_k, seeds, offsets [B] int64. Returns the tokens [B] int64."""
+    lib = lib or build.load()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels could not be built (see the log)")
+    b, v = logits.shape
+    logits = logits.float().contiguous()
+    args = [temperature.float().contiguous(), top_k.to(torch.int64).contiguous(), top_p.float().contiguous(),
+            seeds.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous()]
+    assert all(a.shape == (b,) for a in args)
+    out = torch.empty(b, dtype=torch.int64)
+    rc = lib.sluice_sample(ctypes.c_int(b), ctypes.c_int(v), ctypes.c_void_p(logits.data_ptr()),
+                           *[ctypes.c_void_p(a.data_ptr()) for a in args], ctypes.c_void_p(out.data_ptr()),
+                           ctypes.c_int(threads))
+    if rc != 0:
+        raise RuntimeError("native sampling failed (out of memory)")
+    return out
