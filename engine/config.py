@@ -39,7 +39,7 @@ class EngineConfig:
     # KV cache; auto: bfloat16 on a CPU when the weights are bf16/int4 (half the memory and bytes read),
     # else the activation dtype. Pages of the pool are only resident once written.
     kv_cache_dtype: str = "auto"
-    seed: int = 0
+    seed: int = 0  # the sampling noise of requests that send no seed of their own
     # Outputs independent of batch composition, prefill chunking and prefix-cache state: batch-invariant
     # matmuls and attention (engine/batch_invariant.py), no CUDA graphs, and `auto` dtypes resolve to
     # float32 (an explicit bfloat16 weight_dtype stays invariant too, and is faster). Off by default:
