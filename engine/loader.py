@@ -54,10 +54,16 @@ class LazyTensors(MutableMapping[str, T]):
     def __init__(self) -> None:
         self._make: dict[str, Callable[[], T]] = {}
         self._made: dict[str, T] = {}
+        self._from_file: set[str] = set()
 
     def add(self, key: str, make: Callable[[], T]) -> None:
         self._make[key] = make
         self._made.pop(key, None)
+        self._from_file.add(key)
+
+    def from_file(self, key: str) -> bool:
+        """Still the loader's own entry (made from the file), not one a caller set."""
+        return key in self._from_file
 
     def __getitem__(self, key: str) -> T:
         if key not in self._made:
@@ -67,10 +73,12 @@ class LazyTensors(MutableMapping[str, T]):
     def __setitem__(self, key: str, value: T) -> None:
         self._make[key] = lambda: value
         self._made[key] = value
+        self._from_file.discard(key)
 
     def __delitem__(self, key: str) -> None:
         del self._make[key]
         self._made.pop(key, None)
+        self._from_file.discard(key)
 
     def __contains__(self, key: object) -> bool:  # without making it
         return key in self._make
@@ -200,16 +208,13 @@ def _gguf_q4(t: Any, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+    return reader.fields.get(key, default)
 
 
 def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
-    import gguf  # imported here: only GGUF loading needs it
+    from .gguf_file import GGUFFile  # imported here: only GGUF loading needs it (and the gguf package)
 
-    reader = gguf.GGUFReader(str(path))
+    reader = GGUFFile(path)
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "mistral"):
         raise ValueError(f"{path}: architecture {arch!r} is not a Llama-family model this engine runs")

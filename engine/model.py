@@ -22,7 +22,7 @@ from kernels import AttentionMetadata, fused_add_rms_norm, paged_attention, rms_
 
 from . import batch_invariant
 from .cpu_plan import Plan, measure_plan
-from .loader import ModelArgs
+from .loader import LazyTensors, ModelArgs
 
 
 def rope_tables(args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,6 +214,9 @@ class LlamaModel(nn.Module):
             if not use_q4 or q4_blocks is None or name not in q4_blocks or name not in weights:
                 return None
             b = q4_blocks[name]
+            if (isinstance(weights, LazyTensors) and isinstance(q4_blocks, LazyTensors) and weights.from_file(name)
+                    and q4_blocks.from_file(name)):
+                return b  # both made by the loader from the same tensor of the file: no need to compare
             return b if weights[name].shape == b[0].shape and _q4_matches(b, weights[name]) else None
 
         def drop_layer(i: int) -> None:
