@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=256, help="tokens of context per sequence")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--weight-dtype", default="auto")
     a = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(max_running_requests=64, kv_cache_tokens=65536, enable_prefix_caching=False,

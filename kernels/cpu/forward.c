@@ -751,8 +751,8 @@ static inline void prefetch_rows(const uint16_t *base, const int64_t *slots, int
  * cache slot holds all kv heads side by side, so a chunk's rows stay in L1 while its heads are read);
  * each key widened once for the group's query heads, and their 16 dot products summed across lanes
  * together (hsum16). q: the sequence's [heads, D]; scores [(kv1 - kv0) * group, n]; out [heads, D]. */
-static void attend_avx512(const float *q, int group, int D, const kv_view *kv, int kv0, int kv1, int n,
-                          float *scores, float *out) {
+static inline __attribute__((always_inline)) void attend_avx512(const float *q, int group, int D, const kv_view *kv,
+                                                                int kv0, int kv1, int n, float *scores, float *out) {
     const int C = D / 16, nh = (kv1 - kv0) * group;
     const float scale = 1.0f / sqrtf((float)D);
     float mx[MAX_HEADS], sum[MAX_HEADS];
@@ -839,12 +839,42 @@ static void attend_avx512(const float *q, int group, int D, const kv_view *kv, i
 
 /* Attention of one sequence's query heads of kv heads [kv0, kv1) (q, out: the sequence's [heads, D];
  * kv: the layer's cache at kv head 0) over its n cached keys and values; scores: [heads, n] of scratch. */
+#if defined(__AVX512F__)
+/* attend_avx512 built for the common (query heads per kv head, head size) pairs: with both constant
+ * the accumulators live in registers (with them known only at run time they live on the stack, and
+ * attention took ~2x as long). */
+#define ATTEND_FIXED(G, DD)                                                                                   \
+    static void attend_g##G##_d##DD(const float *q, const kv_view *kv, int kv0, int kv1, int n, float *scores, \
+                                    float *out) {                                                             \
+        attend_avx512(q, G, DD, kv, kv0, kv1, n, scores, out);                                                \
+    }
+ATTEND_FIXED(1, 64)
+ATTEND_FIXED(2, 64)
+ATTEND_FIXED(3, 64)
+ATTEND_FIXED(4, 64)
+ATTEND_FIXED(1, 128)
+ATTEND_FIXED(2, 128)
+ATTEND_FIXED(3, 128)
+ATTEND_FIXED(4, 128)
+
+static void attend_any(const float *q, int group, int D, const kv_view *kv, int kv0, int kv1, int n, float *scores,
+                       float *out) {
+    attend_avx512(q, group, D, kv, kv0, kv1, n, scores, out);
+}
+#endif
+
 static void attend(const float *q, int heads, int kv_heads, int D, const kv_view *kv, int kv0, int kv1, int n,
                    float *scores, float *out) {
     const int group = heads / kv_heads;
 #if defined(__AVX512F__)
     if (D % 16 == 0 && D >= 16 && D / 16 <= FAST_CHUNKS && group <= FAST_GROUP) {
-        attend_avx512(q, group, D, kv, kv0, kv1, n, scores, out);
+        typedef void (*attend_fn)(const float *, const kv_view *, int, int, int, float *, float *);
+        static const attend_fn d64[] = {attend_g1_d64, attend_g2_d64, attend_g3_d64, attend_g4_d64};
+        static const attend_fn d128[] = {attend_g1_d128, attend_g2_d128, attend_g3_d128, attend_g4_d128};
+        if (D == 64 || D == 128)
+            (D == 64 ? d64 : d128)[group - 1](q, kv, kv0, kv1, n, scores, out);
+        else
+            attend_any(q, group, D, kv, kv0, kv1, n, scores, out);
         return;
     }
 #endif

@@ -228,7 +228,8 @@ def test_pack_puts_each_weight_where_the_kernel_reads_it():
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 32), (12, 2, 48)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(9, 3, 64), (8, 8, 32), (12, 2, 48), (4, 4, 64), (4, 2, 64), (8, 2, 128), (6, 2, 128)])
 def test_native_decode_attention_matches_the_torch_reference(build, heads, kv_heads, head_dim):
     """kernels.cpu.decode_attention (the torch path's decode rows on a CPU) against paged_attention_ref's
     own decode branch, on strided queries (a slice of a fused QKV output) and shuffled cache blocks."""
