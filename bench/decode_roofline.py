@@ -55,11 +55,11 @@ def weight_bytes(engine: LLMEngine, batch: int) -> int:
     """Bytes of weights a decode step of `batch` rows reads (the native step's 4-bit matrices, or packed
     or dense as the model's plan says)."""
     m = engine.runner.model
+    if m.native is not None:  # its 4-bit layers and, with them, its int8 output layer
+        return m.native.nbytes() + (m.head_tiles.nbytes() if m.head_tiles is not None else m.lm_head.nbytes())
     layers_packed = m.layer_plan.for_rows(batch).packed if m.layer_plan else False
     head = m.lm_head_fast or m.lm_head  # the output layer actually read each step
     head_packed = m.head_plan.for_rows(batch).packed if m.head_plan and m.lm_head_fast else False
-    if m.native is not None:
-        return head.nbytes(head_packed) + m.native.nbytes()
     return head.nbytes(head_packed) + sum(lin.nbytes(layers_packed) for lin in m.linears())
 
 

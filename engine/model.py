@@ -91,12 +91,9 @@ class Int4Weight:
 class Int8Weight:
     """A weight as int8 with one scale per output row (`_weight_int8pack_mm`): half of bf16's bytes.
     Used for the output layer, whose rows a decode step reads in full while only each row's top
-    candidates matter (and those are recomputed at full precision, see `LlamaModel.logits`).
-    `native`: steps of up to `kernels.cpu.MAX_HEAD_ROWS` rows multiply natively (int16 activations,
-    integer dot products: a stream over the int8 bytes, where torch's kernel runs at half that speed)."""
+    candidates matter (and those are recomputed at full precision, see `LlamaModel.logits`)."""
 
-    def __init__(self, weight: torch.Tensor, chunk_rows: int = 4096, native: bool = False):
-        self.native = native
+    def __init__(self, weight: torch.Tensor, chunk_rows: int = 4096):
         n = weight.shape[0]
         self.q = torch.empty(weight.shape, dtype=torch.int8)
         scales = torch.empty(n)
@@ -111,8 +108,6 @@ class Int8Weight:
         return self.q.numel() + self.scales.numel() * 2
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and x.shape[0] <= cpu_kernels.MAX_HEAD_ROWS:
-            return cpu_kernels.int8_logits(x, self.q, self.scales, torch.get_num_threads())
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scales)
 
 
@@ -255,9 +250,16 @@ class LlamaModel(nn.Module):
                 down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det, packed=down4),
             ))
             drop_layer(i)
-        head8 = (Int8Weight(lm_head, native=self.native is not None)
-                 if q4_used and wdt != dtype and int8_available(device) else None)
-        self.lm_head_fast = Linear(lm_head, None, wdt, packed=head8) if wdt != dtype and not det else None
+        # With the native step the output layer is native too: only its int8 copy, in the kernel's
+        # layout (kernels/cpu `Q8Tiles`), for every step size; else torch's int8 copy for small steps.
+        self.head_tiles: cpu_kernels.Q8Tiles | None = None
+        if self.native is not None:
+            head = Int8Weight(lm_head)
+            self.head_tiles = cpu_kernels.pack_int8(head.q, head.scales.float())
+        head8 = (Int8Weight(lm_head) if q4_used and wdt != dtype and int8_available(device)
+                 and self.head_tiles is None else None)
+        self.lm_head_fast = (Linear(lm_head, None, wdt, packed=head8)
+                             if wdt != dtype and not det and self.head_tiles is None else None)
         # Per step size: packed or dense weights, and threads (CPU; engine/cpu_plan.py). None: leave
         # both alone (GPU, deterministic mode, or before `plan_cpu_steps`).
         self.layer_plan: Plan | None = None
@@ -299,6 +301,12 @@ class LlamaModel(nn.Module):
             hidden=args.hidden_size, heads=args.num_heads, kv_heads=args.num_kv_heads, head_dim=args.head_dim,
             inter=args.intermediate_size, eps=args.rms_norm_eps, block_size=block_size, layers=layers,
             cos=self.cos, sin=self.sin)
+
+    @property
+    def approximate_logits(self) -> bool:
+        """`logits` computes each row's top candidates exactly and the rest from a cheaper copy of the
+        output layer (bf16 or int8); `logits(exact=True)` all of them at full precision."""
+        return self.lm_head_fast is not None or self.head_tiles is not None
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -357,15 +365,14 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        if self.lm_head_fast is None or exact:
+        if exact or not self.approximate_logits:
             return self.lm_head(h).float()
-        packed = self._use(self.head_plan, h.shape[0])
-        head8 = self.lm_head_fast.packed
-        if packed and isinstance(head8, Int8Weight) and head8.native and h.shape[0] <= cpu_kernels.MAX_HEAD_ROWS:
+        if self.head_tiles is not None:
             # One native call: the int8 products, each row's top candidates and their exact values.
-            return cpu_kernels.int8_logits(h, head8.q, head8.scales, torch.get_num_threads(),
-                                           exact=self.lm_head.weight, refine=REFINE_TOP)
-        logits = self.lm_head_fast(h, packed).float()
+            return cpu_kernels.int8_logits(h, self.head_tiles, self.native_threads, exact=self.lm_head.weight,
+                                           refine=REFINE_TOP, amx_min_rows=self.amx_min_rows)
+        assert self.lm_head_fast is not None
+        logits = self.lm_head_fast(h, self._use(self.head_plan, h.shape[0])).float()
         top = logits.topk(REFINE_TOP, dim=-1).indices  # [n, k]
         rows = self.lm_head.weight[top]  # [n, k, hidden], full precision
         return logits.scatter_(1, top, torch.einsum("nd,nkd->nk", h.to(rows.dtype), rows).float())

@@ -211,7 +211,7 @@ class ModelRunner:
     def _exact_for_logprobs(self, logits: torch.Tensor, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """With the bf16 output layer only each row's top candidates are exact: rows that want logprobs
         get all their logits recomputed at full precision (a new tensor; graph outputs stay untouched)."""
-        if self.model.lm_head_fast is None:
+        if not self.model.approximate_logits:
             return logits
         rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
         if not rows:

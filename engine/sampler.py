@@ -65,8 +65,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], guides: Guides | None = N
 
 def _sample_native(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     sp = [s.sampling for s in seqs]
-    if all(p.temperature == 0 for p in sp):  # greedy: the first maximum (argmax's CPU kernel is ~5x slower)
-        return logits.max(dim=-1).indices
     f32, i64 = torch.float32, torch.int64
     return cpu_kernels.sample(
         logits, torch.tensor([p.temperature for p in sp], dtype=f32), torch.tensor([p.top_k for p in sp], dtype=i64),

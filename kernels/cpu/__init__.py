@@ -180,29 +180,51 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-MAX_HEAD_ROWS = 8  # forward.c's ROWS_PER_PASS: rows of one int8 output-layer call
+@dataclass(frozen=True)
+class Q8Tiles:
+    """An int8 weight [V, K] with one scale per row (w = q * scale) as the kernel's output layer reads it
+    (forward.c, `tile_weights`): blocks of 16 rows by 32 inputs in tile order, 512 bytes each."""
+
+    blocks: torch.Tensor  # [V / 16, K / 32, 512] int8
+    scales: torch.Tensor  # [V] fp32
+    shape: tuple[int, int]
+
+    def nbytes(self) -> int:
+        return self.blocks.numel() + self.scales.numel() * 4
 
 
-def int8_logits(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, threads: int,
-                exact: torch.Tensor | None = None, refine: int = 0, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """x [B, K] fp32 (B <= MAX_HEAD_ROWS) times int8 weights q [V, K] with bf16 scales [V] (w = q * scale),
-    natively: each row of x quantised to int16, integer dot products. With `exact` ([V, K] fp32), each
-    row's `refine` largest outputs are recomputed against it at full precision. Returns [B, V] fp32."""
+def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> Q8Tiles | None:
+    """The kernel's layout of int8 rows q [V, K] with per-row scales [V]; None when V is not a multiple
+    of 16 or K of 32."""
+    v, k = q.shape
+    if v % TILE_N or k % GROUP:
+        return None
+    nb, g = v // TILE_N, k // GROUP
+    # q[16 nb + n, 32 g + 2 r + j] -> [block, group, tile row r, lane 2 n + j]
+    blocks = q.view(nb, TILE_N, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 512).contiguous()
+    return Q8Tiles(blocks, scales.float().contiguous(), (v, k))
+
+
+def int8_logits(x: torch.Tensor, head: Q8Tiles, threads: int, exact: torch.Tensor | None = None, refine: int = 0,
+                amx_min_rows: int = 0, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [B, K] fp32 times the int8 weights of `head`, natively: int16 activations in integer dot products,
+    or from `amx_min_rows` rows on (CPUs with AMX) bf16 tiles. With `exact` ([V, K] fp32), each row's
+    `refine` largest outputs are recomputed against it at full precision. Returns [B, V] fp32."""
     lib = lib or build.load()
     if lib is None:
         raise RuntimeError("the native CPU kernels could not be built (see the log)")
     b, k = x.shape
-    assert q.dtype == torch.int8 and scales.dtype == torch.bfloat16 and q.shape[1] == k and b <= MAX_HEAD_ROWS
+    assert k == head.shape[1]
     x = x.float().contiguous()
-    q, scales = q.contiguous(), scales.contiguous()
     if exact is not None:
-        assert exact.dtype == torch.float32 and exact.is_contiguous() and exact.shape == q.shape
-    out = torch.empty(b, q.shape[0])
+        assert exact.dtype == torch.float32 and exact.is_contiguous() and tuple(exact.shape) == head.shape
+    out = torch.empty(b, head.shape[0])
     rc = lib.sluice_int8_logits(ctypes.c_int(b), ctypes.c_int(k), ctypes.c_void_p(x.data_ptr()),
-                                ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(scales.data_ptr()),
-                                ctypes.c_int(q.shape[0]), ctypes.c_void_p(out.data_ptr()),
+                                ctypes.c_void_p(head.blocks.data_ptr()), ctypes.c_void_p(head.scales.data_ptr()),
+                                ctypes.c_int(head.shape[0]), ctypes.c_void_p(out.data_ptr()),
                                 ctypes.c_void_p(None if exact is None else exact.data_ptr()),
-                                ctypes.c_int(refine if exact is not None else 0), ctypes.c_int(threads))
+                                ctypes.c_int(refine if exact is not None else 0), ctypes.c_int(threads),
+                                ctypes.c_int(amx_min_rows))
     if rc != 0:
         raise RuntimeError(f"native int8 output layer failed ({'out of memory' if rc == -1 else 'bad shapes'})")
     return out

@@ -49,6 +49,16 @@ typedef struct {
     const uint8_t *blocks;
 } q4_tiles;
 
+/* Any matrix in blocks of 16 output rows by 32 inputs, in tile order: the layers' Q4_1 blocks (q4_tiles),
+ * or the output layer's int8 ones (row_scale set: w = q * row_scale[n], 512 bytes per block). */
+typedef struct {
+    const uint8_t *blocks;
+    int block_bytes;
+    const float *row_scale; /* [N] for int8 blocks, else NULL */
+} tile_weights;
+
+#define Q8_BLOCK_BYTES 512
+
 typedef struct {
     const float *attn_norm, *mlp_norm; /* [hidden] */
     q4_tiles qkv, o, gate_up, down;
@@ -575,10 +585,45 @@ static inline void widen_block(const uint8_t *blk, uint16_t *tile) {
     }
 }
 
-/* This thread's share of y[M, N] = x[M, K] W^T with x in bf16 (qx->bf, rows padded to a multiple of 16;
- * y holds that many rows too): pairs of block columns (32 outputs) split evenly; each pair widened
- * once into `scratch` ([K / 32][2][512] bf16) and multiplied by every 32-row slice of x. */
-static void matmul_amx(const q4_tiles *w, int N, int K, const qx_t *qx, int M, float *y, uint16_t *scratch,
+/* An int8 block -> a bf16 B tile: tile row r's lane 2n + j is q[n, 2r + j] * scale[n] (q stored in
+ * that order already). */
+static inline void widen_q8_block(const uint8_t *blk, const float *scale, uint16_t *tile) {
+    const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_rows = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    const __m512 s = _mm512_loadu_ps(scale);
+    const __m512 s0 = _mm512_permutexvar_ps(lo_rows, s), s1 = _mm512_permutexvar_ps(hi_rows, s);
+    for (int r = 0; r < 16; r++) {
+        __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * r)))), s0);
+        __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * r + 16)))), s1);
+        _mm512_storeu_si512(tile + r * 32, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+}
+
+static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *tile) {
+    const uint8_t *blk = w->blocks + ((size_t)c * G + g) * w->block_bytes;
+    if (w->row_scale)
+        widen_q8_block(blk, w->row_scale + (size_t)c * TILE_N, tile);
+    else
+        widen_block(blk, tile);
+}
+
+/* Tile t (16 x 16 fp32) into rows [m, m + 16) of y, only those below M (a partial tile through a
+ * scratch: y has exactly M rows). */
+#define STORE_TILE(t, y, ldy, m, M)                                                    \
+    do {                                                                               \
+        if ((m) + 16 <= (M)) {                                                         \
+            _tile_stored(t, y, (ldy) * 4);                                             \
+        } else {                                                                       \
+            float part[16 * 16];                                                       \
+            _tile_stored(t, part, 64);                                                 \
+            for (int i_ = 0; i_ < (M) - (m); i_++) memcpy((y) + (size_t)i_ * (ldy), part + 16 * i_, 64); \
+        }                                                                              \
+    } while (0)
+
+/* This thread's share of y[M, N] = x[M, K] W^T with x in bf16 (qx->bf, A tiles with rows padded to a
+ * multiple of 16): pairs of block columns (32 outputs) split evenly; each pair widened once into
+ * `scratch` ([K / 32][2][512] bf16) and multiplied by every 32-row slice of x. */
+static void matmul_amx(const tile_weights *w, int N, int K, const qx_t *qx, int M, float *y, uint16_t *scratch,
                        int tid, int nt) {
     const int G = K / GROUP, NB = N / TILE_N, NP = (NB + 1) / 2, per = (NP + nt - 1) / nt;
     const int p0 = tid * per, p1 = p0 + per < NP ? p0 + per : NP;
@@ -588,8 +633,8 @@ static void matmul_amx(const q4_tiles *w, int N, int K, const qx_t *qx, int M, f
     for (int pc = p0; pc < p1; pc++) {
         const int c = 2 * pc, two_cols = c + 1 < NB;
         for (int g = 0; g < G; g++) {
-            widen_block(w->blocks + ((size_t)c * G + g) * BLOCK_BYTES, scratch + (size_t)g * 1024);
-            if (two_cols) widen_block(w->blocks + ((size_t)(c + 1) * G + g) * BLOCK_BYTES, scratch + (size_t)g * 1024 + 512);
+            widen(w, c, G, g, scratch + (size_t)g * 1024);
+            if (two_cols) widen(w, c + 1, G, g, scratch + (size_t)g * 1024 + 512);
         }
         for (int m0 = 0; m0 < M; m0 += 32) {
             const int two_rows = m0 + 16 < M;
@@ -614,11 +659,11 @@ static void matmul_amx(const q4_tiles *w, int N, int K, const qx_t *qx, int M, f
                 }
             }
             float *ya = y + (size_t)m0 * N + c * TILE_N, *yb = ya + (size_t)16 * N;
-            _tile_stored(0, ya, N * 4);
-            if (two_cols) _tile_stored(1, ya + TILE_N, N * 4);
+            STORE_TILE(0, ya, N, m0, M);
+            if (two_cols) STORE_TILE(1, ya + TILE_N, N, m0, M);
             if (two_rows) {
-                _tile_stored(2, yb, N * 4);
-                if (two_cols) _tile_stored(3, yb + TILE_N, N * 4);
+                STORE_TILE(2, yb, N, m0 + 16, M);
+                if (two_cols) STORE_TILE(3, yb + TILE_N, N, m0 + 16, M);
             }
         }
     }
@@ -930,7 +975,8 @@ static void prepare_x(step_ctx *c, const float *x, int K, int b0, int b1) { quan
 static void step_matmul(step_ctx *c, const q4_tiles *w, int N, int K, float *y, int tid) {
 #if HAVE_AMX
     if (c->amx) {
-        matmul_amx(w, N, K, &c->qx, c->B, y, c->tile_scratch + (size_t)tid * c->tile_scratch_per_thread, tid,
+        const tile_weights tw = {w->blocks, BLOCK_BYTES, NULL};
+        matmul_amx(&tw, N, K, &c->qx, c->B, y, c->tile_scratch + (size_t)tid * c->tile_scratch_per_thread, tid,
                    c->nthreads);
         return;
     }
@@ -1090,101 +1136,152 @@ int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x,
 /* Whether this build has the AMX path and the OS lets this process use it. */
 int sluice_amx_available(void) { return amx_usable(); }
 
-/* ---- the output layer of small steps: int8 weights (one scale per row) against int16 activations ----
+/* ---- the output layer: int8 weights (one scale per row), each row's best candidates made exact ----
  *
- * The output layer reads as many bytes as a third of the layers; for a step of few rows it is a
- * stream over its int8 copy (engine/model.py, Int8Weight), each row's top candidates recomputed
- * exactly by the caller. Rows of W split between threads; each weight vector widened once for all
- * input rows. */
+ * The output layer reads as many bytes as a third of the layers, and only each row's top candidates
+ * matter to greedy, top-k and top-p; those are recomputed here against the exact weights, in the same
+ * call. Its int8 copy (engine/model.py, Int8Weight) is held in tile order (tile_weights, 512-byte
+ * blocks), so the same two matmuls as the layers' read it: int16 activations in integer dot products
+ * for few rows, AMX bf16 tiles for many. */
+
+/* One column of int8 blocks (16 rows of W) for nb <= ROWS_PER_PASS input rows: y[b, n0 + n], before the
+ * row scales. The int32 sums of a block (127 * 32767 * 32 < 2^31) are added up in fp32. */
+static inline __attribute__((always_inline)) void q8_column(const uint8_t *col, int G, const qx_t *qx, int K, int nb,
+                                                            float out[ROWS_PER_PASS][TILE_N]) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 accf[ROWS_PER_PASS];
+    for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * Q8_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, Q8_BLOCK_BYTES);
+        __m512i acc[ROWS_PER_PASS];
+        for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
+        for (int r = 0; r < 16; r++) {
+            __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * r)));
+            for (int b = 0; b < nb; b++) {
+                int32_t xp;
+                memcpy(&xp, qx->q + (size_t)b * K + g * GROUP + 2 * r, 4);
+#if defined(__AVX512VNNI__)
+                acc[b] = _mm512_dpwssd_epi32(acc[b], w, _mm512_set1_epi32(xp));
+#else
+                acc[b] = _mm512_add_epi32(acc[b], _mm512_madd_epi16(w, _mm512_set1_epi32(xp)));
+#endif
+            }
+        }
+        for (int b = 0; b < nb; b++) accf[b] = _mm512_add_ps(accf[b], _mm512_cvtepi32_ps(acc[b]));
+    }
+    for (int b = 0; b < nb; b++) _mm512_storeu_ps(out[b], accf[b]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 accf[ROWS_PER_PASS][2];
+    for (int b = 0; b < nb; b++) accf[b][0] = accf[b][1] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * Q8_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, Q8_BLOCK_BYTES);
+        __m256i acc[ROWS_PER_PASS][2];
+        for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
+        for (int r = 0; r < 16; r++) {
+            __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r))); /* rows 0-7 */
+            __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r + 16))); /* 8-15 */
+            for (int b = 0; b < nb; b++) {
+                int32_t xp;
+                memcpy(&xp, qx->q + (size_t)b * K + g * GROUP + 2 * r, 4);
+                const __m256i xv = _mm256_set1_epi32(xp);
+                acc[b][0] = _mm256_add_epi32(acc[b][0], _mm256_madd_epi16(lo, xv));
+                acc[b][1] = _mm256_add_epi32(acc[b][1], _mm256_madd_epi16(hi, xv));
+            }
+        }
+        for (int b = 0; b < nb; b++)
+            for (int h = 0; h < 2; h++) accf[b][h] = _mm256_add_ps(accf[b][h], _mm256_cvtepi32_ps(acc[b][h]));
+    }
+    for (int b = 0; b < nb; b++) {
+        _mm256_storeu_ps(out[b], accf[b][0]);
+        _mm256_storeu_ps(out[b] + 8, accf[b][1]);
+    }
+#else
+    for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
+    for (int g = 0; g < G; g++) {
+        const int8_t *blk = (const int8_t *)(col + (size_t)g * Q8_BLOCK_BYTES);
+        for (int b = 0; b < nb; b++) {
+            const int16_t *xq = qx->q + (size_t)b * K + g * GROUP;
+            int32_t acc[TILE_N] = {0};
+            for (int r = 0; r < 16; r++)
+                for (int i = 0; i < 32; i++) acc[i / 2] += (int32_t)blk[32 * r + i] * xq[2 * r + i % 2];
+            for (int n = 0; n < TILE_N; n++) out[b][n] += (float)acc[n];
+        }
+    }
+#endif
+}
 
 #define MAX_REFINE 64
 
 typedef struct {
-    int B, K, V, nthreads, refine;
+    int B, K, V, nthreads, refine, amx;
     const float *x;
-    const int8_t *w;
-    const uint16_t *scale; /* [V] bf16 */
+    tile_weights w;
     const float *exact; /* [V, K] fp32 or NULL */
     float *out;
     qx_t qx;
+    uint16_t *tile_scratch; /* per thread: a widened column pair (AMX) */
+    size_t tile_scratch_per_thread;
     int32_t *cand; /* [threads, B, refine]: each thread's best rows of each input row */
 } head_ctx;
 
-/* The `k` largest of out[r0..r1) into idx (unordered): a running minimum among the kept ones. */
+/* The `k` largest of out[r0..r1) into idx (unordered): a running minimum among the kept ones, and
+ * (AVX-512) 16 values at a time compared with it, so only the few that beat it are looked at. */
 static void top_k(const float *out, int r0, int r1, int k, int32_t *idx) {
     float val[MAX_REFINE];
-    int n = 0, lo = 0;
-    for (int r = r0; r < r1; r++) {
-        const float v = out[r];
-        if (n < k) {
-            val[n] = v, idx[n] = r, n++;
-            if (n == k)
-                for (int i = 1; i < k; i++) lo = val[i] < val[lo] ? i : lo;
-        } else if (v > val[lo]) {
-            val[lo] = v, idx[lo] = r;
-            for (int i = 0; i < k; i++) lo = val[i] < val[lo] ? i : lo;
+    int n = 0, lo = 0, r = r0;
+    for (; r < r1 && n < k; r++) val[n] = out[r], idx[n] = r, n++;
+    for (int i = 1; i < n; i++) lo = val[i] < val[lo] ? i : lo;
+    if (n == k) {
+#if defined(__AVX512F__)
+        for (; r + 16 <= r1; r += 16) {
+            __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(out + r), _mm512_set1_ps(val[lo]), _CMP_GT_OQ);
+            while (hit) {
+                const int j = r + __builtin_ctz(hit);
+                hit &= hit - 1;
+                if (out[j] > val[lo]) {
+                    val[lo] = out[j], idx[lo] = j;
+                    for (int i = 0; i < k; i++) lo = val[i] < val[lo] ? i : lo;
+                }
+            }
         }
+#endif
+        for (; r < r1; r++)
+            if (out[r] > val[lo]) {
+                val[lo] = out[r], idx[lo] = r;
+                for (int i = 0; i < k; i++) lo = val[i] < val[lo] ? i : lo;
+            }
     }
     for (; n < k; n++) idx[n] = -1;
 }
 
-/* Rows [r0, r1) of W for the B (a constant per call) input rows. int32 sums over 256 inputs at most
- * (127 * 32767 * 256 < 2^31), then in fp32. */
-static inline __attribute__((always_inline)) void head_rows(const head_ctx *c, int B, int r0, int r1) {
-    const int K = c->K;
-    for (int r = r0; r < r1; r++) {
-        const int8_t *w = c->w + (size_t)r * K;
-        prefetch_l2(w + PREFETCH_AHEAD, K);
-        const float s = bf16_to_f32(c->scale[r]);
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-        __m512 accf[ROWS_PER_PASS];
-        for (int b = 0; b < B; b++) accf[b] = _mm512_setzero_ps();
-        for (int k0 = 0; k0 < K; k0 += 256) {
-            __m512i acc[ROWS_PER_PASS];
-            for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_si512();
-            const int k1 = k0 + 256 < K ? k0 + 256 : K;
-            for (int k = k0; k < k1; k += 32) {
-                __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k)));
-                for (int b = 0; b < B; b++) {
-                    __m512i xv = _mm512_loadu_si512(c->qx.q + (size_t)b * K + k);
-#if defined(__AVX512VNNI__)
-                    acc[b] = _mm512_dpwssd_epi32(acc[b], wv, xv);
-#else
-                    acc[b] = _mm512_add_epi32(acc[b], _mm512_madd_epi16(wv, xv));
-#endif
-                }
+/* This thread's columns of blocks for every input row (int16 matmul), row scales and dx applied. */
+static void head_int16(const head_ctx *c, int tid) {
+    const int K = c->K, G = K / GROUP, NB = c->V / TILE_N, per = (NB + c->nthreads - 1) / c->nthreads;
+    const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
+    float out[ROWS_PER_PASS][TILE_N];
+    for (int col = c0; col < c1; col++) {
+        const uint8_t *blocks = c->w.blocks + (size_t)col * G * Q8_BLOCK_BYTES;
+        const float *scale = c->w.row_scale + (size_t)col * TILE_N;
+        for (int b0 = 0; b0 < c->B; b0 += ROWS_PER_PASS) {
+            const int nb = c->B - b0 < ROWS_PER_PASS ? c->B - b0 : ROWS_PER_PASS;
+            qx_t part = {c->qx.q + (size_t)b0 * K, c->qx.dx + b0, NULL, NULL};
+            switch (nb) { /* a constant nb per call: the accumulators stay in registers */
+                case 1: q8_column(blocks, G, &part, K, 1, out); break;
+                case 2: q8_column(blocks, G, &part, K, 2, out); break;
+                case 3: q8_column(blocks, G, &part, K, 3, out); break;
+                case 4: q8_column(blocks, G, &part, K, 4, out); break;
+                case 5: q8_column(blocks, G, &part, K, 5, out); break;
+                case 6: q8_column(blocks, G, &part, K, 6, out); break;
+                case 7: q8_column(blocks, G, &part, K, 7, out); break;
+                default: q8_column(blocks, G, &part, K, 8, out); break;
             }
-            for (int b = 0; b < B; b++) accf[b] = _mm512_add_ps(accf[b], _mm512_cvtepi32_ps(acc[b]));
-        }
-        for (int b = 0; b < B; b++) c->out[(size_t)b * c->V + r] = _mm512_reduce_add_ps(accf[b]) * s * c->qx.dx[b];
-#elif defined(__AVX2__) && defined(__FMA__)
-        __m256 accf[ROWS_PER_PASS];
-        for (int b = 0; b < B; b++) accf[b] = _mm256_setzero_ps();
-        for (int k0 = 0; k0 < K; k0 += 256) {
-            __m256i acc[ROWS_PER_PASS];
-            for (int b = 0; b < B; b++) acc[b] = _mm256_setzero_si256();
-            const int k1 = k0 + 256 < K ? k0 + 256 : K;
-            for (int k = k0; k < k1; k += 16) {
-                __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
-                for (int b = 0; b < B; b++)
-                    acc[b] = _mm256_add_epi32(acc[b], _mm256_madd_epi16(wv, _mm256_loadu_si256(
-                                                                          (const __m256i *)(c->qx.q + (size_t)b * K + k))));
+            for (int b = 0; b < nb; b++) {
+                float *y = c->out + (size_t)(b0 + b) * c->V + (size_t)col * TILE_N;
+                for (int n = 0; n < TILE_N; n++) y[n] = out[b][n] * scale[n] * part.dx[b];
             }
-            for (int b = 0; b < B; b++) accf[b] = _mm256_add_ps(accf[b], _mm256_cvtepi32_ps(acc[b]));
         }
-        for (int b = 0; b < B; b++) c->out[(size_t)b * c->V + r] = hsum8(accf[b]) * s * c->qx.dx[b];
-#else
-        for (int b = 0; b < B; b++) {
-            const int16_t *xq = c->qx.q + (size_t)b * K;
-            float acc = 0;
-            for (int k0 = 0; k0 < K; k0 += 256) {
-                int32_t part = 0;
-                for (int k = k0; k < K && k < k0 + 256; k++) part += (int32_t)w[k] * xq[k];
-                acc += (float)part;
-            }
-            c->out[(size_t)b * c->V + r] = acc * s * c->qx.dx[b];
-        }
-#endif
     }
 }
 
@@ -1193,23 +1290,22 @@ static void run_head(void *arg, int tid) {
     if (tid >= c->nthreads) return;
     int b0, b1, r0, r1;
     span(c->B, tid, c->nthreads, &b0, &b1);
-    quantize_x(c->x, c->K, &c->qx, b0, b1, 0);
+    quantize_x(c->x, c->K, &c->qx, b0, b1, c->amx);
     barrier(c->nthreads);
-    span(c->V, tid, c->nthreads, &r0, &r1);
-    switch (c->B) { /* a constant row count per call: the accumulators stay in registers */
-        case 1: head_rows(c, 1, r0, r1); break;
-        case 2: head_rows(c, 2, r0, r1); break;
-        case 3: head_rows(c, 3, r0, r1); break;
-        case 4: head_rows(c, 4, r0, r1); break;
-        case 5: head_rows(c, 5, r0, r1); break;
-        case 6: head_rows(c, 6, r0, r1); break;
-        case 7: head_rows(c, 7, r0, r1); break;
-        default: head_rows(c, 8, r0, r1); break;
-    }
+#if HAVE_AMX
+    if (c->amx) {
+        matmul_amx(&c->w, c->V, c->K, &c->qx, c->B, c->out,
+                   c->tile_scratch + (size_t)tid * c->tile_scratch_per_thread, tid, c->nthreads);
+        _tile_release();
+    } else
+#endif
+        head_int16(c, tid);
     if (!c->exact || c->refine <= 0) return;
-    /* Each row's best candidates at full precision: every thread's best of its rows of W, then the best
-     * of those, each recomputed as an fp32 dot product with the exact weights. */
+    /* Each row's best candidates at full precision: every thread's best of a share of the outputs,
+     * then the best of those, each recomputed as an fp32 dot product with the exact weights. */
+    barrier(c->nthreads);
     const int k = c->refine;
+    span(c->V, tid, c->nthreads, &r0, &r1);
     for (int b = 0; b < c->B; b++) top_k(c->out + (size_t)b * c->V, r0, r1, k, c->cand + ((size_t)tid * c->B + b) * k);
     barrier(c->nthreads);
     for (int b = b0; b < b1; b++) {
@@ -1236,26 +1332,34 @@ static void run_head(void *arg, int tid) {
     }
 }
 
-/* out [B, V] = x [B, K] (fp32) W^T for W int8 [V, K] with bf16 scales [V] (w = q * scale), B <=
- * ROWS_PER_PASS, K a multiple of 32. `exact` [V, K] fp32 (or NULL): each row's `refine` largest
- * outputs are then recomputed against it at full precision. Returns 0, -1 when out of memory, -2 for
- * shapes it does not take. */
-int sluice_int8_logits(int B, int K, const float *x, const int8_t *w, const uint16_t *scale, int V, float *out,
-                       const float *exact, int refine, int nthreads) {
-    if (B < 1 || B > ROWS_PER_PASS || K % GROUP || refine > MAX_REFINE || refine > V) return -2;
+/* out [B, V] = x [B, K] (fp32) W^T for W int8 in tile order (blocks [V / 16, K / 32, 512], w = q *
+ * scale[n]), V a multiple of 16 and K of 32. `exact` [V, K] fp32 (or NULL): each row's `refine`
+ * largest outputs are then recomputed against it at full precision. Steps of at least amx_min_rows
+ * rows multiply on AMX tiles where this build and the OS allow it (0: never). Returns 0, -1 when out
+ * of memory, -2 for shapes it does not take. */
+int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int V, float *out,
+                       const float *exact, int refine, int nthreads, int amx_min_rows) {
+    if (B < 1 || K % GROUP || V % TILE_N || refine > MAX_REFINE || refine > V) return -2;
     pthread_mutex_lock(&step_lock);
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
-    float *buf = malloc(((size_t)B * (1 + K / GROUP) + (size_t)B * K / 2 + (size_t)nthreads * B * MAX_REFINE) *
-                        sizeof(float));
+    const int amx = amx_min_rows > 0 && B >= amx_min_rows && amx_usable();
+    const size_t R = (size_t)(B + 31) / 32 * 32, per_thread = (size_t)(K / GROUP) * 1024;
+    const size_t floats = R * (1 + K / GROUP) + R * K / 2 + R * K / 2 + (size_t)nthreads * B * MAX_REFINE +
+                          (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
+    float *buf = calloc(floats, sizeof(float));
     if (!buf) {
         pthread_mutex_unlock(&step_lock);
         return -1;
     }
-    head_ctx c = {B, K, V, nthreads, refine, x, w, scale, exact, out, {NULL, NULL, NULL, NULL}, NULL};
-    c.qx.dx = buf;
-    c.qx.sx = buf + B;
-    c.qx.q = (int16_t *)(buf + (size_t)B * (1 + K / GROUP));
-    c.cand = (int32_t *)(buf + (size_t)B * (1 + K / GROUP) + (size_t)B * K / 2);
+    head_ctx c = {B, K, V, nthreads, refine, amx, x, {blocks, Q8_BLOCK_BYTES, scale}, exact, out,
+                  {NULL, NULL, NULL, NULL}, NULL, per_thread, NULL};
+    float *p = buf;
+    c.qx.dx = p, p += R;
+    c.qx.sx = p, p += R * (K / GROUP);
+    c.qx.q = (int16_t *)p, p += R * K / 2;
+    c.qx.bf = (uint16_t *)p, p += R * K / 2;
+    c.cand = (int32_t *)p, p += (size_t)nthreads * B * MAX_REFINE;
+    c.tile_scratch = (uint16_t *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
     run_parallel(run_head, &c, nthreads);
     free(buf);
     pthread_mutex_unlock(&step_lock);

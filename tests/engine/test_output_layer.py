@@ -14,6 +14,7 @@ def test_fast_logits_are_exact_where_it_matters():
     model = LlamaModel.__new__(LlamaModel)  # only the output layer is needed
     model.lm_head = Linear(weight, None, torch.float32)
     model.lm_head_fast = Linear(weight, None, torch.bfloat16)
+    model.head_tiles = None
     model.head_plan = None
     h = torch.randn(32, 64)
     exact = model.logits(h, exact=True)
@@ -57,6 +58,7 @@ def test_int8_output_layer_keeps_the_exact_top_candidates():
     model = LlamaModel.__new__(LlamaModel)
     model.lm_head = Linear(weight, None, torch.float32)
     model.lm_head_fast = Linear(weight, None, torch.bfloat16, packed=w8)
+    model.head_tiles = None
     model.head_plan = Plan.fixed(torch.get_num_threads(), packed_max_rows=64)
     exact = model.logits(x, exact=True)
     fast = model.logits(x)
@@ -69,28 +71,34 @@ def test_int8_output_layer_keeps_the_exact_top_candidates():
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for kernels/cpu")
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 40])
 def test_native_int8_output_layer_refines_the_top_candidates(rows):
-    """The native int8 output layer (kernels/cpu, small steps): its products equal the int8 weights'
-    to fp32 rounding, and each row's REFINE_TOP best are recomputed against the exact weights, in the
-    same call, on one and two threads; the model's logits take that call for packed steps."""
+    """The native output layer (kernels/cpu): its products equal the int8 weights' to the rounding of its
+    matmul (int16 activations; bf16 tiles on AMX), and each row's REFINE_TOP best are recomputed
+    against the exact weights in the same call, on one and two threads; the model's logits take it."""
     torch.manual_seed(rows)
-    weight = torch.randn(5003, 64) * 0.05  # not a multiple of the threads' shares
-    w8 = Int8Weight(weight, native=True)
+    weight = torch.randn(4992, 64) * 0.05  # 312 blocks of 16 rows: not a multiple of the threads' shares
+    w8 = Int8Weight(weight)
+    head = cpu_kernels.pack_int8(w8.q, w8.scales.float())
     x = torch.randn(rows, 64)
     int8_ref = x.double() @ (w8.q.double() * w8.scales.double()[:, None]).T
     exact = x @ weight.T
-    for threads in (1, 2):
-        plain = cpu_kernels.int8_logits(x, w8.q, w8.scales, threads)
-        torch.testing.assert_close(plain.double(), int8_ref, rtol=1e-4, atol=1e-4)  # int16 activations
-        refined = cpu_kernels.int8_logits(x, w8.q, w8.scales, threads, exact=weight, refine=REFINE_TOP)
-        top = plain.topk(REFINE_TOP, dim=-1).indices
-        torch.testing.assert_close(refined.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
-        rest = torch.ones_like(plain, dtype=torch.bool).scatter_(1, top, False)
-        assert torch.equal(refined[rest], plain[rest])  # only the candidates changed
-        assert torch.equal(refined.argmax(-1), exact.argmax(-1))
+    lib = cpu_kernels.build.load()
+    modes = [0, 1] if lib.sluice_amx_available() else [0]
+    for amx in modes:  # 0: int16 activations; 1: every row count on AMX (activations and weights in bf16)
+        tol = 1e-4 if not amx else 2e-2
+        for threads in (1, 2):
+            plain = cpu_kernels.int8_logits(x, head, threads, amx_min_rows=amx)
+            torch.testing.assert_close(plain.double(), int8_ref, rtol=tol, atol=tol)
+            refined = cpu_kernels.int8_logits(x, head, threads, exact=weight, refine=REFINE_TOP, amx_min_rows=amx)
+            top = plain.topk(REFINE_TOP, dim=-1).indices
+            torch.testing.assert_close(refined.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+            rest = torch.ones_like(plain, dtype=torch.bool).scatter_(1, top, False)
+            assert torch.equal(refined[rest], plain[rest])  # only the candidates changed
+            assert torch.equal(refined.argmax(-1), exact.argmax(-1))
+    assert cpu_kernels.pack_int8(w8.q[:40], w8.scales[:40]) is None  # 40 rows: not whole blocks
     model = LlamaModel.__new__(LlamaModel)
     model.lm_head = Linear(weight, None, torch.float32)
-    model.lm_head_fast = Linear(weight, None, torch.bfloat16, packed=w8)
-    model.head_plan = Plan.fixed(torch.get_num_threads(), packed_max_rows=64)
-    torch.testing.assert_close(model.logits(x), cpu_kernels.int8_logits(x, w8.q, w8.scales, 2, weight, REFINE_TOP))
+    model.lm_head_fast, model.head_tiles, model.native_threads, model.amx_min_rows = None, head, 2, 0
+    assert model.approximate_logits
+    torch.testing.assert_close(model.logits(x), cpu_kernels.int8_logits(x, head, 2, weight, REFINE_TOP))
