@@ -5,11 +5,14 @@ batches on the int4 path, bf16 above; plus each sequence's K/V) divided by the r
 here, in this process, just before.
 
 Breakdown of a step (wall time, without the profiler): the forward (`ModelRunner._forward`), sampling
-(`sample`), and the rest of `LLMEngine.step` (scheduling, output processing, Python). The forward is
-split by a second, profiled run of the same steps into its ops' own time (and the native CPU forward
-step's wall time, one call the profiler cannot see into): linear layers (matmuls),
-attention (KV write, gather and the attention kernel), norms/rotary/activation (elementwise), and
-the rest of the forward (other ops, dispatch and Python between ops).
+(`sample`), and the rest of `LLMEngine.step` (scheduling, output processing, Python). With the native
+CPU forward step (one call torch's profiler cannot see into) the layers are split by the step's own
+phase timers (kernels/cpu `profile`): linear layers (matmuls), attention (the kernel over the paged
+cache), norms/rotary/activation (with the KV write and quantising the matmuls' inputs), and its
+threads' waits at barriers; the native output layer is timed around its call. On the torch path a
+second, profiled run of the same steps splits the forward into its ops' own time: linear layers,
+attention (KV write, gather and the attention kernel), norms/rotary/activation (elementwise), and the
+rest of the forward (other ops, dispatch and Python between ops).
 
     python -m bench.decode_roofline [--batches 1,16,64] [--context 256]
 """
@@ -27,6 +30,7 @@ import torch
 from torch.profiler import profile
 
 import engine.model_runner as model_runner
+import kernels.cpu as cpu_kernels
 from engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
 
 CATEGORIES = {
@@ -73,9 +77,10 @@ class Timers:
         self._sample = model_runner.sample
         runner._forward = self._timed("forward", self._forward)  # type: ignore[method-assign]
         model_runner.sample = self._timed("sampling", self._sample)
-        if runner.model.native is not None:  # one native call: the profiler sees no ops inside it
+        if runner.model.native is not None:  # native calls: the profiler sees no ops inside them
             native = runner.model.native
             native.run = self._timed("native", native.run)  # type: ignore[method-assign]
+            cpu_kernels.int8_logits = self._timed("output layer", cpu_kernels.int8_logits)
 
     def _timed(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -124,15 +129,16 @@ def main(argv: list[str] | None = None) -> None:
     runner = engine.runner
     bw = read_bandwidth()
     print(f"machine: {machine()}; torch threads {torch.get_num_threads()}")
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights {str(runner.weight_dtype).removeprefix('torch.')}"
-          + (f" + int4 for steps of <= {runner.int4_max_rows} tokens" if runner.int4 else "")
-          + f"; KV cache {str(runner.kv_dtype).removeprefix('torch.')}")
     m = runner.model
+    weights = ("4-bit layers, int8 output layer (native)" if m.native is not None else
+               str(runner.weight_dtype).removeprefix("torch.")
+               + (f" + int4 for steps of <= {runner.int4_max_rows} tokens" if runner.int4 else ""))
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights {weights}; KV cache {str(runner.kv_dtype).removeprefix('torch.')}")
     if m.native is not None:
         amx = f"AMX matmuls from {m.amx_min_rows} rows" if m.amx_min_rows else "no AMX matmuls"
         print(f"native CPU forward step ({m.native.isa}, {m.native_threads} threads) for every step; {amx}; "
               f"its 4-bit weights {m.native.nbytes() / 2**20:.0f} MiB")
-    if m.layer_plan is not None and m.head_plan is not None:
+    if m.layer_plan is not None and m.head_plan is not None and m.native is None:
         print(f"CPU step plan (weights/threads by step size): layers {m.layer_plan.describe()}; "
               f"output layer {m.head_plan.describe()}")
     timers = Timers(engine)
@@ -147,22 +153,32 @@ def main(argv: list[str] | None = None) -> None:
             engine.step()
         engine.step()
         timers.reset()
+        cpu_kernels.profile(True)
+        cpu_kernels.profile_read()
         t = time.perf_counter()
         for _ in range(a.steps):
             engine.step()  # (a step may emit no text for a sequence whose new token ends mid-character)
         step = (time.perf_counter() - t) / a.steps
+        phases = {k: v / a.steps for k, v in cpu_kernels.profile_read().items()}
+        cpu_kernels.profile(False)
         assert len(engine.scheduler.running) == b and not engine.num_waiting  # all b decoded every step
         fwd, smp = timers.t["forward"] / a.steps, timers.t["sampling"] / a.steps
-        native = timers.t["native"] / a.steps
-        ops = op_times(engine, a.steps)
+        native, head = timers.t["native"] / a.steps, timers.t["output layer"] / a.steps
+        ops = op_times(engine, a.steps) if m.native is None else {}
         wbytes = weight_bytes(engine, b)
         kv = b * (a.context + a.steps) * runner.kv_bytes_per_token
         bound = (wbytes + kv) / bw
         print(f"batch {b:3d}: step {step * 1000:7.1f} ms  {b / step:7.1f} tok/s   reads {(wbytes + kv) / 2**20:5.0f} MiB "
               f"(weights {wbytes / 2**20:.0f})  bound {bound * 1000:6.1f} ms   fraction of bound {bound / step:5.2f}   "
               f"step / weight-read time {step / (wbytes / bw):5.1f}x")
-        parts = {"native layers (kernels/cpu)": native} if native else {}
-        parts.update({k: ops.get(k, 0.0) for k in CATEGORIES})
+        if m.native is not None:
+            # the layers by the native step's own timers (its first thread's view), the rest of its call
+            # (entry, copies) with them; then the output layer's call
+            mm, att, wait = phases["matmuls"], phases["attention"], phases["waits at barriers"]
+            parts = {"linear": mm, "attention": att, "norms/rotary/act": max(0.0, native - mm - att - wait),
+                     "thread waits": wait, "output layer (int8)": head}
+        else:
+            parts = {k: ops.get(k, 0.0) for k in CATEGORIES}
         parts["other ops + dispatch in forward"] = max(0.0, fwd - sum(parts.values()))
         parts["sampling"] = smp
         parts["scheduling/Python"] = max(0.0, step - fwd - smp)

@@ -249,3 +249,23 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if rc != 0:
         raise RuntimeError("native sampling failed (out of memory)")
     return out
+
+
+PHASES = ("matmuls", "attention", "waits at barriers", "step")
+
+
+def profile(on: bool, lib: ctypes.CDLL | None = None) -> None:
+    """Turns on (or off) the forward step's own timing of its phases, as its first thread sees them."""
+    lib = lib or build.load()
+    if lib is not None:
+        lib.sluice_profile(ctypes.c_int(int(on)))
+
+
+def profile_read(lib: ctypes.CDLL | None = None) -> dict[str, float]:
+    """Seconds spent since the last read in each of PHASES ("step": whole forward steps; the rest of a
+    step is norms, rotary, the KV write, activations and quantising inputs), then zeroed."""
+    lib = lib or build.load()
+    out = (ctypes.c_double * len(PHASES))()
+    if lib is not None:
+        lib.sluice_profile_read(out)
+    return dict(zip(PHASES, out))

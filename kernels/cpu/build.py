@@ -89,6 +89,7 @@ def compile_library(arch: tuple[str, ...]) -> ctypes.CDLL | None:
                    lib.sluice_int8_logits, lib.sluice_sample):
             fn.restype = ctypes.c_int  # (ctypes' default; said once here rather than per call)
         lib.sluice_forward_isa.restype = ctypes.c_char_p
+        lib.sluice_profile.restype = lib.sluice_profile_read.restype = None
         return lib
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("native CPU forward step unavailable (%s); using the torch path", e)

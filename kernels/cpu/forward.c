@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -949,6 +950,36 @@ static inline void span(int n, int tid, int nt, int *lo, int *hi) {
     *hi = *lo + per < n ? *lo + per : n;
 }
 
+/* ---- where a step's time goes, as thread 0 sees it (bench/decode_roofline.py; off unless asked) ---- */
+
+enum { PH_MATMUL, PH_ATTENTION, PH_WAIT, PH_STEP, PH_COUNT };
+static int profiling;
+static double phase_s[PH_COUNT];
+
+static inline double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+#define PHASE(tid, ph, ...)                           \
+    do {                                              \
+        if (profiling && (tid) == 0) {                \
+            const double t0_ = now_s();               \
+            __VA_ARGS__;                              \
+            phase_s[ph] += now_s() - t0_;             \
+        } else {                                      \
+            __VA_ARGS__;                              \
+        }                                             \
+    } while (0)
+
+void sluice_profile(int on) { profiling = on; }
+
+/* Seconds since the last read in matmuls, attention, waits at barriers, and whole steps; then zeroed. */
+void sluice_profile_read(double *out) {
+    for (int i = 0; i < PH_COUNT; i++) out[i] = phase_s[i], phase_s[i] = 0;
+}
+
 /* ---- the step ---- */
 
 typedef struct {
@@ -998,6 +1029,7 @@ static void run_step(void *arg, int tid) {
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040); /* flush denormals to zero (FTZ, DAZ): each one costs a microcode assist */
 #endif
+    const double t_step = profiling && tid == 0 ? now_s() : 0;
     float *scores = c->scores + (size_t)tid * c->max_ctx * dm->heads;
     int b0, b1, gi0, gi1; /* my rows; my groups of the MLP's activations */
     span(B, tid, nt, &b0, &b1);
@@ -1011,9 +1043,9 @@ static void run_step(void *arg, int tid) {
             rms_norm_rows(xb, lw->attn_norm, c->h + (size_t)b * H, 1, H, dm->eps);
         }
         prepare_x(c, c->h, H, b0, b1);
-        barrier(nt);
-        step_matmul(c, &lw->qkv, qkv_n, H, c->qkv, tid);
-        barrier(nt);
+        PHASE(tid, PH_WAIT, barrier(nt));
+        PHASE(tid, PH_MATMUL, step_matmul(c, &lw->qkv, qkv_n, H, c->qkv, tid));
+        PHASE(tid, PH_WAIT, barrier(nt));
         uint16_t *kc = c->kv + l * c->layer_stride, *vc = kc + c->kv_stride;
         for (int b = b0; b < b1; b++) {
             float *row = c->qkv + (size_t)b * qkv_n;
@@ -1026,38 +1058,40 @@ static void run_step(void *arg, int tid) {
                 vc[c->slots[b] * kv_n + i] = f32_to_bf16(row[q_n + kv_n + i]);
             }
         }
-        barrier(nt);
-        for (int job = tid; job < attention_jobs(B, Hkv, nt); job += nt) {
-            int b, kv0, kv1;
-            attention_job(job, B, Hkv, nt, &b, &kv0, &kv1);
-            kv_view view = {kc, vc, kv_n, c->tables + (size_t)c->row_seq[b] * c->table_stride, dm->block_size};
-            attend(c->qkv + (size_t)b * qkv_n, dm->heads, Hkv, D, &view, kv0, kv1, (int)c->pos[b] + 1, scores,
-                   c->att + (size_t)b * q_n);
-        }
-        barrier(nt);
+        PHASE(tid, PH_WAIT, barrier(nt));
+        PHASE(tid, PH_ATTENTION, {
+            for (int job = tid; job < attention_jobs(B, Hkv, nt); job += nt) {
+                int b, kv0, kv1;
+                attention_job(job, B, Hkv, nt, &b, &kv0, &kv1);
+                kv_view view = {kc, vc, kv_n, c->tables + (size_t)c->row_seq[b] * c->table_stride, dm->block_size};
+                attend(c->qkv + (size_t)b * qkv_n, dm->heads, Hkv, D, &view, kv0, kv1, (int)c->pos[b] + 1, scores,
+                       c->att + (size_t)b * q_n);
+            }
+        });
+        PHASE(tid, PH_WAIT, barrier(nt));
         prepare_x(c, c->att, q_n, b0, b1);
-        barrier(nt);
-        step_matmul(c, &lw->o, H, q_n, c->h, tid);
-        barrier(nt);
+        PHASE(tid, PH_WAIT, barrier(nt));
+        PHASE(tid, PH_MATMUL, step_matmul(c, &lw->o, H, q_n, c->h, tid));
+        PHASE(tid, PH_WAIT, barrier(nt));
         for (int b = b0; b < b1; b++) {
             float *xb = c->x + (size_t)b * H;
             for (int i = 0; i < H; i++) xb[i] += c->h[(size_t)b * H + i];
             rms_norm_rows(xb, lw->mlp_norm, c->h + (size_t)b * H, 1, H, dm->eps);
         }
         prepare_x(c, c->h, H, b0, b1);
-        barrier(nt);
-        step_matmul(c, &lw->gate_up, 2 * I, H, c->gu, tid);
-        barrier(nt);
+        PHASE(tid, PH_WAIT, barrier(nt));
+        PHASE(tid, PH_MATMUL, step_matmul(c, &lw->gate_up, 2 * I, H, c->gu, tid));
+        PHASE(tid, PH_WAIT, barrier(nt));
         for (int b = 0; b < B; b++) {
             const float *g = c->gu + (size_t)b * 2 * I, *u = g + I;
             float *a = c->act + (size_t)b * I;
             silu_mul(g + gi0 * GROUP, u + gi0 * GROUP, a + gi0 * GROUP, (gi1 - gi0) * GROUP);
         }
-        barrier(nt);
+        PHASE(tid, PH_WAIT, barrier(nt));
         prepare_x(c, c->act, I, b0, b1);
-        barrier(nt);
-        step_matmul(c, &lw->down, H, I, c->h, tid);
-        barrier(nt);
+        PHASE(tid, PH_WAIT, barrier(nt));
+        PHASE(tid, PH_MATMUL, step_matmul(c, &lw->down, H, I, c->h, tid));
+        PHASE(tid, PH_WAIT, barrier(nt));
     }
     for (int b = b0; b < b1; b++)
         for (int i = 0; i < H; i++) c->x[(size_t)b * H + i] += c->h[(size_t)b * H + i];
@@ -1067,6 +1101,7 @@ static void run_step(void *arg, int tid) {
 #if defined(__SSE2__)
     _mm_setcsr(csr);
 #endif
+    if (profiling && tid == 0) phase_s[PH_STEP] += now_s() - t_step;
 }
 
 static int forward_locked(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,

@@ -261,3 +261,27 @@ def test_native_decode_attention_matches_the_torch_reference(build, heads, kv_he
         # the reference rounds q to bf16 (the cache's dtype) before its bf16 SDPA; the kernel keeps fp32
         torch.testing.assert_close(got, want, rtol=0, atol=3e-2)
         assert (got - want).abs().mean() < 3e-3
+
+
+def test_phase_timers_split_a_step_and_stay_off_unless_asked():
+    from kernels.cpu import PHASES, profile, profile_read
+
+    lib = _library("native")
+    model = TinyModel(**CONFIGS["even-groups"])
+    d = model.dims
+    step = ForwardStep(**d, block_size=4, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
+    gen = torch.Generator().manual_seed(0)
+    positions, slots, tables, row_seq, num_blocks = _step(9, gen, 4, 8)
+    kv = torch.zeros(len(model.layers), 2, num_blocks * 4, d["kv_heads"], d["head_dim"], dtype=torch.bfloat16)
+    x = torch.randn(9, d["hidden"], generator=gen)
+    profile(True, lib=lib)
+    profile_read(lib=lib)
+    for _ in range(3):
+        step.run(x.clone(), positions, slots, tables, row_seq, kv, 2)
+    times = profile_read(lib=lib)
+    profile(False, lib=lib)
+    assert set(times) == set(PHASES)
+    assert times["matmuls"] > 0 and times["attention"] > 0
+    assert times["step"] >= times["matmuls"] + times["attention"] + times["waits at barriers"]
+    step.run(x.clone(), positions, slots, tables, row_seq, kv, 2)
+    assert all(v == 0 for v in profile_read(lib=lib).values())  # off: nothing counted
