@@ -1374,7 +1374,8 @@ static void run_head(void *arg, int tid) {
  * of memory, -2 for shapes it does not take. */
 int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int V, float *out,
                        const float *exact, int refine, int nthreads, int amx_min_rows) {
-    if (B < 1 || K % GROUP || V % TILE_N || refine > MAX_REFINE || refine > V) return -2;
+    if (B < 0 || K % GROUP || V % TILE_N || refine > MAX_REFINE || refine > V) return -2;
+    if (B == 0) return 0; /* a step that samples nothing (a prefill chunk) */
     pthread_mutex_lock(&step_lock);
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
     const int amx = amx_min_rows > 0 && B >= amx_min_rows && amx_usable();

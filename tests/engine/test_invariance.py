@@ -75,3 +75,32 @@ def test_prefix_cache_hits_do_not_change_outputs_and_skip_prefill(configured):
     assert all(c >= len(engine.tokenizer.encode(CONTEXT)) - 32 for c in cached), cached
     assert computed == prompt_total - sum(cached)  # cached tokens were not prefilled again
     assert_same_or_near_tie(engine, reqs, first + rest, base)
+
+
+def test_native_int16_step_gives_the_same_tokens_however_requests_are_batched():
+    """The serving default's native CPU step with its int16 matmuls for every step size (amx_min_rows=0)
+    computes each token row on its own: the same operations in the same order whatever else is in the
+    step. So greedy outputs are identical, not merely near-tie close, alone or batched, in one prefill
+    or in chunks of 32, and after prefix-cache hits (the gateway tests rely on it)."""
+    import kernels.cpu as cpu_kernels
+    from engine import EngineConfig, LLMEngine
+
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler for the native CPU step")
+
+    def native(**kw):
+        engine = LLMEngine(EngineConfig(kv_cache_tokens=8192, amx_min_rows=0, **kw))
+        assert engine.runner.model.native is not None and engine.runner.model.amx_min_rows == 0
+        return engine
+
+    engine = native(enable_prefix_caching=False, chunked_prefill_size=0, max_num_batched_tokens=4096,
+                    max_model_len=4096)
+    reqs = requests(engine, "alone", n=6)
+    alone = [outputs(engine, [r])[0] for r in reqs]
+    engine = native(enable_prefix_caching=False, chunked_prefill_size=32, max_num_batched_tokens=64)
+    assert outputs(engine, requests(engine, "chunked", n=6)) == alone
+    engine = native(enable_prefix_caching=True)
+    first = outputs(engine, requests(engine, "warm", n=1))
+    rest = outputs(engine, requests(engine, "hit", n=6)[1:])
+    assert engine.stats.prefill_tokens < 2 * sum(len(r.prompt_token_ids) for r in reqs)  # the hits skipped prefill
+    assert first + rest == alone

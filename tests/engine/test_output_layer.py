@@ -97,6 +97,7 @@ def test_native_int8_output_layer_refines_the_top_candidates(rows):
             assert torch.equal(refined[rest], plain[rest])  # only the candidates changed
             assert torch.equal(refined.argmax(-1), exact.argmax(-1))
     assert cpu_kernels.pack_int8(w8.q[:40], w8.scales[:40]) is None  # 40 rows: not whole blocks
+    assert cpu_kernels.int8_logits(x[:0], head, 2, exact=weight, refine=REFINE_TOP).shape == (0, 4992)  # a chunk
     model = LlamaModel.__new__(LlamaModel)
     model.lm_head = Linear(weight, None, torch.float32)
     model.lm_head_fast, model.head_tiles, model.native_threads, model.amx_min_rows = None, head, 2, 0

@@ -34,7 +34,7 @@ def stack(tmp_path_factory):
 port = {gport}
 [engine]
 kv_cache_tokens = 4096
-weight_dtype = "float32"
+amx_min_rows = 0
 [auth]
 keys_file = "{tmp / 'keys.json'}"
 [tiers.pro]
