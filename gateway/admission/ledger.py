@@ -23,6 +23,8 @@ from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from gateway.tasks import cancel_and_wait, run_forever
+
 log = logging.getLogger("sluice.usage")
 
 STREAM = "sluice:usage:ledger"
@@ -103,17 +105,14 @@ class UsageLedger:
             self._task = asyncio.create_task(self._loop(), name="sluice-usage-ledger")
 
     async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.flush_interval_s)
-            try:
-                await self.flush()
-            except Exception:  # never let the loop die
-                log.exception("usage ledger flush failed")
+        await asyncio.sleep(self.flush_interval_s)
+        await run_forever(self.flush, every_s=self.flush_interval_s, log=log, what="usage ledger flush")
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            # Cancelled until it ends: a flush to Redis may absorb one cancellation (redis-py turns it
+            # into a ConnectionError), which left the gateway's shutdown waiting here forever.
+            await cancel_and_wait([self._task])
             self._task = None
         await self.flush()
         await self._close()

@@ -13,7 +13,7 @@ from gateway.observability.metrics import Metrics
 from gateway.queue.base import RequestQueue
 from gateway.routing.estimate import WaitEstimator
 from gateway.settings import TierSettings
-from gateway.tasks import run_forever
+from gateway.tasks import cancel_and_wait, run_forever
 
 log = logging.getLogger("sluice.metrics")
 
@@ -57,5 +57,4 @@ class MetricsSampler:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])

@@ -104,3 +104,23 @@ def test_native_int16_step_gives_the_same_tokens_however_requests_are_batched():
     rest = outputs(engine, requests(engine, "hit", n=6)[1:])
     assert engine.stats.prefill_tokens < 2 * sum(len(r.prompt_token_ids) for r in reqs)  # the hits skipped prefill
     assert first + rest == alone
+
+
+def test_native_step_serves_a_prompt_longer_than_a_chunk():
+    """The serving default (native step, AMX from its measured row count): a 700-token prompt runs as
+    prefill chunks of 256 (steps that sample nothing), then decodes; the answer is the int16 path's."""
+    import kernels.cpu as cpu_kernels
+    from engine import EngineConfig, LLMEngine
+
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler for the native CPU step")
+    text = " ".join(f"item {i} is {i * 7 % 13}." for i in range(120))
+    outs = []
+    for amx in (None, 0):
+        engine = LLMEngine(EngineConfig(kv_cache_tokens=4096, amx_min_rows=amx, max_model_len=2048))
+        ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text + " Which item is 5?"}])
+        assert len(ids) > 2 * engine.config.chunked_prefill_size
+        res = engine.generate([EngineRequest("long", ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))])
+        assert res["long"][-1].error is None and res["long"][-1].finish_reason == "length"
+        outs.append([t for o in res["long"] for t in o.token_ids])
+    assert len(outs[0]) == 6 and outs[0][:2] == outs[1][:2]  # bf16 tiles vs int16: the same first tokens
