@@ -78,6 +78,30 @@ async def test_a_failed_write_keeps_the_rows_for_the_next_flush(tmp_path):
     assert [r.prompt_tokens for r in read_sqlite(tmp_path / "u.sqlite3", 0)] == [11, 12]
 
 
+async def test_close_ends_a_flush_that_absorbs_its_cancellation(tmp_path):
+    """redis-py can turn a cancellation that lands mid-command into a ConnectionError: close() must
+    still end the flush loop (it cancels until the task ends), then write the rows kept."""
+    ledger = SQLiteLedger(tmp_path / "u.sqlite3", flush_interval_s=0.01)
+    real, absorbed = ledger._write, []
+
+    async def absorbing(rows):
+        if not absorbed:
+            try:
+                await asyncio.sleep(30)  # a write stuck on a restarting Redis
+            except asyncio.CancelledError:
+                absorbed.append(True)
+                raise ConnectionError("Connection closed by server.") from None
+        await real(rows)
+
+    ledger._write = absorbing  # type: ignore[method-assign]
+    ledger.start()
+    ledger.append(_row(1))
+    await asyncio.sleep(0.1)  # the loop is inside the stuck write
+    await asyncio.wait_for(ledger.close(), timeout=5)
+    assert absorbed == [True]
+    assert [r.prompt_tokens for r in read_sqlite(tmp_path / "u.sqlite3", 0)] == [11]
+
+
 async def test_restart_rebuilds_the_totals_bit_for_bit(tmp_path):
     path = tmp_path / "usage.sqlite3"
     store, ledger = UsageStore(), SQLiteLedger(path)
