@@ -120,7 +120,8 @@ def test_native_step_serves_a_prompt_longer_than_a_chunk():
         engine = LLMEngine(EngineConfig(kv_cache_tokens=4096, amx_min_rows=amx, max_model_len=2048))
         ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text + " Which item is 5?"}])
         assert len(ids) > 2 * engine.config.chunked_prefill_size
-        res = engine.generate([EngineRequest("long", ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))])
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        res = engine.generate([EngineRequest("long", ids, params)])
         assert res["long"][-1].error is None and res["long"][-1].finish_reason == "length"
         outs.append([t for o in res["long"] for t in o.token_ids])
     assert len(outs[0]) == 6 and outs[0][:2] == outs[1][:2]  # bf16 tiles vs int16: the same first tokens
