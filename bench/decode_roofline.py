@@ -130,15 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     bw = read_bandwidth()
     print(f"machine: {machine()}; torch threads {torch.get_num_threads()}")
     m = runner.model
-    weights = ("4-bit layers, int8 output layer (native)" if m.native is not None else
-               str(runner.weight_dtype).removeprefix("torch.")
-               + (f" + int4 for steps of <= {runner.int4_max_rows} tokens" if runner.int4 else ""))
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights {weights}; KV cache {str(runner.kv_dtype).removeprefix('torch.')}")
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights {runner.describe_weights()}; "
+          f"KV cache {str(runner.kv_dtype).removeprefix('torch.')}")
     if m.native is not None:
         amx = f"AMX matmuls from {m.amx_min_rows} rows" if m.amx_min_rows else "no AMX matmuls"
         print(f"native CPU forward step ({m.native.isa}, {m.native_threads} threads) for every step; {amx}; "
               f"its 4-bit weights {m.native.nbytes() / 2**20:.0f} MiB")
-    if m.layer_plan is not None and m.head_plan is not None and m.native is None:
+    if m.layer_plan is not None and m.head_plan is not None:
         print(f"CPU step plan (weights/threads by step size): layers {m.layer_plan.describe()}; "
               f"output layer {m.head_plan.describe()}")
     timers = Timers(engine)

@@ -66,12 +66,9 @@ class LLMEngine:
         self._noise_seeds = random.Random(config.seed)
         self._outputs: dict[str, OutputProcessor] = {}
         runner = self.runner
-        weights = ("layers 4-bit (native step), output layer " if runner.model.native is not None else "") + (
-            str(runner.weight_dtype).removeprefix("torch.")
-            + (f" + int4 up to {runner.int4_max_rows} tokens" if runner.int4 and runner.model.native is None else ""))
         log.info("engine: model %s on %s (%s, weights %s), KV pool %d tokens in %d blocks of %d "
                  "(%.1f MiB %s, resident as used), max_running_requests %d, loaded in %.1fs",
-                 self.model_name, runner.device, str(runner.dtype).removeprefix("torch."), weights,
+                 self.model_name, runner.device, str(runner.dtype).removeprefix("torch."), runner.describe_weights(),
                  self.capacity_tokens, self.runner.num_blocks, config.block_size,
                  self.capacity_tokens * self.runner.kv_bytes_per_token / 2**20,
                  str(self.runner.kv_dtype).removeprefix("torch."), config.max_running_requests,

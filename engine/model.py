@@ -253,13 +253,13 @@ class LlamaModel(nn.Module):
         # With the native step the output layer is native too: only its int8 copy, in the kernel's
         # layout (kernels/cpu `Q8Tiles`), for every step size; else torch's int8 copy for small steps.
         self.head_tiles: cpu_kernels.Q8Tiles | None = None
+        self.lm_head_fast: Linear | None = None
         if self.native is not None:
             head = Int8Weight(lm_head)
             self.head_tiles = cpu_kernels.pack_int8(head.q, head.scales.float())
-        head8 = (Int8Weight(lm_head) if q4_used and wdt != dtype and int8_available(device)
-                 and self.head_tiles is None else None)
-        self.lm_head_fast = (Linear(lm_head, None, wdt, packed=head8)
-                             if wdt != dtype and not det and self.head_tiles is None else None)
+        elif wdt != dtype and not det:
+            head8 = Int8Weight(lm_head) if q4_used and int8_available(device) else None
+            self.lm_head_fast = Linear(lm_head, None, wdt, packed=head8)
         # Per step size: packed or dense weights, and threads (CPU; engine/cpu_plan.py). None: leave
         # both alone (GPU, deterministic mode, or before `plan_cpu_steps`).
         self.layer_plan: Plan | None = None
@@ -332,11 +332,7 @@ class LlamaModel(nn.Module):
                     lin(xs[lin.weight.shape[1]], packed)
             return run
 
-        layer_times: dict[int, dict[str, float]] = {}
-        if lins:
-            self.layer_plan, layer_times = measure_plan(layers, max_threads, can_pack, packed_max_rows)
-        else:  # the native step runs the layers: only the output layer to plan
-            self.layer_plan = Plan.fixed(max_threads)
+        self.layer_plan, layer_times = measure_plan(layers, max_threads, can_pack, packed_max_rows)
         head = self.lm_head_fast
         if head is None:
             self.head_plan = Plan.fixed(max_threads)

@@ -106,8 +106,8 @@ class ModelRunner:
                                 deterministic=config.deterministic, q4_blocks=loaded.q4_blocks if self.int4 else None,
                                 native_block_size=config.block_size if native else 0)
         self.int4_max_rows = 0  # steps of up to this many tokens read the 4-bit weights
-        if self.device.type == "cpu" and not config.deterministic:
-            self._plan_cpu_steps()
+        if self.device.type == "cpu" and not config.deterministic and self.model.native is None:
+            self._plan_cpu_steps()  # (the native step's plan, its AMX threshold, is `_plan_native`)
         if config.deterministic:
             log.info("deterministic: batch-invariant matmuls and attention, no CUDA graphs, weights %s, "
                      "activations %s (outputs do not depend on batching, chunking or prefix-cache hits)",
@@ -129,6 +129,13 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, -(-max_len // self.block_size),
                                        self.scratch_block, max_batch, max_len)
 
+    def describe_weights(self) -> str:
+        """What the weights a step reads are, for the start-up log and the benches."""
+        if self.model.native is not None:
+            return "4-bit layers, int8 output layer (native CPU step)"
+        return str(self.weight_dtype).removeprefix("torch.") + (
+            f" + int4 up to {self.int4_max_rows} tokens" if self.int4 else "")
+
     def _plan_cpu_steps(self) -> None:
         """Which weights (packed low-bit or dense) and how many threads each step size uses, measured
         here at start (engine/cpu_plan.py), and logged."""
@@ -138,8 +145,8 @@ class ModelRunner:
         times = model.plan_cpu_steps(threads, forced)
         assert model.layer_plan is not None and model.head_plan is not None
         self.int4_max_rows = model.layer_plan.packed_max_rows() if forced is None else forced
-        layers = "native step" if model.native is not None else model.layer_plan.describe()
-        log.info("CPU steps (%d threads): layers %s; output layer %s", threads, layers, model.head_plan.describe())
+        log.info("CPU steps (%d threads): layers %s; output layer %s", threads, model.layer_plan.describe(),
+                 model.head_plan.describe())
         log.debug("CPU step timings: %s", times)
 
     def _plan_native(self) -> None:

@@ -97,6 +97,19 @@ def available() -> bool:
     return build.load() is not None
 
 
+def _library(lib: ctypes.CDLL | None, what: str) -> ctypes.CDLL:
+    """`lib`, or this machine's build of forward.c."""
+    lib = lib or build.load()
+    if lib is None:
+        raise RuntimeError(f"the {what} could not be built (see the log)")
+    return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} failed ({'out of memory' if rc == -1 else 'bad shapes'})")
+
+
 class ForwardStep:
     """The model's layers, bound once to the native step; `run` per step."""
 
@@ -104,9 +117,7 @@ class ForwardStep:
                  block_size: int, layers: list[LayerBlocks], cos: torch.Tensor, sin: torch.Tensor,
                  lib: ctypes.CDLL | None = None):
         """`lib`: a build of forward.c (default: this machine's, `build.load()`)."""
-        lib = lib or build.load()
-        if lib is None:
-            raise RuntimeError("the native CPU forward step could not be built (see the log)")
+        lib = _library(lib, "native CPU forward step")
         self._fn = lib.sluice_forward
         self.isa: str = lib.sluice_forward_isa().decode()  # avx512-vnni, avx512, avx2 or scalar
         self.amx: bool = bool(lib.sluice_amx_available())  # the AMX matmul for steps of many rows
@@ -147,8 +158,7 @@ class ForwardStep:
                       ctypes.c_int64(kv_cache.stride(0)), ctypes.c_int64(kv_cache.stride(1)),
                       ctypes.c_void_p(self.cos.data_ptr()), ctypes.c_void_p(self.sin.data_ptr()),
                       ctypes.c_int(threads), ctypes.c_int(amx_min_rows))
-        if rc != 0:
-            raise RuntimeError(f"native CPU forward step failed ({'out of memory' if rc == -1 else 'bad shapes'})")
+        _check(rc, "native CPU forward step")
         return x
 
 
@@ -158,9 +168,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Paged attention of one-token decodes, natively: q [B, H, D] fp32 (rows may be strided, as slices of
     a fused QKV output are), one layer's bf16 caches [slots, Hkv, D] holding this step's keys and values
     already; block_tables [B, n] int32 (or int64), seq_lens [B]. Returns [B, H, D] fp32."""
-    lib = lib or build.load()
-    if lib is None:
-        raise RuntimeError("the native CPU kernels could not be built (see the log)")
+    lib = _library(lib, "native CPU kernels")
     b, heads, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -175,8 +183,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ctypes.c_void_p(k_cache.data_ptr()), ctypes.c_void_p(v_cache.data_ptr()), ctypes.c_int(block_size),
         ctypes.c_void_p(tables.data_ptr()), ctypes.c_int(tables.shape[1]), ctypes.c_void_p(lens.data_ptr()),
         ctypes.c_int(threads))
-    if rc != 0:
-        raise RuntimeError(f"native decode attention failed ({'out of memory' if rc == -1 else 'bad shapes'})")
+    _check(rc, "native decode attention")
     return out
 
 
@@ -210,9 +217,7 @@ def int8_logits(x: torch.Tensor, head: Q8Tiles, threads: int, exact: torch.Tenso
     """x [B, K] fp32 times the int8 weights of `head`, natively: int16 activations in integer dot products,
     or from `amx_min_rows` rows on (CPUs with AMX) bf16 tiles. With `exact` ([V, K] fp32), each row's
     `refine` largest outputs are recomputed against it at full precision. Returns [B, V] fp32."""
-    lib = lib or build.load()
-    if lib is None:
-        raise RuntimeError("the native CPU kernels could not be built (see the log)")
+    lib = _library(lib, "native CPU kernels")
     b, k = x.shape
     assert k == head.shape[1]
     x = x.float().contiguous()
@@ -225,8 +230,7 @@ def int8_logits(x: torch.Tensor, head: Q8Tiles, threads: int, exact: torch.Tenso
                                 ctypes.c_void_p(None if exact is None else exact.data_ptr()),
                                 ctypes.c_int(refine if exact is not None else 0), ctypes.c_int(threads),
                                 ctypes.c_int(amx_min_rows))
-    if rc != 0:
-        raise RuntimeError(f"native int8 output layer failed ({'out of memory' if rc == -1 else 'bad shapes'})")
+    _check(rc, "native int8 output layer")
     return out
 
 
@@ -234,9 +238,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            seeds: torch.Tensor, offsets: torch.Tensor, threads: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """kernels.sampling.sample_tokens natively, row by row (the same semantics and noise): logits [B, V]
     fp32; temperature, top_p [B] fp32; top_k, seeds, offsets [B] int64. Returns the tokens [B] int64."""
-    lib = lib or build.load()
-    if lib is None:
-        raise RuntimeError("the native CPU kernels could not be built (see the log)")
+    lib = _library(lib, "native CPU kernels")
     b, v = logits.shape
     logits = logits.float().contiguous()
     args = [temperature.float().contiguous(), top_k.to(torch.int64).contiguous(), top_p.float().contiguous(),
@@ -246,8 +248,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     rc = lib.sluice_sample(ctypes.c_int(b), ctypes.c_int(v), ctypes.c_void_p(logits.data_ptr()),
                            *[ctypes.c_void_p(a.data_ptr()) for a in args], ctypes.c_void_p(out.data_ptr()),
                            ctypes.c_int(threads))
-    if rc != 0:
-        raise RuntimeError("native sampling failed (out of memory)")
+    _check(rc, "native sampling")  # (its only failure: out of memory)
     return out
 
 
