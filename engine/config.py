@@ -63,6 +63,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graph_max_batch: int = 256  # on CUDA: decode steps up to this batch replay captured graphs; 0: off
 
+    # Constrained decoding's compile budget (engine/guide.py, GuideLimits): a grammar that is larger, or
+    # has not compiled (and passed its first-token walk) this long after it arrived, is a 400
+    # `invalid_grammar`; it never holds the engine thread, which schedules a request once its grammar is ready.
+    guide_compile_timeout_s: float = 1.5
+    guide_max_spec_bytes: int = 1 << 20
+    guide_max_object_properties: int = 2048
+
     # Scheduling policy.
     priority_aging_s: float = 10.0  # a request waiting longer than this is admitted ahead of newer ones of any priority
 
@@ -89,5 +96,9 @@ class EngineConfig:
         for name in ("int4_max_batch", "amx_min_rows"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise EngineConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.guide_compile_timeout_s <= 0:
+            raise EngineConfigError("guide_compile_timeout_s must be positive")
+        for name in ("guide_max_spec_bytes", "guide_max_object_properties"):
+            positive(name)
         if self.priority_aging_s <= 0:
             raise EngineConfigError("priority_aging_s must be positive")

@@ -15,7 +15,7 @@ import time
 
 from .block_manager import BlockManager
 from .config import EngineConfig, EngineConfigError
-from .guide import Guides, GuideStats
+from .guide import CompileTicket, GuideLimits, Guides, GuideStats
 from .loader import load_model
 from .model_runner import ModelRunner
 from .output import OutputProcessor
@@ -26,6 +26,8 @@ from .sequence import Sequence
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+COMPILE_POLL_S = 0.005  # how long an otherwise idle step waits for a grammar to finish compiling
 
 
 def release_freed_memory() -> None:
@@ -53,7 +55,10 @@ class LLMEngine:
                 f"{loaded.args.max_position_embeddings}")
         self.stats = EngineStats()
         vocab = loaded.args.vocab_size  # the logits' width
-        self.guides = Guides(self.tokenizer.to_json(), vocab, self.eos_token_ids, self.stats.guide)
+        self.guides = Guides(self.tokenizer.to_json(), vocab, self.eos_token_ids, self.stats.guide,
+                             limits=GuideLimits(compile_timeout_s=config.guide_compile_timeout_s,
+                                                max_spec_bytes=config.guide_max_spec_bytes,
+                                                max_object_properties=config.guide_max_object_properties))
         self.max_token_id = min(vocab, self.tokenizer.vocab_size) - 1  # ids a request may name
         self.runner = ModelRunner(config, loaded, self.guides)
         del loaded
@@ -63,6 +68,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self._seqs: dict[str, Sequence] = {}
+        self._compiling: dict[str, tuple[Sequence, CompileTicket]] = {}  # guided, waiting for their grammar
         self._noise_seeds = random.Random(config.seed)
         self._outputs: dict[str, OutputProcessor] = {}
         runner = self.runner
@@ -115,22 +121,35 @@ class LLMEngine:
             seq.noise_seed = self._noise_seeds.getrandbits(62)
         if seq.num_new_outputs < 0 or len(seq.output_token_ids) >= max_tokens:
             raise RequestRejected("the resumed tokens already reach max_tokens", param="max_tokens")
-        if req.sampling.guide is not None:
-            # Compiled here (cached per grammar), so a grammar that cannot be used is a rejection, never
-            # an error inside step(); a resumed request replays its tokens into its new matcher.
-            seq.guide = self.guides.matcher(req.sampling.guide, seq.output_token_ids)
         self._seqs[req.request_id] = seq
         self._outputs[req.request_id] = OutputProcessor(seq, self.tokenizer)
-        self.scheduler.add(seq)
+        if req.sampling.guide is None:
+            self.scheduler.add(seq)
+            return
+        # Compiled on the grammar thread (a resumed request replays its tokens into its new matcher); the
+        # sequence is scheduled once its grammar is ready, so a grammar that cannot be used is a
+        # rejection (at once when the cache knows it), never an error inside step().
+        ticket = self.guides.submit(req.sampling.guide, seq.output_token_ids)
+        if ticket.done:
+            try:
+                seq.guide = ticket.matcher()
+            except RequestRejected:
+                del self._seqs[req.request_id], self._outputs[req.request_id]
+                raise
+            self.scheduler.add(seq)
+        else:
+            self._compiling[req.request_id] = (seq, ticket)
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
         self._outputs.pop(request_id, None)
+        if self._compiling.pop(request_id, None) is not None:
+            return
         if seq is not None:
             self.scheduler.remove(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     @property
     def num_running(self) -> int:
@@ -138,16 +157,38 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self._compiling)
+
+    def _take_compiled(self, outputs: list[RequestOutput]) -> None:
+        """Guided requests whose grammar is ready join the scheduler; those refused (or over the compile
+        budget) end with a 400-class error output that names the grammar."""
+        for rid, (seq, ticket) in list(self._compiling.items()):
+            if not ticket.done:
+                continue
+            del self._compiling[rid]
+            try:
+                seq.guide = ticket.matcher()
+            except RequestRejected as e:
+                del self._seqs[rid], self._outputs[rid]
+                outputs.append(RequestOutput(request_id=rid, finished=True, finish_reason="error", error=str(e),
+                                             error_code=e.code, error_param=e.param,
+                                             prompt_tokens=len(seq.prompt_token_ids)))
+                continue
+            self.scheduler.add(seq)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, apply the sampled tokens (scheduler), then turn them into text."""
+        outputs: list[RequestOutput] = []
+        if self._compiling:
+            self._take_compiled(outputs)
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         if not sched.scheduled:
-            return []
+            if self._compiling and not outputs:  # only grammars on their way: wait for one, do not spin
+                self.guides.compiled.wait(COMPILE_POLL_S)
+                self.guides.compiled.clear()
+            return outputs
         t0 = time.perf_counter()
-        outputs: list[RequestOutput] = []
         try:
             sampled = self.runner.execute(sched.scheduled)
         except Exception:

@@ -9,6 +9,7 @@ ruled out.
 
 from __future__ import annotations
 
+from .guide import clean_error
 from .request import RequestOutput, TokenLogprob
 from .sequence import Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -56,13 +57,16 @@ class OutputProcessor:
         self.emitted = max(self.emitted, end)
         ids, self.pending_ids = self.pending_ids, []
         logprobs, self.pending_logprobs = self.pending_logprobs, []
-        error = None
+        error = code = param = None
         if seq.finish_reason == "error" and seq.guide is not None and seq.guide.error is not None:
-            error = f"constrained decoding failed: {seq.guide.error}"
+            # The grammar hit llguidance's per-step limits or an error state: the request's own fault.
+            error, code, param = f"constrained decoding failed: {clean_error(seq.guide.error)}", "invalid_grammar", \
+                "response_format"
         return RequestOutput(request_id=seq.request_id, text=delta, token_ids=ids, finished=finished,
                              finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_token_ids),
                              completion_tokens=len(seq.output_token_ids), cached_tokens=seq.num_cached_tokens,
-                             error=error, logprobs=logprobs if seq.sampling.logprobs is not None else None)
+                             error=error, error_code=code, error_param=param,
+                             logprobs=logprobs if seq.sampling.logprobs is not None else None)
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""

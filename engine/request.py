@@ -145,6 +145,11 @@ class RequestOutput:
     completion_tokens: int = 0  # total so far
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    # Set when the request itself is at fault (its grammar failed to compile or exhausted its limits):
+    # an OpenAI error code such as `invalid_grammar` and the field it names; the gateway answers 400.
+    # Unset on an error, the engine failed (500).
+    error_code: str | None = None
+    error_param: str | None = None
     # When the request asked for logprobs: one per token of `token_ids`, in order (None otherwise).
     logprobs: list[TokenLogprob] | None = None
 

@@ -63,10 +63,8 @@ class Failure(enum.StrEnum):
 
 @dataclass
 class ErrorOutput(RequestOutput):
-    """A finished output that says what failed (the engine's RequestOutput carries only a message)."""
+    """A finished output that says what kind of failure ended it (the HTTP layer maps it to a status)."""
 
-    error_code: str | None = None
-    error_param: str | None = None
     failure: Failure = Failure.ENGINE
 
 

@@ -134,6 +134,8 @@ def error_for_output(out: RequestOutput) -> APIError | None:
         status, code, retry_after = _BY_FAILURE[out.failure]
         return APIError(status, out.error or "request failed", param=out.error_param,
                         code=out.error_code or code, retry_after=retry_after)
+    if out.error_code is not None:  # the engine refused the request as sent
+        return APIError(400, out.error or "invalid request", param=out.error_param, code=out.error_code)
     if out.finish_reason == "error" or out.error:
         return APIError(500, out.error or "engine error", type="server_error", code="engine_error")
     if out.finish_reason == "abort":

@@ -18,6 +18,8 @@ def _failed_locally(out: RequestOutput) -> bool:
     """A failure another backend may fix: anything but the request's own fault (a 400)."""
     if isinstance(out, ErrorOutput):
         return out.failure is not Failure.INVALID_REQUEST
+    if out.error_code is not None:  # the engine refused the request as sent (e.g. invalid_grammar)
+        return False
     return out.finish_reason in ("error", "abort") and not out.text
 
 

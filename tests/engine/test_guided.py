@@ -1,5 +1,6 @@
 """Constrained decoding: guided outputs follow their grammar, alone or mixed with free rows, through
-preemption and recompute, and after a resume; grammars that cannot be used are rejected at add."""
+preemption and recompute, and after a resume; grammars that cannot be used are refused before their
+request is scheduled (at add when the grammar cache knows them, else as the request's only output)."""
 
 from __future__ import annotations
 
@@ -126,11 +127,25 @@ def test_resume_continues_the_grammar(engine, tokenizer):
     assert_same_or_near_tie(engine, [EngineRequest("x", p + ids[:k])], [rest], [ids[k:]])
     assert res["res"][-1].finish_reason == "stop"
     jsonschema.validate(json.loads(tokenizer.decode(ids[:k] + rest)), SCHEMA)
-    # Resumed tokens that break the grammar are refused at add.
-    with pytest.raises(RequestRejected) as e:
-        engine.add_request(EngineRequest("bad", p, SamplingParams(guide=GUIDE),
-                                         resume_token_ids=tokenizer.encode("hello")))
-    assert e.value.code == "invalid_grammar"
+    # Resumed tokens that break the grammar are refused before the request runs.
+    e = refusal(engine, EngineRequest("bad", p, SamplingParams(guide=GUIDE),
+                                      resume_token_ids=tokenizer.encode("hello")))
+    assert e.code == "invalid_grammar"
+
+
+def refusal(engine, req: EngineRequest) -> RequestRejected:
+    """How the engine refuses `req`: at add, or as its one output before any step computes it."""
+    try:
+        engine.add_request(req)
+    except RequestRejected as e:
+        return e
+    steps = engine.stats.steps
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert engine.stats.steps == steps, "a refused request must not be scheduled"
+    assert len(outs) == 1 and outs[0].finish_reason == "error", outs
+    return RequestRejected(outs[0].error or "", code=outs[0].error_code or "", param=outs[0].error_param)
 
 
 @pytest.mark.parametrize("guide, needle", [
@@ -142,9 +157,64 @@ def test_resume_continues_the_grammar(engine, tokenizer):
     (Guide("regex", "[a-"), "regex"),
     (Guide("lark", "start: undefined_rule"), "undefined_rule"),
 ])
-def test_unusable_grammars_are_rejected_at_add(engine, tokenizer, guide, needle):
-    with pytest.raises(RequestRejected) as e:
-        engine.add_request(EngineRequest("bad", prompt(tokenizer, "x"), SamplingParams(guide=guide)))
-    assert e.value.code == "invalid_grammar" and e.value.param == "response_format"
-    assert needle in str(e.value)
-    assert not engine.has_unfinished()
+def test_unusable_grammars_are_refused_before_scheduling(engine, tokenizer, guide, needle):
+    for _ in range(2):  # compiled on the grammar thread, then refused from the cache at add
+        e = refusal(engine, EngineRequest("bad", prompt(tokenizer, "x"), SamplingParams(guide=guide)))
+        assert e.code == "invalid_grammar" and e.param == "response_format"
+        assert needle in str(e)
+        assert not engine.has_unfinished()
+
+
+def _properties(n: int) -> str:
+    return json.dumps({"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 5} for i in range(n)}})
+
+
+@pytest.mark.parametrize("spec, needle", [
+    # Compile but cannot produce an output: found by the first-token walk, not at the first sampled token.
+    ('{"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]}', "Too many items"),
+    ('{"$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]}, '
+     '"b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]}}, "$ref": "#/$defs/a"}',
+     "Too many items"),
+    ('{"type": "object", "properties": {"s": {"type": "string", "pattern": "^(x{1000}){1000}$"}}, "required": ["s"]}',
+     ""),
+    # Over the compile budget: refused before compiling.
+    (_properties(4000), "compile budget"),
+    (json.dumps({"type": "object", "properties": {"a": {"type": "string", "description": "d" * (1 << 20)}}}),
+     "compile budget"),
+])
+def test_grammars_that_would_fail_later_are_refused_before_scheduling(engine, tokenizer, spec, needle):
+    e = refusal(engine, EngineRequest("late", prompt(tokenizer, "x"), SamplingParams(guide=Guide("json_schema", spec))))
+    assert e.code == "invalid_grammar" and e.param == "response_format"
+    assert needle in str(e)
+    assert "<state>" not in str(e) and "backtrace" not in str(e) and len(str(e)) < 400  # no parser-state dump
+
+
+def test_other_requests_run_while_a_grammar_compiles(engine, tokenizer, monkeypatch):
+    """The engine keeps stepping the others while a grammar is on the compile thread; the guided request
+    is scheduled only once its grammar is ready."""
+    import threading
+
+    release = threading.Event()
+    build = engine.guides._build
+
+    def slow_build(guide, tok):
+        release.wait(30)
+        return build(guide, tok)
+
+    monkeypatch.setattr(engine.guides, "_build", slow_build)
+    spec = json.dumps({"type": "object", "properties": {"slow": {"type": "integer", "minimum": 0, "maximum": 9}},
+                       "required": ["slow"], "additionalProperties": False})
+    engine.add_request(EngineRequest("guided", prompt(tokenizer, "x"),
+                                     SamplingParams(temperature=0, max_tokens=16, guide=Guide("json_schema", spec))))
+    engine.add_request(EngineRequest("free", prompt(tokenizer, "y"), SamplingParams(temperature=0, max_tokens=4)))
+    seen: dict[str, list] = {"guided": [], "free": []}
+    while seen["free"] == [] or not seen["free"][-1].finished:
+        for o in engine.step():
+            seen[o.request_id].append(o)
+    assert seen["guided"] == [] and engine.num_waiting == 1  # still compiling: never scheduled
+    release.set()
+    while engine.has_unfinished():
+        for o in engine.step():
+            seen[o.request_id].append(o)
+    text = "".join(o.text for o in seen["guided"])
+    assert seen["guided"][-1].finish_reason == "stop" and isinstance(json.loads(text)["slow"], int)
