@@ -11,6 +11,7 @@ that serves the model, else it is a 400 naming the field.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -26,6 +27,17 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: canonical ASCII decimal (`\d` takes any script's digits)
+
+
+def _token_id_problem(key: str) -> str | None:
+    """Why a logit_bias key is not a token id (None: it is one). One spelling per id: were "028" or "２８"
+    read as 28, two keys could bias one token and one of them silently win."""
+    if len(key) > len(str(INT32_MAX)) or not _TOKEN_ID.fullmatch(key):
+        return 'write it in ASCII decimal digits without a sign, spaces or leading zeros (e.g. "28")'
+    if int(key) > INT32_MAX:
+        return f"the largest token id is {INT32_MAX}"
+    return None
 
 
 class _Request(BaseModel):
@@ -174,8 +186,10 @@ class _SamplingFields(_Request):
     @classmethod
     def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.isdigit() or int(key) > INT32_MAX:
-                raise ValueError(f"logit_bias keys are token ids; {key!r} is not one")
+            why = _token_id_problem(key)
+            if why is not None:
+                shown = repr(key) if len(key) <= 32 else repr(key[:32]) + "..."
+                raise ValueError(f"logit_bias keys are token ids; {shown} is not one: {why}")
         return v
 
     def logit_bias_ids(self) -> dict[int, float]:

@@ -253,3 +253,29 @@ async def test_harmless_values_of_unimplemented_fields_pass(tmp_path):
         with pytest.raises(openai.BadRequestError) as e:
             await _client(base).completions.create(model="fake-model", prompt="x", echo=True)
         assert "echo" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("bias,bad", [
+    ({"٢٨": 5}, "٢٨"), ({"２８": 5}, "２８"), ({"0028": 5}, "0028"), ({"²": 5}, "²"), ({"+28": 5}, "+28"),
+    ({" 28": 5}, " 28"), ({"28\n": 5}, "28\n"), ({"28": 100, "028": -100}, "028"), ({"2147483648": 1}, "2147483648"),
+])
+async def test_logit_bias_keys_are_canonical_ascii_token_ids(tmp_path, bias, bad):
+    async with fake_gateway(tmp_path) as (base, app, engine):
+        for create in (lambda c: c.chat.completions.create(model="fake-model", messages=MSG, max_tokens=2,
+                                                           logit_bias=bias),
+                       lambda c: c.completions.create(model="fake-model", prompt="x", max_tokens=2, logit_bias=bias)):
+            with pytest.raises(openai.BadRequestError) as e:
+                await create(_client(base))
+            err = e.value.body
+            assert err["param"] == "logit_bias" and repr(bad) in err["message"], err
+            assert "invalid literal" not in err["message"]
+        assert not engine.added
+
+
+def test_canonical_logit_bias_keys_map_to_their_ids():
+    from gateway.http.offload import RequestLimits, parse_request
+    from gateway.http.openai_schema import CompletionRequest
+
+    body = {"model": "m", "prompt": "x", "logit_bias": {"0": -1, "28": 5, "2147483647": 1}}
+    req = parse_request(json.dumps(body).encode(), CompletionRequest, RequestLimits())
+    assert req.logit_bias_ids() == {0: -1.0, 28: 5.0, 2147483647: 1.0}
