@@ -11,6 +11,7 @@ from typing import Any
 from engine.request import Guide, RequestOutput
 from gateway.http import tools
 from gateway.http.chunks import ChatChunks, ChoiceAcc, CompletionChunks, TokenUsage, chat_response, sse_event
+from gateway.http.errors import APIError
 from gateway.http.logprobs import TokenPieces, chat_logprobs, completion_logprobs
 from gateway.http.openai_schema import (
     ChatChunkChoice,
@@ -30,6 +31,7 @@ from gateway.http.openai_schema import (
 @dataclass
 class AnswerShape:
     tools: list[tools.ToolSpec] | None = None  # answers are parsed for tool calls
+    tool_grammar: bool = False  # the answer's grammar is the tool calls' (not response_format's)
     top_logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k
     pieces: TokenPieces | None = None
     call_ids: list[list[str]] = field(default_factory=list)  # per choice: ids, equal in stream and JSON
@@ -54,9 +56,24 @@ def _format_guide(rf: ResponseFormat | None, no_schema: dict[str, Any]) -> Guide
     return Guide(kind="json_schema", spec=json.dumps(schema or no_schema))
 
 
+def _refuse_incoherent(req: ChatCompletionRequest) -> None:
+    """The request-wide rules a field validator cannot refuse with the field's own `param`."""
+    if req.tools and req.response_format is not None and req.response_format.type != "text" \
+            and req.tool_choice not in (None, "none"):
+        raise APIError(400, "response_format: response_format and tool calls cannot both constrain one answer; "
+                            "send one of them", param="response_format", code="unsupported_parameter")
+    unanswered = req.unanswered_tool_message()
+    if unanswered is not None:
+        index, why = unanswered
+        param = f"messages.{index}.tool_call_id"
+        raise APIError(400, f"{param}: {why}", param=param, code="invalid_value")
+
+
 def chat_shape(req: ChatCompletionRequest, pieces: TokenPieces | None) -> tuple[AnswerShape, Guide | None,
                                                                                 list[tools.ToolSpec] | None]:
-    """The answer's shape, the grammar that constrains it, and the tools to render into the prompt."""
+    """The answer's shape, the grammar that constrains it, and the tools to render into the prompt
+    (a 400 for a request whose parts contradict each other)."""
+    _refuse_incoherent(req)
     top = (req.top_logprobs or 0) if req.logprobs else None
     guide: Guide | None = None
     specs = None
@@ -69,8 +86,10 @@ def chat_shape(req: ChatCompletionRequest, pieces: TokenPieces | None) -> tuple[
             guide = tools.tool_guide(named, required=True, parallel=False)
         else:
             guide = tools.tool_guide(specs, required=req.tool_choice == "required", parallel=parallel)
-    guide = _format_guide(req.response_format, {"type": "object"}) or guide
-    return AnswerShape(tools=specs, top_logprobs=top, pieces=pieces if top is not None else None), guide, specs
+    format_guide = _format_guide(req.response_format, {"type": "object"})
+    shape = AnswerShape(tools=specs, tool_grammar=guide is not None and format_guide is None, top_logprobs=top,
+                        pieces=pieces if top is not None else None)
+    return shape, format_guide or guide, specs
 
 
 def completion_shape(req: CompletionRequest, pieces: TokenPieces | None) -> tuple[AnswerShape, Guide | None]:

@@ -344,12 +344,24 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("`tool_choice` `required` needs `tools`")
         return v
 
-    @model_validator(mode="after")
-    def _coherent(self) -> ChatCompletionRequest:
-        if self.tools and self.response_format is not None and self.response_format.type != "text" \
-                and self.tool_choice not in (None, "none"):
-            raise ValueError("response_format and tool calls cannot both constrain one answer; send one of them")
-        return self
+    def unanswered_tool_message(self) -> tuple[int, str] | None:
+        """(index, why) of the first `tool` message that answers no call of the assistant message it
+        follows, else None. OpenAI's rule: tool messages come right after an assistant message with
+        `tool_calls` (other tool messages between), each naming one of its calls."""
+        calls: set[str] | None = None  # the call ids of the assistant message the current tool messages follow
+        for i, m in enumerate(self.messages):
+            if m.role == "tool":
+                if calls is None:
+                    return i, (f"no call {m.tool_call_id!r} precedes this tool message: a tool message must "
+                               "follow an assistant message with `tool_calls` and answer one of its calls")
+                if m.tool_call_id not in calls:
+                    return i, (f"{m.tool_call_id!r} is not the id of a call in the `tool_calls` of the assistant "
+                               f"message before it (those are: {', '.join(sorted(calls))})")
+            elif m.role == "assistant" and m.tool_calls:
+                calls = {c.id for c in m.tool_calls}
+            else:
+                calls = None
+        return None
 
     def local_unsupported(self) -> str | None:
         """The first field the local text model cannot serve (a request with one goes remote or is a 400)."""

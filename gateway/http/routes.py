@@ -184,7 +184,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     else:  # remote providers only: they tokenize, parse tools, and their usage is what counts
         ids, max_tokens = [], requested or 0
         shape = AnswerShape()
-    return await _generate(request, state, req, ids, max_tokens, _CHAT, shape, guide, needs_remote)
+    try:
+        return await _generate(request, state, req, ids, max_tokens, _CHAT, shape, guide, needs_remote)
+    except APIError as e:
+        if specs and shape.tool_grammar and e.code == "invalid_grammar":  # the engine refused the tools' grammar
+            param, message = await tools.invalid_tool(specs, e.message)
+            raise APIError(400, message, param=param, code="invalid_grammar") from None
+        raise
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -16,11 +16,16 @@ name first, then the arguments).
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import llguidance
 
 from engine.request import Guide
 
@@ -107,6 +112,47 @@ def _call_schema(tools: list[ToolSpec]) -> dict[str, Any]:
                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
     return {**schema, "x-guidance": _JSON_LAYOUT}
+
+
+# ---------------------------------------------------------------- a grammar the engine refused
+
+
+@functools.lru_cache(maxsize=64)
+def _schema_problem(call_schema: str) -> str:
+    """llguidance's reason a call schema does not compile ("" when it does). It releases the GIL, so a
+    large schema checked in a thread leaves the event loop running; cached, so a repeated bad tool costs
+    one check."""
+    return llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(call_schema))
+
+
+# A schema llguidance cannot compile reads "at L(C): failed to compile JSON schema: <why>", then a listing
+# of the Lark grammar around line L ("   3 | call: ..."), which is Sluice's, not the client's.
+_COMPILE_FAILED = "failed to compile JSON schema: "
+_WHY = re.compile(re.escape(_COMPILE_FAILED) + r"(?P<why>.*?)(?:\n\s*\d+ \|.*)?\Z", re.S)
+_OURS = re.compile(r"^(?:the grammar is not supported: )?(?:.*?at \d+\(\d+\): )?")  # the engine's framing
+
+
+def _engine_reason(message: str) -> str:
+    """The engine's reason for refusing the tools' grammar, in terms of the client's schemas."""
+    found = _WHY.search(message)
+    if found is not None:
+        return found["why"].strip()
+    return _OURS.sub("", message.split("\n", 1)[0]).strip()
+
+
+async def invalid_tool(tools: list[ToolSpec], engine_message: str) -> tuple[str, str]:
+    """(param, message) for a tool grammar the engine refused. When a schema did not compile: the first
+    function whose `parameters` do not compile on their own, with the reason (checked in the order the
+    engine compiled them, so this costs at most what its compile did). Otherwise, or when none fails
+    alone: `tools` and the engine's reason, without the grammar listing (the client wrote JSON schemas,
+    not that grammar). Run only once the engine refused, so valid requests never pay a second compile."""
+    if _COMPILE_FAILED in engine_message:
+        for i, t in enumerate(tools):
+            why = await asyncio.to_thread(_schema_problem, json.dumps(_call_schema([t])))
+            if why:
+                param = f"tools.{i}.function.parameters"
+                return param, f"{param}: the JSON schema of function `{t.name}` is not supported: {why}"
+    return "tools", f"tools: the functions' JSON schemas cannot be used: {_engine_reason(engine_message)}"
 
 
 def tool_guide(tools: list[ToolSpec], required: bool, parallel: bool) -> Guide:

@@ -117,3 +117,28 @@ def test_rendering_the_conversation():
     assert call.startswith("<tool_call>") and json.loads(call.split("\n")[1]) == {
         "name": "get_weather", "arguments": {"city": "Paris"}}
     assert tools.render_tool_result("21C") == "<tool_response>\n21C\n</tool_response>"
+
+
+def test_the_engines_grammar_error_reads_without_the_grammar():
+    engine = ('the grammar is not supported: at 3(7): failed to compile JSON schema: Invalid type: banana\n'
+              '   1 | start: calls\n   2 | calls: call\n   3 | call: "<tool_call>\\n" %json {"type": "banana"}\n'
+              '             ^\n')
+    assert tools._engine_reason(engine) == "Invalid type: banana"
+    assert tools._engine_reason("the grammar is not supported: at 1(2): something else\n   1 | start: x") == \
+        "something else"
+    budget = "the grammar is not supported: the spec is larger than the compile budget of 100 bytes"
+    assert tools._engine_reason(budget) == "the spec is larger than the compile budget of 100 bytes"
+
+
+async def test_a_refused_tool_grammar_names_the_function_whose_schema_fails():
+    bad = ToolSpec("bad_tool", "", {"type": "object", "properties": {"a": {"type": "banana"}}})
+    engine = "the grammar is not supported: at 3(7): failed to compile JSON schema: Invalid type: banana\n   1 | x"
+    param, message = await tools.invalid_tool([WEATHER, bad], engine)
+    assert param == "tools.1.function.parameters" and "bad_tool" in message and "Invalid type: banana" in message
+    # a refusal that is no compile error (the compile budget, a grammar with no first token): no compile here
+    before = tools._schema_problem.cache_info()
+    param, message = await tools.invalid_tool([WEATHER, bad], "the grammar is not supported: no token can start "
+                                                               "the output")
+    assert (param, message) == ("tools", "tools: the functions' JSON schemas cannot be used: no token can start "
+                                         "the output")
+    assert tools._schema_problem.cache_info() == before
