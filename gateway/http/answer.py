@@ -31,6 +31,7 @@ from gateway.http.openai_schema import (
 @dataclass
 class AnswerShape:
     tools: list[tools.ToolSpec] | None = None  # answers are parsed for tool calls
+    call_names: list[str] = field(default_factory=list)  # the functions the grammar lets an answer call
     tool_grammar: bool = False  # the answer's grammar is the tool calls' (not response_format's)
     top_logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k
     pieces: TokenPieces | None = None
@@ -77,6 +78,7 @@ def chat_shape(req: ChatCompletionRequest, pieces: TokenPieces | None) -> tuple[
     top = (req.top_logprobs or 0) if req.logprobs else None
     guide: Guide | None = None
     specs = None
+    names: list[str] = []
     if req.tools and req.tool_choice != "none":
         specs = [tools.ToolSpec(t.function.name, t.function.description or "",
                                 t.function.parameters or {"type": "object", "properties": {}}) for t in req.tools]
@@ -85,10 +87,12 @@ def chat_shape(req: ChatCompletionRequest, pieces: TokenPieces | None) -> tuple[
             named = [s for s in specs if s.name == req.tool_choice.function.name]
             guide = tools.tool_guide(named, required=True, parallel=False)
         else:
+            named = specs
             guide = tools.tool_guide(specs, required=req.tool_choice == "required", parallel=parallel)
+        names = [s.name for s in named]
     format_guide = _format_guide(req.response_format, {"type": "object"})
-    shape = AnswerShape(tools=specs, tool_grammar=guide is not None and format_guide is None, top_logprobs=top,
-                        pieces=pieces if top is not None else None)
+    shape = AnswerShape(tools=specs, call_names=names, tool_grammar=guide is not None and format_guide is None,
+                        top_logprobs=top, pieces=pieces if top is not None else None)
     return shape, format_guide or guide, specs
 
 
@@ -112,7 +116,8 @@ def chat_answer(rid: str, created: int, model: str, accs: list[ChoiceAcc], usage
     choices: list[dict[str, Any]] = body["choices"]  # type: ignore[assignment]
     for i, (choice, acc) in enumerate(zip(choices, accs)):
         if shape.tools is not None:
-            content, calls = tools.parse_tool_calls("".join(acc.text), shape.ids(i))
+            content, calls = tools.parse_tool_calls("".join(acc.text), shape.ids(i),
+                                                    cut=acc.finish_reason == "length", names=shape.call_names)
             choice["message"]["content"] = content
             if calls:
                 choice["message"]["tool_calls"] = [c.as_openai() for c in calls]
@@ -168,10 +173,11 @@ class ShapedChatChunks(ChatChunks):
             if out.finished:
                 events.append(self._chunk(index, ChatDelta(), out.finish_reason))
             return events
-        streamer = self._streamers.setdefault(index, tools.ToolCallStreamer(self.shape.ids(index)))
+        streamer = self._streamers.setdefault(index, tools.ToolCallStreamer(self.shape.ids(index),
+                                                                            self.shape.call_names))
         parts = streamer.feed(out.text) if out.text else []
         if out.finished:
-            parts += streamer.finish()
+            parts += streamer.finish(cut=out.finish_reason == "length")
         for p in parts:
             if isinstance(p, tools.ContentDelta):
                 events.append(self._chunk(index, ChatDelta(content=p.text)))

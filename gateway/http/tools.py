@@ -11,7 +11,9 @@ The answer: with `tool_choice` "required" or a named function, decoding is const
 call always parses and its arguments validate; with "auto", the grammar lets the model write free text
 (not starting with "<") or calls that then must be valid. The text is parsed into OpenAI's
 `tool_calls` (ids `call_...`, `arguments` a JSON string), streamed as tool-call deltas (index, id and
-name first, then the arguments).
+name first, then the arguments). An answer cut by max_tokens inside a call still carries it as a call:
+the name as far as it is known and the arguments' JSON text so far (OpenAI, too, returns a truncated
+`arguments` string with finish_reason "length"), never the raw markup as content.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import functools
 import json
 import re
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,36 +172,98 @@ def tool_guide(tools: list[ToolSpec], required: bool, parallel: bool) -> Guide:
 
 # ---------------------------------------------------------------- the answer
 
+# How the grammar lays out a call's JSON (json.dumps' separators, "name" first): a cut call is read by it.
+_NAME_OPEN = '{"name": "'
+_ARGS_OPEN = ', "arguments": '
+_NAME_CHARS = re.compile(r"[a-zA-Z0-9_-]*")  # FunctionDef's pattern: a name holds no quote or escape
+
+
+def _call_id(index: int, ids: list[str]) -> str:
+    return ids[index] if index < len(ids) else new_call_id()
+
+
+def _call_of(obj: Any, index: int, ids: list[str]) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    return ToolCall(id=_call_id(index, ids), name=obj["name"],
+                    arguments=json.dumps(obj.get("arguments", {}), ensure_ascii=False))
+
 
 def _parse_call(body: str, index: int, ids: list[str]) -> ToolCall | None:
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    return _call_of(obj, index, ids)
+
+
+def _cut_call(body: str, index: int, ids: list[str], names: Sequence[str]) -> ToolCall | None:
+    """The call an answer cut by max_tokens was writing (`body`: its text after `<tool_call>`): the name
+    as far as it is known (a cut name only one of `names` begins with is that name) and the arguments'
+    JSON text so far. None: `body` does not begin a call in the grammar's layout (free text that
+    mentions the tag)."""
+    text = body.lstrip()
+    try:
+        whole, _ = json.JSONDecoder().raw_decode(text)
+    except json.JSONDecodeError:
+        whole = None
+    if whole is not None:  # the JSON is complete; only the closing tag was cut
+        return _call_of(whole, index, ids)
+    if not _NAME_OPEN.startswith(text[:len(_NAME_OPEN)]):
         return None
-    args = obj.get("arguments", {})
-    call_id = ids[index] if index < len(ids) else new_call_id()
-    return ToolCall(id=call_id, name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+    name, closed, after = text[len(_NAME_OPEN):].partition('"')
+    if not _NAME_CHARS.fullmatch(name) or not (after.startswith(_ARGS_OPEN) or _ARGS_OPEN.startswith(after)):
+        return None
+    arguments = after[len(_ARGS_OPEN):] if after.startswith(_ARGS_OPEN) else ""
+    return ToolCall(id=_call_id(index, ids), name=name if closed else _known_name(name, names), arguments=arguments)
 
 
-def parse_tool_calls(text: str, ids: list[str] | None = None) -> tuple[str | None, list[ToolCall]]:
+def _known_name(begun: str, names: Sequence[str]) -> str:
+    """A cut name: the one function it can only be, else as far as it was written."""
+    known = [n for n in names if n.startswith(begun)]
+    return known[0] if len(known) == 1 else begun
+
+
+def _begun_call(index: int, ids: list[str], names: Sequence[str]) -> ToolCall:
+    """A call cut inside its `<tool_call>` tag: no name written yet, no arguments."""
+    return ToolCall(id=_call_id(index, ids), name=_known_name("", names), arguments="")
+
+
+def _tag_begun(rest: str) -> bool:
+    """True when `rest` (the answer after its last call, or all of it) is only the beginning of a call tag."""
+    stripped = rest.strip()
+    return bool(stripped) and CALL_OPEN.startswith(stripped)
+
+
+def parse_tool_calls(text: str, ids: list[str] | None = None, *, cut: bool = False,
+                     names: Sequence[str] = ()) -> tuple[str | None, list[ToolCall]]:
     """(content before the first call or the whole text, calls). Text that is not a well-formed call stays
-    content (with "auto" and no grammar violation this does not happen, but a free answer may mention tags)."""
+    content (with "auto" and no grammar violation this does not happen, but a free answer may mention tags).
+    `cut`: the answer ended at max_tokens, so a call it had begun is returned as far as it got (`names`:
+    the functions the answer may call)."""
+    ids = ids or []
     calls: list[ToolCall] = []
     start = text.find(CALL_OPEN)
     if start < 0:
+        if cut and _tag_begun(text):
+            return None, [_begun_call(0, ids, names)]
         return text, []
     content = text[:start].rstrip() or None
     pos = start
     while True:
         open_at = text.find(CALL_OPEN, pos)
         if open_at < 0:
+            if cut and _tag_begun(text[pos:]):
+                calls.append(_begun_call(len(calls), ids, names))
             break
-        close_at = text.find(CALL_CLOSE, open_at)
+        body_at = open_at + len(CALL_OPEN)
+        close_at = text.find(CALL_CLOSE, body_at)
         if close_at < 0:
+            partial = _cut_call(text[body_at:], len(calls), ids, names) if cut else None
+            if partial is not None:
+                calls.append(partial)
             break
-        call = _parse_call(text[open_at + len(CALL_OPEN):close_at], len(calls), ids or [])
+        call = _parse_call(text[body_at:close_at], len(calls), ids)
         if call is None:
             return text, []
         calls.append(call)
@@ -223,14 +287,17 @@ class CallDelta:
 class ToolCallStreamer:
     """Turns streamed text into content deltas and tool-call deltas. Text that might be the start of a
     call is held back until it is clearly not one; a call is emitted once complete (id and name, then
-    its arguments), so the SDK's stream helpers reassemble exactly the non-streamed answer."""
+    its arguments), so the SDK's stream helpers reassemble exactly the non-streamed answer. A call cut by
+    max_tokens is emitted at `finish` as far as it got, as `parse_tool_calls(..., cut=True)` returns it."""
 
-    def __init__(self, ids: list[str] | None = None):
+    def __init__(self, ids: list[str] | None = None, names: Sequence[str] = ()):
         self._buf = ""
         self._in_call = False
         self._seen_call = False
+        self._loose = False  # text other than whitespace since the last call (or the start)
         self._n = 0
         self._ids = ids or []
+        self._names = names
 
     @property
     def made_calls(self) -> bool:
@@ -248,6 +315,7 @@ class ToolCallStreamer:
                     head = self._buf[:len(self._buf) - keep]
                     keep += len(head) - len(head.rstrip())
                     emit, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+                    self._loose = self._loose or bool(emit)
                     if emit and not self._seen_call:
                         out.append(ContentDelta(emit))
                     return out
@@ -261,19 +329,33 @@ class ToolCallStreamer:
                 return out
             body, self._buf = self._buf[:close], self._buf[close + len(CALL_CLOSE):]
             self._in_call = False
+            self._loose = False
             call = _parse_call(body, self._n, self._ids)
             if call is not None:
-                self._seen_call = True
-                out.append(CallDelta(self._n, call.id, call.name, ""))
-                out.append(CallDelta(self._n, None, None, call.arguments))
-                self._n += 1
+                out += self._emit(call)
 
-    def finish(self) -> list[ContentDelta | CallDelta]:
-        """The held-back rest at the end of the answer (text after the last call is dropped, as parsing does)."""
+    def _emit(self, call: ToolCall) -> list[ContentDelta | CallDelta]:
+        self._seen_call = True
+        index, self._n = self._n, self._n + 1
+        return [CallDelta(index, call.id, call.name, ""), CallDelta(index, None, None, call.arguments)]
+
+    def finish(self, cut: bool = False) -> list[ContentDelta | CallDelta]:
+        """The held-back rest at the end of the answer (text after the last call is dropped, as parsing
+        does). `cut`: the answer ended at max_tokens, so a call it had begun is emitted as far as it got."""
         rest, self._buf = self._buf, ""
+        call = self._cut(rest) if cut else None
+        if call is not None:
+            return self._emit(call)
         if self._seen_call:
             return []
         return [ContentDelta((CALL_OPEN if self._in_call else "") + rest)] if (rest or self._in_call) else []
+
+    def _cut(self, rest: str) -> ToolCall | None:
+        if self._in_call:
+            return _cut_call(rest, self._n, self._ids, self._names)
+        if _tag_begun(rest) and not self._loose:
+            return _begun_call(self._n, self._ids, self._names)
+        return None
 
 
 def _partial_suffix(text: str, tag: str) -> int:

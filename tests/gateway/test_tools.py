@@ -79,8 +79,8 @@ def _reassemble(events):
             content += e.text
         else:
             c = calls.setdefault(e.index, {"id": None, "name": None, "arguments": ""})
-            c["id"] = c["id"] or e.id
-            c["name"] = c["name"] or e.name
+            if e.id is not None:  # a call's first delta: its id and name (a cut call's may be "")
+                c["id"], c["name"] = e.id, e.name
             c["arguments"] += e.arguments
     return content, [calls[i] for i in sorted(calls)]
 
@@ -117,6 +117,60 @@ def test_rendering_the_conversation():
     assert call.startswith("<tool_call>") and json.loads(call.split("\n")[1]) == {
         "name": "get_weather", "arguments": {"city": "Paris"}}
     assert tools.render_tool_result("21C") == "<tool_response>\n21C\n</tool_response>"
+
+
+CUT_TEXTS = [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich \\"Z\\"", "unit": "c"}}\n</tool_call>',
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+]
+NAMES = ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("text", CUT_TEXTS)
+def test_a_call_cut_by_max_tokens_is_a_call_so_far_never_markup(text):
+    """At every cut point of calls the grammar allows (required, named or auto), the answer is the calls
+    so far: a cut name completed only where one function fits, the arguments' JSON text so far."""
+    ids = ["call_a", "call_b"]
+    _, full = tools.parse_tool_calls(text, ids)
+    for k in range(1, len(text) + 1):
+        content, calls = tools.parse_tool_calls(text[:k], ids, cut=True, names=NAMES)
+        assert content is None, (text[:k], content)
+        assert 1 <= len(calls) <= len(full), text[:k]
+        for got, want in zip(calls, full):
+            assert got.id == want.id
+            assert want.name.startswith(got.name) and want.arguments.startswith(got.arguments), (text[:k], got)
+            if got.name not in NAMES:  # a cut name: completed when only one function begins with it
+                assert sum(n.startswith(got.name) for n in NAMES) != 1, (text[:k], got)
+        if text[:k].endswith("get_w"):
+            assert calls[-1].name == "get_weather"
+
+
+@settings(max_examples=60, deadline=None)
+@given(end=st.integers(min_value=0, max_value=300), cuts=st.lists(st.integers(min_value=0, max_value=300), max_size=8),
+       prefix=st.sampled_from(["", "Let me check. "]), which=st.sampled_from(CUT_TEXTS))
+def test_a_streamed_cut_call_reassembles_to_the_cut_json_answer(end, cuts, prefix, which):
+    text = (prefix + which)[:end]
+    ids = ["call_a", "call_b"]
+    content, calls = tools.parse_tool_calls(text, ids, cut=True, names=NAMES)
+    points = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+    s = ToolCallStreamer(ids, NAMES)
+    events = [e for p in pieces for e in s.feed(p)] + s.finish(cut=True)
+    got_content, got_calls = _reassemble(events)
+    assert (got_content or None) == (content or None)
+    assert got_calls == [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+    if "<tool_call>" in text or not prefix:
+        assert "<tool" not in (got_content or ""), text
+
+
+def test_a_named_function_cut_in_its_tag_is_that_function():
+    content, calls = tools.parse_tool_calls("<tool_", ["call_a"], cut=True, names=["get_time"])
+    assert content is None and [(c.id, c.name, c.arguments) for c in calls] == [("call_a", "get_time", "")]
+    assert tools.parse_tool_calls("<tool_", ["call_a"]) == ("<tool_", [])  # not cut: text, as before
+    # free text that mentions the tag stays text, cut or not
+    assert tools.parse_tool_calls("I use <tool_", cut=True, names=NAMES) == ("I use <tool_", [])
+    assert tools.parse_tool_calls("<tool_call> is a tag", cut=True, names=NAMES) == ("<tool_call> is a tag", [])
 
 
 def test_the_engines_grammar_error_reads_without_the_grammar():
