@@ -6,8 +6,8 @@
                  [--price MODEL=IN:OUT] [--price-backend BACKEND=IN:OUT] [--json out.json] [--plot out.png]
     sluice bench --compare a.json b.json
 
-`main(argv)` runs it (exit status 0; 1 when the warm-up fails; 2 for a usage error); `amain(argv)` is
-the same inside a running event loop (tests).
+`main(argv)` runs it (exit status 0; 1 when the warm-up fails or no request succeeded; 2 for a usage
+error); `amain(argv)` is the same inside a running event loop (tests).
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 from urllib.parse import urlsplit, urlunsplit
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from gateway.ops.bench import usage as gw_usage
-from gateway.ops.bench.client import RequestResult, Sender
+from gateway.ops.bench.client import NotOpenAI, RequestResult, Sender, error_kind
 from gateway.ops.bench.report import compare_table, print_level, sweep_table
 from gateway.ops.bench.runner import Level, LevelRun, run_level
 from gateway.ops.bench.stats import PriceError, Prices, Slo, parse_price, sub, summarise
@@ -221,8 +222,11 @@ async def workload_from(args: argparse.Namespace, mix: TierMix, sender: Sender) 
 async def default_model(sender: Sender) -> str:
     try:
         models = await sender.models()
+    except NotOpenAI as e:
+        raise UsageError(f"no --model given and {e}") from None
     except Exception as e:
-        raise UsageError(f"no --model given and GET /models failed ({type(e).__name__}: {e})") from None
+        kind, detail = error_kind(e)
+        raise UsageError(f"no --model given and GET /models failed ({kind}: {detail})") from None
     if not models:
         raise UsageError("no --model given and GET /models lists none")
     return models[0]
@@ -333,6 +337,20 @@ async def _run_one(level: Level, workload: Workload, sender: Sender, requests: i
                 ticker.cancel()
 
 
+def _all_failed(levels: list[dict[str, object]]) -> str | None:
+    """What went wrong when not one request of the run succeeded (None when one did)."""
+    results = [r for lv in levels for r in cast(list[dict[str, object]], lv["requests"])]
+    if any(r["ok"] for r in results):
+        return None
+    if not results:
+        return "no request was sent"
+    kinds: dict[str, int] = {}
+    for r in results:
+        kinds[str(r["error"])] = kinds.get(str(r["error"]), 0) + 1
+    by_kind = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items(), key=lambda kn: -kn[1]))
+    return f"every request failed (0/{len(results)} succeeded; {by_kind})"
+
+
 def _read_json(path: str) -> list[dict[str, object]]:
     try:
         doc = json.loads(Path(path).read_text())
@@ -368,6 +386,10 @@ async def amain(argv: list[str], console: Console | None = None, err_console: Co
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
         err_console.print(f"wrote {args.json}", markup=False, highlight=False)
+    failed = _all_failed(levels)
+    if failed is not None:  # no figure means anything: a script must not read this run as a result
+        err_console.print(f"sluice bench: {failed}", markup=False, highlight=False)
+        return 1
     if args.plot:
         from gateway.ops.bench.plot import PlotUnavailable, plot
 

@@ -14,8 +14,11 @@ Measured per request, from just before the SDK call:
 * output tokens: `usage.completion_tokens` of the final usage chunk, else the text chunks counted;
 * error kind: `http_<status>` for an HTTP error status, `stream_error(<code>)` for an error event
   inside a 200 stream, `not_sse` for a 200 that is not `text/event-stream` (a proxy's HTML page),
-  `empty_stream` for one without a chunk, `timeout` past `--timeout`, else the exception's class
-  name (`APIConnectionError`, `APITimeoutError`, ...).
+  `empty_stream` for one without a chunk, `timeout` past `--timeout`, `connect_error` when no
+  connection could be made (refused, unknown host), `connection_closed` when the server closed it
+  before the answer ended (a dropped keep-alive connection too), else the exception's class name
+  (`APIConnectionError`, `APITimeoutError`, ...). The kinds of connection failures come from the
+  transport's own exception: the SDK's aiohttp transport reports both as `APITimeoutError`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import cast
 
+import aiohttp
 import httpx2
 import openai
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam
@@ -88,9 +92,41 @@ class BadStream(Exception):
         self.kind = kind
 
 
-def _error_kind(e: BaseException) -> tuple[str, str]:
+class NotOpenAI(Exception):
+    """The server answered, but not with OpenAI's JSON (an HTML page, another API)."""
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    """`e` and the exceptions it was raised from, outermost first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = e
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def connection_failure(e: BaseException) -> tuple[str, str] | None:
+    """(kind, detail) when `e` comes from a connection that could not be made or that the server closed;
+    None for anything else (a timeout stays a timeout)."""
+    for cause in _causes(e):
+        if isinstance(cause, (aiohttp.ServerTimeoutError, TimeoutError)):
+            return None
+        if isinstance(cause, (aiohttp.ClientConnectorError, ConnectionRefusedError)):
+            return "connect_error", str(cause)[:200]
+        if isinstance(cause, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError,
+                              ConnectionResetError)):
+            return "connection_closed", (str(cause) or type(cause).__name__)[:200]
+    return None
+
+
+def error_kind(e: BaseException) -> tuple[str, str]:
+    """(kind, detail) of a failed request, as the results and the error table name it."""
     if isinstance(e, BadStream):
         return e.kind, str(e)
+    failure = connection_failure(e)
+    if failure is not None:
+        return failure
     if isinstance(e, openai.APIStatusError):
         return f"http_{e.status_code}", str(e.message)[:200]
     if isinstance(e, TimeoutError):
@@ -120,9 +156,19 @@ class Sender:
         await self.client.close()
 
     async def models(self) -> list[str]:
-        """Model ids from `GET /models`."""
-        page = await self.client.models.list()
-        return [m.id for m in page.data]
+        """Model ids from `GET /models`; NotOpenAI when the answer is not OpenAI's model list (the SDK
+        would fail on it with an AttributeError of its own)."""
+        resp = await self.client.get("/models", cast_to=httpx2.Response)
+        where = f"the server at {self.client.base_url} did not answer OpenAI JSON to GET /models"
+        content_type = resp.headers.get("content-type", "")
+        try:
+            body = resp.json()
+        except ValueError:
+            raise NotOpenAI(f"{where} (HTTP {resp.status_code}, content-type {content_type!r})") from None
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+            raise NotOpenAI(f"{where} (no list of models with ids in `data`)")
+        return [m["id"] for m in data]
 
     async def send(self, spec: RequestSpec, level_t0: float) -> RequestResult:
         body = dict(spec.body)
@@ -169,7 +215,7 @@ class Sender:
                         raise BadStream("empty_stream", "the stream ended without a chunk")
             res.ok = True
         except Exception as e:  # every failure is a result, by kind
-            res.error, res.error_detail = _error_kind(e)
+            res.error, res.error_detail = error_kind(e)
             if isinstance(e, openai.APIStatusError):
                 res.backend = e.response.headers.get(BACKEND_HEADER) or res.backend
         res.e2e_ms = _ms(time.perf_counter() - t0)
