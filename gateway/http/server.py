@@ -15,8 +15,10 @@ timer (an hour by default) fires. Here every connection goes through `GuardedReq
   flood of half-open connections), and when every connection has a request under way the new one is
   answered 503 `too_many_connections` and closed.
 
-`accept()` failures (out of file descriptors) and refusals are logged rate-limited
-(`gateway.observability.ratelog`), never once per event. `serve(app, settings)` is what `sluice serve` runs,
+`accept()` failures (out of file descriptors), refusals and malformed requests (a NUL byte in a header,
+a bad request line: answered 400 by aiohttp, which logged an ERROR with a traceback for each, before any
+authentication) are logged rate-limited (`gateway.observability.ratelog`: one line per 10 s with the
+count left out), never once per event. `serve(app, settings)` is what `sluice serve` runs,
 on the event loop `loop_factory(server.event_loop)` makes (uvloop when installed: its C loop and
 transports cost less CPU per request than asyncio's).
 """
@@ -33,7 +35,9 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from gateway.http.errors import APIError
 from gateway.observability.ratelog import RateLimitedLog
@@ -68,6 +72,7 @@ class ConnectionGuard:
         self.refused = 0
         self.evicted = 0
         self.header_timeouts = 0
+        self.malformed = 0
 
     def make_room(self) -> bool:
         """Close the oldest connection without a request under way; False when every one has one."""
@@ -164,6 +169,20 @@ class GuardedRequestHandler(RequestHandler):
 
     def eof_received(self) -> None:
         return None  # the transport closes
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """A request aiohttp could not parse is the client's fault: the same 400 answer, one rate-limited
+        line instead of a traceback each (anyone can send them, no key needed). Other errors: aiohttp's."""
+        if not (isinstance(exc, HttpProcessingError) and 400 <= status < 500 and request.writer.output_size == 0):
+            return super().handle_error(request, status, exc, message)
+        g = self._guard
+        g.malformed += 1
+        _ratelog.info("malformed", "answered %d to a malformed HTTP request from %s: %s (%d so far)", status,
+                      request.remote, ascii(exc.message or type(exc).__name__)[:200], g.malformed)
+        resp = web.Response(status=status, text=message or exc.message or "Bad Request", content_type="text/plain")
+        resp.force_close()
+        return resp
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm_header_timer()
