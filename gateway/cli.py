@@ -52,6 +52,7 @@ def _stop_event() -> asyncio.Event:
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.admission.auth import InsecureBindError
     from gateway.admission.keys import KeyStoreError
+    from gateway.admission.ledger import LedgerError
 
     overrides: dict[str, Any] = {}
     server: dict[str, Any] = {}
@@ -86,6 +87,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"sluice: {e}; refusing to start (fix or restore the keys file; remove it only to serve "
               "without keys on loopback)", file=sys.stderr)
         return 2
+    except LedgerError as e:
+        print(f"sluice: {e}; refusing to start: spend could not be recorded (free space or fix the folder, or "
+              "set usage.ledger_path)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -138,13 +138,20 @@ class RoutingSettings(BaseModel):
 class KeyLimits(BaseModel):
     rpm: int | None = Field(None, ge=1)  # requests per minute
     tpm: int | None = Field(None, ge=1)  # tokens (prompt + completion) per minute
-    budget: float | None = Field(None, ge=0)  # money; requests are refused once spent >= budget
+    # Money: a request is refused once spent + what the key's requests in flight hold >= budget (each
+    # holds its worst-case cost until it ends), so a budget is passed by at most one request's cost.
+    budget: float | None = Field(None, ge=0)
 
 
 class LimitSettings(BaseModel):
     redis_url: str | None = None  # shared counters across gateways; None: the queue's Redis, else memory
     keys: dict[str, KeyLimits] = Field(default_factory=dict)  # by key name; overrides the tier's limits
     tiers: dict[str, KeyLimits] = Field(default_factory=dict)  # per-tier defaults for every key
+    # A budget hold never settled (its gateway killed) expires after this; running requests renew theirs.
+    reservation_ttl_s: float = Field(600.0, gt=0)
+    # The completion tokens a remote request that sets no max_tokens holds against a budget (its
+    # provider's limit is unknown here).
+    reserve_completion_tokens: int = Field(4096, ge=1)
 
 
 class UsageSettings(BaseModel):
@@ -156,6 +163,16 @@ class UsageSettings(BaseModel):
     ledger_path: str | None = None  # None: usage.sqlite3 beside auth.keys_file (var/usage.sqlite3)
     flush_interval_s: float = Field(0.5, gt=0)  # a kill -9 loses at most this long's rows
     retention_days: float = Field(90.0, ge=0)  # older rows deleted (SQLite: folded into per-key sums); 0: keep
+    # While spend cannot be recorded (a full disk, Redis unreachable) metered requests get 503; the rows of
+    # those already in flight wait in memory (at most max_pending_rows) and, beyond that or at shutdown, in
+    # a spill file taken in at the next start. Put spill_dir on another filesystem than the ledger so a
+    # full disk cannot take both; None: the ledger's folder.
+    spill_dir: str | None = None
+    max_spill_mb: float = Field(64.0, gt=0)
+    max_pending_rows: int = Field(10_000, ge=1)
+    # A reserve file beside the SQLite ledger, released when the disk fills so the pending rows can still
+    # be written; metered requests are admitted again once it can be re-created. 0: none.
+    ballast_mb: float = Field(4.0, ge=0)
 
 
 # ---------------------------------------------------------------- the gateway itself
@@ -260,6 +277,13 @@ class Settings(BaseSettings):
         if not self.usage.enabled:
             return None
         return self.usage.ledger_path or str(Path(self.auth.keys_file).parent / "usage.sqlite3")
+
+    def spill_dir(self) -> Path:
+        """Where spend that cannot be written goes (admission/spill.py)."""
+        if self.usage.spill_dir:
+            return Path(self.usage.spill_dir)
+        ledger = self.ledger_path()
+        return Path(ledger).parent if ledger else Path(self.auth.keys_file).parent
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `EngineConfig`: the engine section plus the model section."""

@@ -5,7 +5,9 @@ Windows are fixed, aligned minutes: a key gets at most `rpm` admissions in each 
 (INCR in Redis, so several gateways share one count; a dict in memory otherwise). Tokens are only
 known when the answer is done, so `tpm` is checked at admission against the tokens already spent in
 the window and charged at the end (the overshoot is bounded by what the key has in flight), the way
-LiteLLM and most gateways do it. The budget is checked against the key's recorded spend.
+LiteLLM and most gateways do it. The budget is checked against the key's recorded spend here, and each
+request's worst-case cost is then reserved against it (admission/usage.py), so requests in flight count.
+Anonymous use is key None: it gets its tier's limits and never a named key's.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ class Verdict:
     limit: int | float | None = None
 
 
+def _ident(key: str | None, tier: str) -> str:
+    """The counters' owner: a key, or anonymous use by tier (never confused with a key's name)."""
+    return f"key:{key}" if key is not None else f"tier:{tier}"
+
+
 class Limiter:
     """The check/charge logic; storage is `_incr` / `_get` (memory or Redis)."""
 
@@ -39,7 +46,7 @@ class Limiter:
 
     def limits_for(self, key: str | None, tier: str) -> KeyLimits:
         base = self.settings.tiers.get(tier, KeyLimits())
-        own = self.settings.keys.get(key or "", None)
+        own = self.settings.keys.get(key) if key is not None else None
         if own is None:
             return base
         merged = base.model_dump()
@@ -57,7 +64,7 @@ class Limiter:
             return Verdict(False, "budget", None, lim.budget)
         if lim.rpm is None and lim.tpm is None:
             return Verdict(True)
-        ident = key or f"tier:{tier}"
+        ident = _ident(key, tier)
         w, left = self._window()
         if lim.tpm is not None:
             used = await self._get(f"sluice:lim:tpm:{ident}:{w}")
@@ -74,7 +81,7 @@ class Limiter:
         if lim.tpm is None or tokens <= 0:
             return
         w, _ = self._window()
-        await self._incr(f"sluice:lim:tpm:{key or f'tier:{tier}'}:{w}", tokens)
+        await self._incr(f"sluice:lim:tpm:{_ident(key, tier)}:{w}", tokens)
 
     async def _incr(self, name: str, by: int) -> int:
         raise NotImplementedError

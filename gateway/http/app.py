@@ -10,13 +10,15 @@ aiohttp application. Reading it top to bottom shows the path of a request:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from aiohttp import web
 
 from gateway.admission import middleware as admission
 from gateway.admission.keys import KeyStore
-from gateway.admission.ledger import make_ledger
+from gateway.admission.ledger import LedgerOptions, make_ledger
 from gateway.admission.limits import make_limiter
+from gateway.admission.spill import Spill
 from gateway.admission.usage import UsageStore
 from gateway.backends.local import LocalBackend
 from gateway.backends.remote.backend import RemoteBackend
@@ -49,9 +51,17 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
     metrics = Metrics(key_label=make_key_label(keys, settings.metrics.key_labels))
     limiter = make_limiter(settings.limits, settings.redis_url)
     usage_redis = settings.limits.redis_url or settings.redis_url
-    usage = UsageStore(usage_redis)
-    ledger = make_ledger(settings.ledger_path(), usage_redis if settings.usage.enabled else None,
-                         flush_interval_s=settings.usage.flush_interval_s, retention_days=settings.usage.retention_days)
+    spill_dir = settings.spill_dir()
+    max_spill = int(settings.usage.max_spill_mb * 1e6)
+    usage = UsageStore(usage_redis, spill=Spill(spill_dir / "usage-totals.spill.jsonl", max_spill),
+                       reservation_ttl_s=settings.limits.reservation_ttl_s)
+    ledger_path = settings.ledger_path()
+    spill_name = f"{Path(ledger_path).name}.spill.jsonl" if ledger_path and not usage_redis \
+        else "usage-ledger.spill.jsonl"
+    ledger = make_ledger(ledger_path, usage_redis if settings.usage.enabled else None, LedgerOptions(
+        flush_interval_s=settings.usage.flush_interval_s, retention_days=settings.usage.retention_days,
+        spill_path=str(spill_dir / spill_name), max_spill_bytes=max_spill,
+        max_pending_rows=settings.usage.max_pending_rows, ballast_bytes=int(settings.usage.ballast_mb * 1e6)))
     remote = RemoteBackend(settings.providers, settings.routing, metrics) if settings.providers else None
     state = GatewayState(
         settings=settings, keys=keys, queue=queue, metrics=metrics, limiter=limiter, usage=usage, remote=remote,
@@ -60,7 +70,8 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
         engine=engine, no_engine=no_engine)
     estimator = WaitEstimator(state, queue, settings.tiers, settings.routing)
     accountant = Accountant(metrics, usage, limiter, estimator, settings.routing.local_price,
-                            providers=settings.providers, ledger=ledger)
+                            providers=settings.providers, ledger=ledger,
+                            reserve_completion_tokens=settings.limits.reserve_completion_tokens)
     state.router = Router(local=LocalBackend(queue), remote=remote, side=state, estimator=estimator,
                           accountant=accountant, routing=settings.routing, metrics=metrics)
     sampler = MetricsSampler(metrics, queue, settings.tiers, estimator, remote)
@@ -70,22 +81,26 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
     app.middlewares.append(access_log(metrics))
     app.middlewares.append(error_middleware)
     admission.setup(app, keys=keys, anonymous_tier=settings.auth.anonymous_tier, limiter=limiter, usage=usage,
-                    metrics=metrics)
+                    metrics=metrics, ledger=ledger)
     app.middlewares.append(body_timeout(settings.server.body_timeout_s))
     app.on_response_prepare.append(on_response_prepare)
     routes.setup(app)
     dashboard.setup(app)  # /dashboard and /dashboard/data (admin-only once keys exist)
 
     async def usage_ledger(app: web.Application) -> AsyncIterator[None]:  # noqa: ARG001 (aiohttp passes it)
-        """Before the engine starts, after it stops (its last answers are recorded too)."""
-        if ledger is None:
-            yield
-            return
-        if usage.redis is None:  # in-memory totals: rebuilt from the ledger, so budgets survive a restart
-            usage.restore(await ledger.totals_by_key() or {})
-        ledger.start()
+        """Before the engine starts, after it stops (its last answers are recorded too): what earlier runs
+        spilled is taken in first."""
+        await usage.open()
+        if ledger is not None:
+            await ledger.open()
+            if usage.redis is None:  # in-memory totals: rebuilt from the ledger, so budgets survive a restart
+                usage.restore(await ledger.totals_by_key() or {})
+            ledger.start()
+        usage.start()
         yield
-        await ledger.close()
+        if ledger is not None:
+            await ledger.close()
+        await usage.close()
 
     app.cleanup_ctx.append(usage_ledger)
     app.cleanup_ctx.append(engine_lifecycle)
@@ -97,7 +112,6 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
         if remote is not None:
             await remote.close()
         await limiter.close()
-        await usage.close()
 
     app.cleanup_ctx.append(services)
     return app

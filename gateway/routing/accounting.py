@@ -2,6 +2,13 @@
 cost per key (the `/v1/usage` store and Prometheus), per-key token limits, and the latency histograms
 (time to first token, inter-token time, end to end) by tier and backend; and a row in the usage ledger
 (appended in memory, written off the request path) with the cost and its remote equivalent.
+
+A key with a budget holds each request's worst-case cost while it runs (`reserve`, when the router takes
+it): its prompt at the highest input price and n x max_tokens at the highest output price of the backends
+it may be routed to (the local price, every provider serving the model). A remote provider counts the
+prompt with its own tokenizer, so there the prompt is bounded by the request's size in bytes (no tokenizer
+makes more tokens than bytes). Recording the answer settles the hold; a request that ends with nothing
+to record releases it.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from prometheus_client import Histogram
 
 from gateway.admission.ledger import UsageLedger, UsageRow
 from gateway.admission.limits import Limiter
-from gateway.admission.usage import ANON, UsageStore
+from gateway.admission.refusals import budget_spent, usage_unavailable
+from gateway.admission.usage import ANON, SpendUnavailable, UsageStore
 from gateway.backends.base import ChoiceStream, WrappedStream
 from gateway.messages import LOCAL, ChoiceOutput, GenerationRequest
 from gateway.observability.metrics import Metrics
@@ -27,16 +35,27 @@ log = logging.getLogger("sluice.router")
 T = TypeVar("T")
 
 
+def _requested_max_tokens(gen: GenerationRequest) -> int | None:
+    """The client's own max_tokens (what a remote provider is sent), or None when it set none."""
+    api = gen.api
+    if api is None:
+        return None
+    requested = getattr(api, "requested_max_tokens", None)
+    value = requested() if callable(requested) else getattr(api, "max_tokens", None)
+    return int(value) if value is not None else None
+
+
 class Accountant:
     def __init__(self, metrics: Metrics, usage: UsageStore, limiter: Limiter, estimator: WaitEstimator,
                  local_price: dict[str, float], *, providers: Sequence[ProviderSettings] = (),
-                 ledger: UsageLedger | None = None):
+                 ledger: UsageLedger | None = None, reserve_completion_tokens: int = 4096):
         self.metrics = metrics
         self.usage = usage
         self.limiter = limiter
         self.estimator = estimator
         self.local_price = local_price
         self.ledger = ledger
+        self.reserve_completion_tokens = reserve_completion_tokens
         # The first provider (by `order`, then config position) serving each model prices its equivalent.
         self._first_provider: dict[str, ProviderSettings] = {}
         for p in sorted(providers, key=lambda p: p.order):
@@ -59,13 +78,55 @@ class Accountant:
         first = self._first_provider.get(model)
         return first.cost(prompt, cached, completion) if first is not None else cost
 
+    # ------------------------------------------------------------ budget holds
+
+    def worst_cost(self, gen: GenerationRequest, *, local: bool, providers: Sequence[ProviderSettings]) -> float:
+        """The most this request can cost on any backend it may be routed to."""
+        n = max(1, gen.n)
+        worst = 0.0
+        if local:
+            price = self.local_price
+            worst = (len(gen.prompt_token_ids) * price.get("input_per_m", 0.0)
+                     + n * int(gen.sampling.max_tokens or 0) * price.get("output_per_m", 0.0)) / 1e6
+        if providers:
+            prompt_bound = len(gen.api.model_dump_json(exclude_none=True)) if gen.api is not None \
+                else len(gen.prompt_token_ids)
+            requested = _requested_max_tokens(gen)
+            completion = requested if requested is not None else max(int(gen.sampling.max_tokens or 0),
+                                                                     self.reserve_completion_tokens)
+            for p in providers:
+                input_price = max(p.input_price_per_m, p.cached_input_price_per_m or 0.0)
+                worst = max(worst, (prompt_bound * input_price + n * completion * p.output_price_per_m) / 1e6)
+        return worst
+
+    async def reserve(self, gen: GenerationRequest, *, local: bool, providers: Sequence[ProviderSettings]) -> None:
+        """Hold the request's worst-case cost against its key's budget; raises the 429 (budget spent or
+        held) or the 503 (spend cannot be checked). No budget: nothing to hold."""
+        budget = self.limiter.limits_for(gen.key, gen.tier).budget
+        if budget is None:
+            return
+        amount = self.worst_cost(gen, local=local, providers=providers)
+        try:
+            hold = await self.usage.reserve(gen.key, budget, gen.request_id, amount)
+        except SpendUnavailable:
+            raise usage_unavailable() from None
+        if not hold.ok:
+            self.metrics.rate_limited.labels(gen.key or ANON, "budget").inc()
+            raise budget_spent(budget, hold.held)
+
+    async def release(self, gen: GenerationRequest) -> None:
+        """The request ended with nothing to record: drop its hold."""
+        await self.usage.release(gen.request_id)
+
+    # ------------------------------------------------------------ recording
+
     async def record(self, gen: GenerationRequest, stream: ChoiceStream, prompt: int, cached: int,
                      completion: int) -> None:
         backend = stream.backend
         if backend == LOCAL:
             self.estimator.completed_local(completion)
         cost = self.cost(stream, prompt, cached, completion)
-        key = gen.key or ANON
+        key = gen.key or ANON  # the metrics' label
         m = self.metrics
         m.usage_requests.labels(key, gen.model, backend).inc()
         m.usage_tokens.labels(key, gen.model, backend, "prompt").inc(prompt)
@@ -75,13 +136,16 @@ class Accountant:
             m.usage_cost.labels(key, gen.model, backend).inc(cost)
         if self.ledger is not None:
             self.ledger.append(UsageRow(
-                time.time(), key, gen.tier, gen.model, backend, prompt, cached, completion, cost,
+                time.time(), gen.key, gen.tier, gen.model, backend, prompt, cached, completion, cost,
                 self.equivalent_cost(stream, gen.model, prompt, cached, completion, cost)))
         try:
-            await self.usage.record(gen.key, gen.model, backend, prompt, cached, completion, cost)
+            await self.usage.record(gen.key, gen.model, backend, prompt, cached, completion, cost,
+                                    request_id=gen.request_id)
             await self.limiter.charge_tokens(gen.key, gen.tier, prompt + completion)
         except Exception:  # the answer went out; a store outage must not turn it into an error
             log.exception("usage accounting failed for %s", gen.request_id)
+        finally:
+            await self.usage.release(gen.request_id)  # settled by record; this only covers its failure
 
     def wrap(self, stream: ChoiceStream, gen: GenerationRequest, t0: float) -> AccountedStream:
         return AccountedStream(self, gen, stream, t0)
@@ -161,3 +225,5 @@ class AccountedStream(WrappedStream):
                 prompt, cached, completion = self.usage()
                 self._acc.metrics.e2e.labels(self._gen.tier, self.backend).observe(time.monotonic() - self._t0)
                 await asyncio.shield(self._acc.record(self._gen, self._inner, prompt, cached, completion))
+            else:
+                await asyncio.shield(self._acc.release(self._gen))

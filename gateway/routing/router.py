@@ -53,6 +53,18 @@ class Router(Backend):
         return self.remote.models() if self.remote is not None else []
 
     async def submit(self, gen: GenerationRequest) -> ChoiceStream:
+        """Hold the request's worst-case cost against its key's budget (for every backend it may take),
+        then route it; the hold is settled when the answer is accounted, or released here on failure."""
+        local = bool(gen.prompt_token_ids) and gen.needs_remote is None
+        chain = self.remote.chain(gen.model) if self.remote is not None else []
+        await self.accountant.reserve(gen, local=local, providers=[p.settings for p in chain])
+        try:
+            return await self._route(gen)
+        except BaseException:
+            await self.accountant.release(gen)
+            raise
+
+    async def _route(self, gen: GenerationRequest) -> ChoiceStream:
         t0 = time.monotonic()
         if gen.needs_remote is not None:  # a capability the local model lacks (an image part, ...)
             return await self._remote(gen, "capability", t0)

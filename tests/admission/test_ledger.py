@@ -269,7 +269,7 @@ async def test_gateway_restart_rebuilds_usage_and_records_savings(tmp_path):
             before = await r.json()
     assert before["totals"]["requests"] == 3 and before["totals"]["cost"] > 0
     rows = list(read_sqlite(tmp_path / "usage.sqlite3", 0))
-    assert len(rows) == 3 and all(r.backend == "local" and r.key == "anonymous" for r in rows)
+    assert len(rows) == 3 and all(r.backend == "local" and r.key is None for r in rows)
     assert sum(r.equivalent_cost for r in rows) == pytest.approx(10 * sum(r.cost for r in rows))
     async with fake_gateway(tmp_path, **kw) as (base, _app, _engine), aiohttp.ClientSession() as s:
         async with s.get(base + "/v1/usage") as r:
