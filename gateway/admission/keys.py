@@ -59,6 +59,21 @@ class KeyStoreError(ValueError):
     pass
 
 
+# "anonymous" labels the requests made without a key (when no keys exist); a key of that name would read
+# as anonymous use in /v1/usage, metrics and reports.
+RESERVED_NAMES = frozenset({"anonymous"})
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot name a key (None: it can). Empty and blank names are refused: usage storage
+    keeps anonymous use under the empty name."""
+    if not name.strip():
+        return "a key needs a name that is not empty or blank"
+    if name.strip().casefold() in RESERVED_NAMES:
+        return f"the key name {name.strip()!r} is reserved (it labels requests made without a key); choose another"
+    return None
+
+
 class KeyStore:
     """The keys file, cached in memory and reloaded when it changes on disk.
 
@@ -152,6 +167,8 @@ class KeyStore:
             for r in data.get("keys", []):
                 if not isinstance(r, dict) or not all(isinstance(r.get(k), str) for k in ("name", "tier", "key_hash")):
                     raise ValueError("a key record lacks name, tier or key_hash")
+                if not r["name"].strip():
+                    raise ValueError("a key record has an empty or blank name; give it a name")
                 records.append(KeyRecord(**{k: v for k, v in r.items() if k in _FIELDS}))
         except (ValueError, TypeError) as e:
             raise KeyStoreError(f"keys file {self.path} is corrupt ({e})") from None
@@ -221,6 +238,9 @@ class KeyStore:
 
     def create(self, name: str, tier: str, admin: bool = False) -> str:
         """Store a new key's hash and return the key itself: the only time it exists in clear."""
+        problem = name_problem(name)
+        if problem is not None:
+            raise KeyStoreError(problem)
         with self._lock:
             records = self._read()
         if any(r.name == name for r in records):
