@@ -57,6 +57,10 @@ class EngineConfig:
     # never stall longer than that when a long prompt arrives. On a GPU raise both (e.g. 8192 / 2048).
     max_num_batched_tokens: int = 512
     chunked_prefill_size: int = 256
+    # While decodes run, a prefilling request gets the step time of one more decode stream (processor
+    # sharing), after a first chunk at full size: a long prompt cannot slow running streams by more
+    # than 1 / (streams + 1). false: prefill chunks take whatever the step's cost cap leaves.
+    fair_prefill: bool = True
     req_max_input_len: int | None = None  # None: the model's context length minus 1
     req_max_output_len: int | None = None  # None: whatever the context allows
     max_model_len: int | None = None  # None: the model's context length

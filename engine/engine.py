@@ -66,7 +66,8 @@ class LLMEngine:
         self.capacity_tokens = self.runner.num_blocks * config.block_size
         self.max_input_len = validate_limits(config, self.max_model_len, self.capacity_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.step_cost = self.runner.measure_step_cost(self.max_model_len)
+        self.scheduler = Scheduler(config, self.block_manager, cost=self.step_cost)
         self._seqs: dict[str, Sequence] = {}
         self._compiling: dict[str, tuple[Sequence, CompileTicket]] = {}  # guided, waiting for their grammar
         self._noise_seeds = random.Random(config.seed)

@@ -149,8 +149,11 @@ class Guides:
         self._lock = threading.Lock()  # the cache and the tokenizer: the compile and engine threads share them
         self._executor: llguidance.LLExecutor | None = None
         self._jobs: queue.SimpleQueue[CompileTicket | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
         self.compiled = threading.Event()  # set whenever a ticket finishes (the engine waits on it when idle)
+        # The compile thread starts with the engine and builds llguidance's tokenizer first (a quarter of a
+        # second that holds the GIL: at start, not under a running stream).
+        self._thread = threading.Thread(target=self._run_compiles, name="sluice-grammar", daemon=True)
+        self._thread.start()
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer | str:
         with self._lock:
@@ -277,6 +280,7 @@ class Guides:
     def _run_compiles(self) -> None:
         with contextlib.suppress(OSError, AttributeError):  # the engine's threads go first
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+        self._llg_tokenizer()
         while (ticket := self._jobs.get()) is not None:
             try:
                 result: GuideMatcher | RequestRejected = self._new_matcher(ticket.guide, ticket.replay)
@@ -298,15 +302,11 @@ class Guides:
             except RequestRejected as e:
                 ticket._finish(e)
             return ticket
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run_compiles, name="sluice-grammar", daemon=True)
-            self._thread.start()
         self._jobs.put(ticket)
         return ticket
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
+        self._jobs.put(None)
 
     def _new_matcher(self, guide: Guide, replay: list[int]) -> GuideMatcher:
         compiled = self._compile(guide)

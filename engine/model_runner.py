@@ -22,8 +22,15 @@ from .loader import LoadedModel
 from .model import LlamaModel, int4_available
 from .sampler import Sampled, sample
 from .sequence import Sequence
+from .step_cost import StepCost
 
 log = logging.getLogger(__name__)
+
+# The step cost model's timing at start: a chunk of this many tokens at position 0 and from position DEEP.
+STEP_COST_CHUNK = 64
+STEP_COST_DEEP = 1024
+STEP_COST_REPEATS = 3
+STEP_COST_MIN_DEEP = 256
 
 # What the start-up timing of the native step's two matmuls runs: a few layers (the time per layer is
 # what matters, both repeat it per layer) and a chat-sized context.
@@ -181,16 +188,58 @@ class ModelRunner:
             torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """A decode step of `rows` sequences of `context` tokens over the pool's first blocks (for timing
         at start, before any request holds a block; what it writes there is overwritten before use)."""
+        return self._synthetic_step([1] * rows, [context - 1] * rows)
+
+    def _synthetic_step(self, query_lens: list[int], starts: list[int]) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """A step of sequences computing `query_lens[i]` tokens from position `starts[i]` (decodes, those
+        of one token, first), over the pool's first blocks, sampling each sequence's last row."""
         bs = self.block_size
-        blocks = -(-context // bs)
-        tables = torch.arange(rows * blocks, dtype=torch.int32).view(rows, blocks)
-        pos = context - 1
+        seq_lens = [s + q for s, q in zip(starts, query_lens)]
+        blocks = -(-max(seq_lens) // bs)
+        tables = torch.arange(len(query_lens) * blocks, dtype=torch.int32).view(len(query_lens), blocks)
+        positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, query_lens)])
+        row_seq = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        slots = tables[row_seq, positions // bs].long() * bs + positions % bs
+        qsl = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        num_decodes = sum(q == 1 for q in query_lens)
         meta = AttentionMetadata(
-            slot_mapping=(tables[:, pos // bs].long() * bs + pos % bs),
-            block_tables=tables, seq_lens=torch.full((rows,), context, dtype=torch.int32),
-            query_start_loc=torch.arange(rows + 1, dtype=torch.int32), num_decodes=rows, block_size=bs,
-            query_lens_host=[1] * rows, seq_lens_host=[context] * rows, max_decode_len=context)
-        return (torch.arange(rows) + 100, torch.full((rows,), pos), self.kv_cache, meta, torch.arange(rows))
+            slot_mapping=slots, block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=qsl, num_decodes=num_decodes, block_size=bs, query_lens_host=list(query_lens),
+            seq_lens_host=seq_lens, max_decode_len=max(seq_lens[:num_decodes], default=0))
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=meta.slot_mapping.to(dev), block_tables=meta.block_tables.to(dev),
+            seq_lens=meta.seq_lens.to(dev), query_start_loc=meta.query_start_loc.to(dev), num_decodes=num_decodes,
+            block_size=bs, query_lens_host=meta.query_lens_host, seq_lens_host=seq_lens,
+            max_decode_len=meta.max_decode_len)
+        return ((positions % 1000 + 100).to(dev), positions.to(dev), self.kv_cache, meta,
+                (qsl[1:] - 1).long().to(dev))
+
+    def measure_step_cost(self, max_model_len: int, chunk: int = STEP_COST_CHUNK,
+                          deep: int = STEP_COST_DEEP) -> StepCost:
+        """The scheduler's cost model, timed here on synthetic steps (the best of a few runs each): a
+        one-row decode, a chunk at position 0 and the same chunk deep in a context. The default model
+        (token counts) where the context or the pool is too small to hold a deep chunk."""
+        deep = min(deep, max_model_len - chunk, self.num_blocks * self.block_size - chunk)
+        if deep < STEP_COST_MIN_DEEP:
+            return StepCost()
+
+        def best(query_lens: list[int], starts: list[int]) -> float:
+            step = self._synthetic_step(query_lens, starts)
+            times = []
+            for _ in range(STEP_COST_REPEATS):
+                t = time.perf_counter()
+                self.model.logits(self.model.hidden(*step))
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        one = best([1], [15])
+        cost = StepCost.fit(one, best([chunk], [0]), best([chunk], [deep]), chunk, deep, one_row_context=16)
+        log.info("step cost model (scheduler): %s", cost.describe())
+        return cost
 
     def _pool_blocks(self, bytes_per_token: int) -> int:
         cfg = self.config

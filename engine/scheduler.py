@@ -7,6 +7,14 @@ admitted in order of rank: aged requests first (waiting longer than `priority_ag
 then by priority (lower number first), then by arrival. A preempted sequence keeps its arrival time,
 so it goes back ahead of newer arrivals of its tier.
 
+Steps are bounded by their cost, not only by their tokens (`StepCost`: rows and attended (row, key)
+pairs): a chunk deep in a long context is cut to what the step's cost cap allows (the cost of
+`max_num_batched_tokens` rows at position 0), so no prompt length can make one step take seconds.
+While decodes run, prefill is fair (`fair_prefill`): a prefilling sequence spends a credit that grows
+each step by the cost one decode stream gets (processor sharing: with four streams running, a
+long prompt takes a fifth of the engine), starting with a burst of one full chunk at position 0 so
+that short prompts still join in one step. A chunk smaller than MIN_CHUNK waits for more credit.
+
 When blocks run out, the lowest-ranked running sequence is preempted (its blocks freed; its tokens
 recomputed later, mostly from the prefix cache). A waiting request may preempt running ones of a
 strictly worse priority, so pro traffic is never stuck behind standard traffic.
@@ -29,8 +37,10 @@ from .block_manager import BlockManager, PrefixMatch
 from .config import EngineConfig
 from .request import FinishReason
 from .sequence import SeqStatus, Sequence
+from .step_cost import StepCost
 
 Rank = tuple[int, int, float, int]
+MIN_CHUNK = 16  # while decodes run, a prefill chunk smaller than this (and than the rest) waits for credit
 
 
 @dataclass
@@ -38,22 +48,45 @@ class SchedulerOutput:
     scheduled: dict[Sequence, int] = field(default_factory=dict)  # sequence -> tokens to compute this step
     preempted: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0  # sum of `scheduled`'s values
+    cost: float = 0.0  # predicted cost of the scheduled rows (StepCost units, without the step's base)
+    num_decodes: int = 0
+    decode_cost: float = 0.0
+    _costs: dict[Sequence, tuple[float, bool]] = field(default_factory=dict)  # seq -> (cost, is a decode)
 
-    def add(self, seq: Sequence, n: int) -> None:
+    def add(self, seq: Sequence, n: int, cost: float = 0.0, decode: bool = False) -> None:
         self.scheduled[seq] = n
         self.num_tokens += n
+        self._costs[seq] = (cost, decode)
+        self.cost += cost
+        if decode:
+            self.num_decodes += 1
+            self.decode_cost += cost
 
     def drop(self, seq: Sequence) -> None:
         self.num_tokens -= self.scheduled.pop(seq, 0)
+        cost, decode = self._costs.pop(seq, (0.0, False))
+        self.cost -= cost
+        if decode:
+            self.num_decodes -= 1
+            self.decode_cost -= cost
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, clock: Callable[[], float] = time.time):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, clock: Callable[[], float] = time.time,
+                 cost: StepCost | None = None):
         self.config = config
         self.bm = block_manager
         self.clock = clock
+        self.cost = cost or StepCost()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self._set_cost_limits()
+
+    def _set_cost_limits(self) -> None:
+        c = self.config
+        chunk = c.chunked_prefill_size if c.chunked_prefill_size > 0 else c.max_num_batched_tokens
+        self.step_cap = self.cost.chunk(c.max_num_batched_tokens, 0)  # the most one step may cost
+        self.burst = self.cost.chunk(chunk, 0)  # a prefill's credit when it starts (and its ceiling)
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -100,12 +133,36 @@ class Scheduler:
     def _budget(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - out.num_tokens
 
-    def _chunk(self, num_uncomputed: int, out: SchedulerOutput) -> int:
-        """Tokens to compute this step: what is left, within the step's budget and the prefill chunk size."""
+    def _chunk(self, seq: Sequence, start: int, num_uncomputed: int, out: SchedulerOutput) -> int:
+        """Tokens to compute this step from position `start`: what is left, within the step's token budget,
+        the prefill chunk size, the step's cost cap and, while decodes run, the sequence's credit."""
         n = min(num_uncomputed, self._budget(out))
         if self.config.chunked_prefill_size > 0:
             n = min(n, self.config.chunked_prefill_size)
-        return n
+        if n <= 1:
+            return n
+        allowance = self.step_cap - out.cost
+        fair = self._fair(out)
+        credit = min(seq.prefill_credit, self.burst)
+        if fair:
+            allowance = min(allowance, credit)
+        fit = self.cost.max_chunk(start, allowance, n)
+        if fit < min(MIN_CHUNK, n):
+            if fair and credit < self.burst:
+                return 0  # wait for more credit
+            if not fair and out.scheduled:
+                return 0  # wait for a step with room
+        return max(fit, 1)
+
+    def _schedule_prefill(self, seq: Sequence, start: int, n: int, out: SchedulerOutput) -> None:
+        cost = self.cost.chunk(n, start)
+        if self._fair(out):
+            seq.prefill_credit = min(seq.prefill_credit, self.burst) - cost
+        out.add(seq, n, cost)
+
+    def _fair(self, out: SchedulerOutput) -> bool:
+        """Prefills share the step with running decodes (the first rows scheduled are the decodes)."""
+        return self.config.fair_prefill and out.num_decodes > 0
 
     # -- the step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -115,7 +172,17 @@ class Scheduler:
         self._admit_waiting(out, now)
         if out.preempted:
             self.waiting.sort(key=lambda s: self._rank(s, now))
+        self._earn_credit(out)
         return out
+
+    def _earn_credit(self, out: SchedulerOutput) -> None:
+        """Each prefilling sequence earns what one decode stream got this step (no decodes: a full burst)."""
+        if not self.config.fair_prefill:
+            return
+        share = out.decode_cost / out.num_decodes if out.num_decodes else 0.0
+        for seq in self.running:
+            if seq.is_prefilling:
+                seq.prefill_credit = min(self.burst, seq.prefill_credit + share) if out.num_decodes else self.burst
 
     def _schedule_running(self, out: SchedulerOutput, now: float) -> None:
         """Running sequences: decodes first, then prefill chunks, each group in rank order. A sequence
@@ -123,7 +190,8 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (s.is_prefilling, self._rank(s, now))):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk(seq.num_uncomputed, out)
+            start = seq.num_computed_tokens
+            n = self._chunk(seq, start, seq.num_uncomputed, out)
             if n == 0:
                 continue
             while not self.bm.can_grow(seq, n):
@@ -138,13 +206,16 @@ class Scheduler:
                     break
             if seq.status is SeqStatus.RUNNING and self.bm.can_grow(seq, n):
                 self.bm.grow(seq, n)
-                out.add(seq, n)
+                if seq.is_prefilling:
+                    self._schedule_prefill(seq, start, n, out)
+                else:
+                    out.add(seq, n, self.cost.of(1, start + 1) - self.cost.base, decode=True)
 
     def _admit_waiting(self, out: SchedulerOutput, now: float) -> None:
         """Waiting sequences in rank order; stops at the first that cannot be admitted, so a large
         request is not starved by a stream of small ones behind it."""
         self.waiting.sort(key=lambda s: self._rank(s, now))
-        while self.waiting and self._budget(out) > 0:
+        while self.waiting and self._budget(out) > 0 and out.cost < self.step_cap:
             seq = self.waiting[0]
             if seq in out.preempted:
                 break  # was just preempted for memory: try again next step
@@ -156,7 +227,9 @@ class Scheduler:
                     break
                 self._preempt(weaker.pop(), out)
             match = self.bm.match_prefix(seq)
-            n = self._chunk(seq.num_tokens - match.num_tokens, out)
+            n = self._chunk(seq, match.num_tokens, seq.num_tokens - match.num_tokens, out)
+            if n == 0:
+                break
             while not self.bm.can_admit(match, n) and weaker:
                 self._preempt(weaker.pop(), out)
             if not self.bm.can_admit(match, n):
@@ -172,7 +245,7 @@ class Scheduler:
         self.bm.grow(seq, n)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        out.add(seq, n)
+        self._schedule_prefill(seq, match.num_tokens, n, out)
 
     # -- after the step ----------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, sampled: dict[Sequence, int]) -> None:

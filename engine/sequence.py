@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ class Sequence:
     cache_salt: str | None = None  # prefix-cache isolation: only sequences with the same salt share blocks
     stop_token_ids: frozenset[int] = frozenset()  # sampling a token in this set finishes with "stop"
     num_preemptions: int = 0
+    # Fair prefill: the step cost this sequence may still spend on prefill chunks while decodes run
+    # (written by the scheduler; starts unlimited, capped at the scheduler's burst when used).
+    prefill_credit: float = math.inf
     finish_reason: FinishReason | None = None
     # The sampler's noise is a pure function of (seed, token index): unseeded requests get a random seed
     # of their own, and a resumed request continues its stream at its first new token.

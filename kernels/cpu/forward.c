@@ -712,42 +712,89 @@ static inline void chunk_slots(const kv_view *kv, int t0, int cnt, int64_t *slot
     }
 }
 
-/* Plain C: every head size and group. */
-static void attend_generic(const float *q, int group, int D, const kv_view *kv, int n, float *scores, float *out) {
+/* ---- attention ----
+ *
+ * One job: T consecutive rows of one sequence (positions p0 .. p0 + T - 1: rows of a prefill chunk, or
+ * T = 1 for a decode) against that sequence's cached keys and values, for kv heads [kv0, kv1); row r
+ * attends to positions 0 .. p0 + r. Every query vector gets the same arithmetic whatever T is (its
+ * scores as blocks of keys, lane-wise FMAs summed across lanes; a two-pass softmax; values added key
+ * by key), so a row's attention is bit-identical in a decode step and in any prefill chunk: chunking
+ * and batching change nothing. Tiles exist for speed: a block of keys (and of values) is widened to
+ * fp32 once into L1 and read there by all T x group query vectors, instead of being fetched from the
+ * cache and widened again for every row. */
+typedef struct {
+    const float *q; /* row r's query heads: q + r * q_stride, [heads, D] */
+    float *out; /* row r's output: out + r * out_stride, [heads, D] */
+    int q_stride, out_stride, T, p0;
+} att_rows;
+
+#define TILE_Q 16 /* rows of one prefill chunk per attention job */
+
+/* Plain C: every head size and group (a row's keys widened once per position, read by its heads). */
+static void attend_rows_generic(const att_rows *a, int group, int D, const kv_view *kv, int kv0, int kv1,
+                                float *scores, float *kbuf) {
     const float scale = 1.0f / sqrtf((float)D);
-    float row[256], mx[256], sum[256];
-    for (int h = 0; h < group; h++) mx[h] = -INFINITY, sum[h] = 0;
+    const int nh = (kv1 - kv0) * group, n_max = a->p0 + a->T;
     int64_t slots[16];
-    for (int t = 0; t < n; t++) {
-        if (t % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
-        bf16_to_f32_row(kv->k + slots[t % 16], row, D);
-        for (int h = 0; h < group; h++) {
-            float s = dot(q + h * D, row, D) * scale;
-            scores[h * n + t] = s;
-            mx[h] = s > mx[h] ? s : mx[h];
+    for (int r = 0; r < a->T; r++) {
+        const int n = a->p0 + r + 1;
+        const float *q = a->q + (size_t)r * a->q_stride;
+        float *out = a->out + (size_t)r * a->out_stride;
+        for (int kvh = kv0; kvh < kv1; kvh++) {
+            float mx[256], *s = scores + (size_t)(r * nh + (kvh - kv0) * group) * n_max;
+            for (int h = 0; h < group; h++) mx[h] = -INFINITY;
+            for (int t = 0; t < n; t++) {
+                if (t % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
+                bf16_to_f32_row(kv->k + slots[t % 16] + kvh * D, kbuf, D);
+                for (int h = 0; h < group; h++) {
+                    const float *qh = q + (kvh * group + h) * D;
+                    float acc = 0;
+                    for (int i = 0; i < D; i++) acc += qh[i] * kbuf[i];
+                    s[h * n_max + t] = acc * scale;
+                    mx[h] = s[h * n_max + t] > mx[h] ? s[h * n_max + t] : mx[h];
+                }
+            }
+            float sum[256];
+            for (int h = 0; h < group; h++) sum[h] = exp_shifted(s + h * n_max, n, mx[h]);
+            float *o = out + kvh * group * D;
+            for (int i = 0; i < group * D; i++) o[i] = 0;
+            for (int t = 0; t < n; t++) {
+                if (t % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
+                bf16_to_f32_row(kv->v + slots[t % 16] + kvh * D, kbuf, D);
+                for (int h = 0; h < group; h++) {
+                    const float p = s[h * n_max + t];
+                    for (int i = 0; i < D; i++) o[h * D + i] += p * kbuf[i];
+                }
+            }
+            for (int h = 0; h < group; h++)
+                for (int i = 0; i < D; i++) o[h * D + i] *= 1.0f / sum[h];
         }
-    }
-    for (int h = 0; h < group; h++) {
-        sum[h] = exp_shifted(scores + h * n, n, mx[h]);
-    }
-    for (int i = 0; i < group * D; i++) out[i] = 0;
-    for (int t = 0; t < n; t++) {
-        if (t % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
-        bf16_to_f32_row(kv->v + slots[t % 16], row, D);
-        for (int h = 0; h < group; h++) {
-            float p = scores[h * n + t], *o = out + h * D;
-            for (int i = 0; i < D; i++) o[i] += p * row[i];
-        }
-    }
-    for (int h = 0; h < group; h++) {
-        float inv = 1.0f / sum[h], *o = out + h * D;
-        for (int i = 0; i < D; i++) o[i] *= inv;
     }
 }
 
-#if defined(__AVX512F__)
-#define FAST_GROUP 4 /* query heads per kv head */
+/* Asks for the cache rows at `slots` (heads from `off`, `bytes` of each) ahead of their use: a
+ * sequence's blocks lie anywhere in the pool, so the hardware prefetcher starts cold at each one.
+ * (Inline asm: GCC deletes loops whose only effect is `__builtin_prefetch`.) */
+static inline void prefetch_rows(const uint16_t *base, const int64_t *slots, int cnt, int off, int bytes, int l1) {
+#if defined(__x86_64__)
+    for (int j = 0; j < cnt; j++) {
+        const char *p = (const char *)(base + slots[j] + off);
+        for (int b = 0; b < bytes; b += 64) {
+            if (l1)
+                __asm__ volatile("prefetcht0 (%0)" ::"r"(p + b));
+            else
+                __asm__ volatile("prefetcht1 (%0)" ::"r"(p + b));
+        }
+    }
+#else
+    (void)base, (void)slots, (void)cnt, (void)off, (void)bytes, (void)l1;
+#endif
+}
+
+#define FAST_GROUP 4 /* query heads per kv head on the vector paths */
 #define MAX_HEADS 256
+
+#if defined(__AVX512F__)
 #define FAST_CHUNKS 8 /* head_dim / 16 */
 
 static inline __m512 bf16x16(const uint16_t *p) {
@@ -778,38 +825,23 @@ static inline __m512 hsum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_permutex2var_ps(y[0], a4, y[1]), _mm512_permutex2var_ps(y[0], b4, y[1]));
 }
 
-/* Asks for the cache rows at `slots` (heads from `off`, `bytes` of each) ahead of their use: a
- * sequence's blocks lie anywhere in the pool, so the hardware prefetcher starts cold at each one.
- * (Inline asm: GCC deletes loops whose only effect is `__builtin_prefetch`.) */
-static inline void prefetch_rows(const uint16_t *base, const int64_t *slots, int cnt, int off, int bytes, int l1) {
-    for (int j = 0; j < cnt; j++) {
-        const char *p = (const char *)(base + slots[j] + off);
-        for (int b = 0; b < bytes; b += 64) {
-            if (l1)
-                __asm__ volatile("prefetcht0 (%0)" ::"r"(p + b));
-            else
-                __asm__ volatile("prefetcht1 (%0)" ::"r"(p + b));
-        }
-    }
-}
-
-/* AVX-512: keys in chunks of 16 positions; within a chunk every kv head in [kv0, kv1) in turn (a
- * cache slot holds all kv heads side by side, so a chunk's rows stay in L1 while its heads are read);
- * each key widened once for the group's query heads, and their 16 dot products summed across lanes
- * together (hsum16). q: the sequence's [heads, D]; scores [(kv1 - kv0) * group, n]; out [heads, D]. */
-static inline __attribute__((always_inline)) void attend_avx512(const float *q, int group, int D, const kv_view *kv,
-                                                                int kv0, int kv1, int n, float *scores, float *out) {
-    const int C = D / 16, nh = (kv1 - kv0) * group;
+/* AVX-512: keys in blocks of 16 positions; within a block every kv head in [kv0, kv1) in turn (a cache
+ * slot holds all kv heads side by side, so a block's rows stay in L1 while its heads are read); each
+ * key's 16 lanes of products for the group's query heads summed across lanes together (hsum16).
+ * scores: [T * (kv1 - kv0) * group, p0 + T] of scratch; kbuf: [16, D] of scratch (tiles only). */
+static inline __attribute__((always_inline)) void attend_avx512(const att_rows *a, int group, int D,
+                                                                const kv_view *kv, int kv0, int kv1, float *scores,
+                                                                float *kbuf) {
+    const int C = D / 16, nh = (kv1 - kv0) * group, T = a->T, n_max = a->p0 + T;
     const float scale = 1.0f / sqrtf((float)D);
-    float mx[MAX_HEADS], sum[MAX_HEADS];
+    float mx[MAX_HEADS], sum[MAX_HEADS]; /* T * nh of them: T = 1, or one kv head of a tile */
     const int row_bytes = (kv1 - kv0) * D * 2; /* of one position's keys (or values) that we read */
     int64_t slots[16], next[16];
-    for (int h = 0; h < nh; h++) mx[h] = -INFINITY;
+    for (int i = 0; i < T * nh; i++) mx[i] = -INFINITY;
     __m512 part[FAST_GROUP][16];
-    chunk_slots(kv, 0, n < 16 ? n : 16, next);
-    for (int t0 = 0; t0 < n; t0 += 16) {
-        const int cnt = n - t0 < 16 ? n - t0 : 16, cnt_next = n - t0 - 16 < 16 ? n - t0 - 16 : 16;
-        const __mmask16 valid = (__mmask16)((1u << cnt) - 1);
+    chunk_slots(kv, 0, n_max < 16 ? n_max : 16, next);
+    for (int t0 = 0; t0 < n_max; t0 += 16) {
+        const int cnt = n_max - t0 < 16 ? n_max - t0 : 16, cnt_next = n_max - t0 - 16 < 16 ? n_max - t0 - 16 : 16;
         memcpy(slots, next, sizeof slots);
         if (cnt_next > 0) {
             chunk_slots(kv, t0 + 16, cnt_next, next);
@@ -817,82 +849,236 @@ static inline __attribute__((always_inline)) void attend_avx512(const float *q, 
         }
         prefetch_rows(kv->v, slots, cnt, kv0 * D, row_bytes, 0); /* these values, to L2 */
         for (int kvh = kv0; kvh < kv1; kvh++) {
-            __m512 qv[FAST_GROUP][FAST_CHUNKS];
-            for (int h = 0; h < group; h++)
-                for (int c = 0; c < C; c++)
-                    qv[h][c] = _mm512_mul_ps(_mm512_loadu_ps(q + (kvh * group + h) * D + c * 16), _mm512_set1_ps(scale));
-            for (int j = 0; j < 16; j++) {
-                if (j >= cnt) {
-                    for (int h = 0; h < group; h++) part[h][j] = _mm512_setzero_ps();
-                    continue;
+            if (T > 1) /* widen the block's keys once for all the tile's rows */
+                for (int j = 0; j < cnt; j++)
+                    for (int c = 0; c < C; c++)
+                        _mm512_storeu_ps(kbuf + j * D + c * 16, bf16x16(kv->k + slots[j] + kvh * D + c * 16));
+            for (int r = 0; r < T; r++) {
+                const int n = a->p0 + r + 1;
+                if (t0 >= n) continue; /* (this row has no keys in the block) */
+                const int cnt_r = n - t0 < 16 ? n - t0 : 16;
+                const __mmask16 valid = (__mmask16)((1u << cnt_r) - 1);
+                const float *q = a->q + (size_t)r * a->q_stride;
+                __m512 qv[FAST_GROUP][FAST_CHUNKS];
+                for (int h = 0; h < group; h++)
+                    for (int c = 0; c < C; c++)
+                        qv[h][c] = _mm512_mul_ps(_mm512_loadu_ps(q + (kvh * group + h) * D + c * 16),
+                                                 _mm512_set1_ps(scale));
+                for (int j = 0; j < 16; j++) {
+                    if (j >= cnt_r) {
+                        for (int h = 0; h < group; h++) part[h][j] = _mm512_setzero_ps();
+                        continue;
+                    }
+                    __m512 kf[FAST_CHUNKS] = {_mm512_setzero_ps()};
+                    if (T > 1)
+                        for (int c = 0; c < C; c++) kf[c] = _mm512_loadu_ps(kbuf + j * D + c * 16);
+                    else
+                        for (int c = 0; c < C; c++) kf[c] = bf16x16(kv->k + slots[j] + kvh * D + c * 16);
+                    for (int h = 0; h < group; h++) {
+                        __m512 acc = _mm512_mul_ps(qv[h][0], kf[0]);
+                        for (int c = 1; c < C; c++) acc = _mm512_fmadd_ps(qv[h][c], kf[c], acc);
+                        part[h][j] = acc;
+                    }
                 }
-                const uint16_t *k = kv->k + slots[j] + kvh * D;
-                __m512 kf[FAST_CHUNKS] = {_mm512_setzero_ps()};
-                for (int c = 0; c < C; c++) kf[c] = bf16x16(k + c * 16);
                 for (int h = 0; h < group; h++) {
-                    __m512 acc = _mm512_mul_ps(qv[h][0], kf[0]);
-                    for (int c = 1; c < C; c++) acc = _mm512_fmadd_ps(qv[h][c], kf[c], acc);
-                    part[h][j] = acc;
+                    const int i = r * nh + (kvh - kv0) * group + h;
+                    __m512 sc = hsum16(part[h]);
+                    _mm512_mask_storeu_ps(scores + (size_t)i * n_max + t0, valid, sc);
+                    float m = _mm512_mask_reduce_max_ps(valid, sc);
+                    mx[i] = m > mx[i] ? m : mx[i];
                 }
-            }
-            for (int h = 0; h < group; h++) {
-                const int r = (kvh - kv0) * group + h;
-                __m512 sc = hsum16(part[h]);
-                _mm512_mask_storeu_ps(scores + (size_t)r * n + t0, valid, sc);
-                float m = _mm512_mask_reduce_max_ps(valid, sc);
-                mx[r] = m > mx[r] ? m : mx[r];
             }
         }
     }
-    for (int r = 0; r < nh; r++) {
-        sum[r] = exp_shifted(scores + (size_t)r * n, n, mx[r]);
+    for (int i = 0; i < T * nh; i++) sum[i] = exp_shifted(scores + (size_t)i * n_max, a->p0 + i / nh + 1, mx[i]);
+    for (int r = 0; r < T; r++) {
+        float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
+        for (int i = 0; i < nh * D; i++) o[i] = 0;
     }
-    float *o = out + kv0 * group * D;
-    for (int i = 0; i < nh * D; i++) o[i] = 0;
-    chunk_slots(kv, 0, n < 16 ? n : 16, next);
-    for (int t0 = 0; t0 < n; t0 += 16) {
-        const int cnt = n - t0 < 16 ? n - t0 : 16, cnt_next = n - t0 - 16 < 16 ? n - t0 - 16 : 16;
+    chunk_slots(kv, 0, n_max < 16 ? n_max : 16, next);
+    for (int t0 = 0; t0 < n_max; t0 += 16) {
+        const int cnt = n_max - t0 < 16 ? n_max - t0 : 16, cnt_next = n_max - t0 - 16 < 16 ? n_max - t0 - 16 : 16;
         memcpy(slots, next, sizeof slots);
         if (cnt_next > 0) {
             chunk_slots(kv, t0 + 16, cnt_next, next);
             prefetch_rows(kv->v, next, cnt_next, kv0 * D, row_bytes, 1);
         }
         for (int kvh = kv0; kvh < kv1; kvh++) {
-            const int r0 = (kvh - kv0) * group;
-            __m512 acc[FAST_GROUP][FAST_CHUNKS];
-            for (int h = 0; h < group; h++)
-                for (int c = 0; c < C; c++) acc[h][c] = _mm512_loadu_ps(o + (r0 + h) * D + c * 16);
-            for (int j = 0; j < cnt; j++) {
-                const uint16_t *v = kv->v + slots[j] + kvh * D;
-                __m512 vf[FAST_CHUNKS];
-                for (int c = 0; c < C; c++) vf[c] = bf16x16(v + c * 16);
-                for (int h = 0; h < group; h++) {
-                    __m512 p = _mm512_set1_ps(scores[(size_t)(r0 + h) * n + t0 + j]);
-                    for (int c = 0; c < C; c++) acc[h][c] = _mm512_fmadd_ps(p, vf[c], acc[h][c]);
+            const int h0 = (kvh - kv0) * group;
+            if (T > 1)
+                for (int j = 0; j < cnt; j++)
+                    for (int c = 0; c < C; c++)
+                        _mm512_storeu_ps(kbuf + j * D + c * 16, bf16x16(kv->v + slots[j] + kvh * D + c * 16));
+            for (int r = 0; r < T; r++) {
+                const int n = a->p0 + r + 1;
+                if (t0 >= n) continue;
+                const int cnt_r = n - t0 < 16 ? n - t0 : 16;
+                float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
+                const float *s = scores + (size_t)(r * nh + h0) * n_max + t0;
+                __m512 acc[FAST_GROUP][FAST_CHUNKS];
+                for (int h = 0; h < group; h++)
+                    for (int c = 0; c < C; c++) acc[h][c] = _mm512_loadu_ps(o + (h0 + h) * D + c * 16);
+                for (int j = 0; j < cnt_r; j++) {
+                    __m512 vf[FAST_CHUNKS];
+                    if (T > 1)
+                        for (int c = 0; c < C; c++) vf[c] = _mm512_loadu_ps(kbuf + j * D + c * 16);
+                    else
+                        for (int c = 0; c < C; c++) vf[c] = bf16x16(kv->v + slots[j] + kvh * D + c * 16);
+                    for (int h = 0; h < group; h++) {
+                        __m512 p = _mm512_set1_ps(s[(size_t)h * n_max + j]);
+                        for (int c = 0; c < C; c++) acc[h][c] = _mm512_fmadd_ps(p, vf[c], acc[h][c]);
+                    }
                 }
+                for (int h = 0; h < group; h++)
+                    for (int c = 0; c < C; c++) _mm512_storeu_ps(o + (h0 + h) * D + c * 16, acc[h][c]);
             }
-            for (int h = 0; h < group; h++)
-                for (int c = 0; c < C; c++) _mm512_storeu_ps(o + (r0 + h) * D + c * 16, acc[h][c]);
         }
     }
-    for (int r = 0; r < nh; r++) {
-        __m512 inv = _mm512_set1_ps(1.0f / sum[r]);
-        for (int c = 0; c < C; c++)
-            _mm512_storeu_ps(o + r * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c * 16), inv));
+    for (int r = 0; r < T; r++) {
+        float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
+        for (int i = 0; i < nh; i++) {
+            __m512 inv = _mm512_set1_ps(1.0f / sum[r * nh + i]);
+            for (int c = 0; c < C; c++)
+                _mm512_storeu_ps(o + i * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), inv));
+        }
     }
 }
+#define ATTEND_VEC attend_avx512
+#define VEC_DIM_OK(D) ((D) % 16 == 0 && (D) / 16 <= FAST_CHUNKS)
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FAST_CHUNKS8 16 /* head_dim / 8 */
+
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* r[j] = the sum of v[j]'s 8 lanes, for 8 vectors at once. */
+static inline __m256 hsum8x8(const __m256 *v) {
+    const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 s03 = _mm256_hadd_ps(s01, s23), s47 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20), _mm256_permute2f128_ps(s03, s47, 0x31));
+}
+
+static inline float hmax8_masked(__m256 v, int cnt) {
+    float t[8], m = -INFINITY;
+    _mm256_storeu_ps(t, v);
+    for (int i = 0; i < cnt; i++) m = t[i] > m ? t[i] : m;
+    return m;
+}
+
+/* AVX2: attend_avx512's algorithm in blocks of 8 keys; keys and values always widened into kbuf first
+ * (with 16 registers a key's D / 8 vectors do not stay in registers across the group's heads).
+ * kbuf: [16, D] floats. */
+static inline __attribute__((always_inline)) void attend_avx2(const att_rows *a, int group, int D, const kv_view *kv,
+                                                              int kv0, int kv1, float *scores, float *kbuf) {
+    const int C = D / 8, nh = (kv1 - kv0) * group, T = a->T, n_max = a->p0 + T;
+    const float scale = 1.0f / sqrtf((float)D);
+    float mx[MAX_HEADS], sum[MAX_HEADS];
+    const int row_bytes = (kv1 - kv0) * D * 2;
+    int64_t slots[16], next[16];
+    for (int i = 0; i < T * nh; i++) mx[i] = -INFINITY;
+    __m256 part[FAST_GROUP][8];
+    chunk_slots(kv, 0, n_max < 8 ? n_max : 8, next);
+    for (int t0 = 0; t0 < n_max; t0 += 8) {
+        const int cnt = n_max - t0 < 8 ? n_max - t0 : 8, cnt_next = n_max - t0 - 8 < 8 ? n_max - t0 - 8 : 8;
+        memcpy(slots, next, 8 * sizeof *slots);
+        if (cnt_next > 0) {
+            chunk_slots(kv, t0 + 8, cnt_next, next);
+            prefetch_rows(kv->k, next, cnt_next, kv0 * D, row_bytes, 1);
+        }
+        prefetch_rows(kv->v, slots, cnt, kv0 * D, row_bytes, 0);
+        for (int kvh = kv0; kvh < kv1; kvh++) {
+            for (int j = 0; j < cnt; j++)
+                for (int c = 0; c < C; c++)
+                    _mm256_storeu_ps(kbuf + j * D + c * 8, bf16x8(kv->k + slots[j] + kvh * D + c * 8));
+            for (int r = 0; r < T; r++) {
+                const int n = a->p0 + r + 1;
+                if (t0 >= n) continue;
+                const int cnt_r = n - t0 < 8 ? n - t0 : 8;
+                const float *q = a->q + (size_t)r * a->q_stride;
+                for (int h = 0; h < group; h++) {
+                    __m256 qv[FAST_CHUNKS8];
+                    const float *qh = q + (kvh * group + h) * D;
+                    for (int c = 0; c < C; c++) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(qh + c * 8), _mm256_set1_ps(scale));
+                    for (int j = 0; j < 8; j++) {
+                        if (j >= cnt_r) {
+                            part[h][j] = _mm256_setzero_ps();
+                            continue;
+                        }
+                        __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kbuf + j * D));
+                        for (int c = 1; c < C; c++) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kbuf + j * D + c * 8), acc);
+                        part[h][j] = acc;
+                    }
+                    const int i = r * nh + (kvh - kv0) * group + h;
+                    __m256 sc = hsum8x8(part[h]);
+                    float tmp[8];
+                    _mm256_storeu_ps(tmp, sc);
+                    memcpy(scores + (size_t)i * n_max + t0, tmp, (size_t)cnt_r * sizeof(float));
+                    float m = hmax8_masked(sc, cnt_r);
+                    mx[i] = m > mx[i] ? m : mx[i];
+                }
+            }
+        }
+    }
+    for (int i = 0; i < T * nh; i++) sum[i] = exp_shifted(scores + (size_t)i * n_max, a->p0 + i / nh + 1, mx[i]);
+    for (int r = 0; r < T; r++) {
+        float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
+        for (int i = 0; i < nh * D; i++) o[i] = 0;
+    }
+    chunk_slots(kv, 0, n_max < 8 ? n_max : 8, next);
+    for (int t0 = 0; t0 < n_max; t0 += 8) {
+        const int cnt = n_max - t0 < 8 ? n_max - t0 : 8, cnt_next = n_max - t0 - 8 < 8 ? n_max - t0 - 8 : 8;
+        memcpy(slots, next, 8 * sizeof *slots);
+        if (cnt_next > 0) {
+            chunk_slots(kv, t0 + 8, cnt_next, next);
+            prefetch_rows(kv->v, next, cnt_next, kv0 * D, row_bytes, 1);
+        }
+        for (int kvh = kv0; kvh < kv1; kvh++) {
+            const int h0 = (kvh - kv0) * group;
+            for (int j = 0; j < cnt; j++)
+                for (int c = 0; c < C; c++)
+                    _mm256_storeu_ps(kbuf + j * D + c * 8, bf16x8(kv->v + slots[j] + kvh * D + c * 8));
+            for (int r = 0; r < T; r++) {
+                const int n = a->p0 + r + 1;
+                if (t0 >= n) continue;
+                const int cnt_r = n - t0 < 8 ? n - t0 : 8;
+                float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
+                const float *s = scores + (size_t)(r * nh + h0) * n_max + t0;
+                for (int h = 0; h < group; h++) {
+                    __m256 acc[FAST_CHUNKS8];
+                    for (int c = 0; c < C; c++) acc[c] = _mm256_loadu_ps(o + (h0 + h) * D + c * 8);
+                    for (int j = 0; j < cnt_r; j++) {
+                        __m256 p = _mm256_set1_ps(s[(size_t)h * n_max + j]);
+                        for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(kbuf + j * D + c * 8), acc[c]);
+                    }
+                    for (int c = 0; c < C; c++) _mm256_storeu_ps(o + (h0 + h) * D + c * 8, acc[c]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < T; r++) {
+        float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
+        for (int i = 0; i < nh; i++) {
+            __m256 inv = _mm256_set1_ps(1.0f / sum[r * nh + i]);
+            for (int c = 0; c < C; c++)
+                _mm256_storeu_ps(o + i * D + c * 8, _mm256_mul_ps(_mm256_loadu_ps(o + i * D + c * 8), inv));
+        }
+    }
+}
+#define ATTEND_VEC attend_avx2
+#define VEC_DIM_OK(D) ((D) % 8 == 0 && (D) / 8 <= FAST_CHUNKS8)
 #endif
 
-/* Attention of one sequence's query heads of kv heads [kv0, kv1) (q, out: the sequence's [heads, D];
- * kv: the layer's cache at kv head 0) over its n cached keys and values; scores: [heads, n] of scratch. */
-#if defined(__AVX512F__)
-/* attend_avx512 built for the common (query heads per kv head, head size) pairs: with both constant
+#if defined(ATTEND_VEC)
+/* The vector path built for the common (query heads per kv head, head size) pairs: with both constant
  * the accumulators live in registers (with them known only at run time they live on the stack, and
  * attention took ~2x as long). */
-#define ATTEND_FIXED(G, DD)                                                                                   \
-    static void attend_g##G##_d##DD(const float *q, const kv_view *kv, int kv0, int kv1, int n, float *scores, \
-                                    float *out) {                                                             \
-        attend_avx512(q, G, DD, kv, kv0, kv1, n, scores, out);                                                \
+typedef void (*attend_fn)(const att_rows *, const kv_view *, int, int, float *, float *);
+#define ATTEND_FIXED(G, DD)                                                                                          \
+    static void attend_g##G##_d##DD(const att_rows *a, const kv_view *kv, int kv0, int kv1, float *s, float *kb) { \
+        ATTEND_VEC(a, G, DD, kv, kv0, kv1, s, kb);                                                                   \
     }
 ATTEND_FIXED(1, 64)
 ATTEND_FIXED(2, 64)
@@ -902,45 +1088,67 @@ ATTEND_FIXED(1, 128)
 ATTEND_FIXED(2, 128)
 ATTEND_FIXED(3, 128)
 ATTEND_FIXED(4, 128)
-
-static void attend_any(const float *q, int group, int D, const kv_view *kv, int kv0, int kv1, int n, float *scores,
-                       float *out) {
-    attend_avx512(q, group, D, kv, kv0, kv1, n, scores, out);
-}
 #endif
 
-static void attend(const float *q, int heads, int kv_heads, int D, const kv_view *kv, int kv0, int kv1, int n,
-                   float *scores, float *out) {
+/* Attention of `a`'s rows for kv heads [kv0, kv1) (kv: the layer's cache at kv head 0); scratch:
+ * scores [a->T * (kv1 - kv0) * group, a->p0 + a->T] and kbuf [16, D] floats. */
+static void attend(const att_rows *a, int heads, int kv_heads, int D, const kv_view *kv, int kv0, int kv1,
+                   float *scores, float *kbuf) {
     const int group = heads / kv_heads;
-#if defined(__AVX512F__)
-    if (D % 16 == 0 && D >= 16 && D / 16 <= FAST_CHUNKS && group <= FAST_GROUP) {
-        typedef void (*attend_fn)(const float *, const kv_view *, int, int, int, float *, float *);
+#if defined(ATTEND_VEC)
+    if (VEC_DIM_OK(D) && group <= FAST_GROUP) {
         static const attend_fn d64[] = {attend_g1_d64, attend_g2_d64, attend_g3_d64, attend_g4_d64};
         static const attend_fn d128[] = {attend_g1_d128, attend_g2_d128, attend_g3_d128, attend_g4_d128};
         if (D == 64 || D == 128)
-            (D == 64 ? d64 : d128)[group - 1](q, kv, kv0, kv1, n, scores, out);
+            (D == 64 ? d64 : d128)[group - 1](a, kv, kv0, kv1, scores, kbuf);
         else
-            attend_any(q, group, D, kv, kv0, kv1, n, scores, out);
+            ATTEND_VEC(a, group, D, kv, kv0, kv1, scores, kbuf);
         return;
     }
 #endif
-    for (int kvh = kv0; kvh < kv1; kvh++) {
-        kv_view at = *kv;
-        at.k += kvh * D, at.v += kvh * D;
-        attend_generic(q + kvh * group * D, group, D, &at, n, scores, out + kvh * group * D);
-    }
+    attend_rows_generic(a, group, D, kv, kv0, kv1, scores, kbuf);
 }
 
-/* Attention jobs: whole sequences when there are enough of them for every thread (each reads its
- * cache rows once, all kv heads together), else one (sequence, kv head) pair each. */
-static inline int attention_jobs(int B, int kv_heads, int nt) { return B >= nt ? B : B * kv_heads; }
+/* The attention jobs of a step: a run of consecutive rows of one sequence at consecutive positions (a
+ * prefill chunk) is cut into tiles of TILE_Q rows, one job per (tile, kv head); a single row (a decode)
+ * is one job for all its kv heads when there are enough rows for every thread, else one per kv head.
+ * Ordered by cost, the costliest first, for the threads to take in turn. */
+typedef struct {
+    int b, T, kv0, kv1;
+    int64_t cost;
+} att_job;
 
-static inline void attention_job(int job, int B, int kv_heads, int nt, int *b, int *kv0, int *kv1) {
-    if (B >= nt) {
-        *b = job, *kv0 = 0, *kv1 = kv_heads;
-    } else {
-        *b = job / kv_heads, *kv0 = job % kv_heads, *kv1 = *kv0 + 1;
+static int by_cost_desc(const void *x, const void *y) {
+    const int64_t a = ((const att_job *)x)->cost, b = ((const att_job *)y)->cost;
+    return a < b ? 1 : a > b ? -1 : 0;
+}
+
+/* Fills jobs (room for B * kv_heads); returns how many, and in *scratch the floats of scores one job needs. */
+static int attention_plan(int B, const int64_t *pos, const int32_t *row_seq, int kv_heads, int group, int nt,
+                          att_job *jobs, size_t *scratch) {
+    int nj = 0, singles = 0;
+    for (int b = 0; b < B;) {
+        int T = 1;
+        while (b + T < B && T < TILE_Q && row_seq[b + T] == row_seq[b] && pos[b + T] == pos[b] + T) T++;
+        singles += T == 1;
+        b += T;
     }
+    *scratch = 0;
+    for (int b = 0; b < B;) {
+        int T = 1;
+        while (b + T < B && T < TILE_Q && row_seq[b + T] == row_seq[b] && pos[b + T] == pos[b] + T) T++;
+        const int64_t n = pos[b] + T;
+        if (T == 1 && singles >= nt) {
+            jobs[nj++] = (att_job){b, 1, 0, kv_heads, n * kv_heads};
+            *scratch = (size_t)n * kv_heads * group > *scratch ? (size_t)n * kv_heads * group : *scratch;
+        } else {
+            for (int h = 0; h < kv_heads; h++) jobs[nj++] = (att_job){b, T, h, h + 1, n * T};
+            *scratch = (size_t)n * T * group > *scratch ? (size_t)n * T * group : *scratch;
+        }
+        b += T;
+    }
+    qsort(jobs, (size_t)nj, sizeof *jobs, by_cost_desc);
+    return nj;
 }
 
 /* [lo, hi): this thread's share of n items. */
@@ -998,7 +1206,10 @@ typedef struct {
     qx_t qx; /* the current matmul's input, quantised */
     uint16_t *tile_scratch; /* per thread: one column pair of weights widened to bf16 */
     size_t tile_scratch_per_thread;
-    int max_ctx;
+    const att_job *jobs; /* the attention jobs, the same for every layer */
+    int njobs;
+    int *next_job; /* [layers]: the next attention job of each layer, taken in turn by the threads */
+    size_t scores_per_thread; /* floats: a job's scores, then a block of widened keys */
 } step_ctx;
 
 static void prepare_x(step_ctx *c, const float *x, int K, int b0, int b1) { quantize_x(x, K, &c->qx, b0, b1, c->amx); }
@@ -1030,7 +1241,7 @@ static void run_step(void *arg, int tid) {
     _mm_setcsr(csr | 0x8040); /* flush denormals to zero (FTZ, DAZ): each one costs a microcode assist */
 #endif
     const double t_step = profiling && tid == 0 ? now_s() : 0;
-    float *scores = c->scores + (size_t)tid * c->max_ctx * dm->heads;
+    float *scores = c->scores + (size_t)tid * c->scores_per_thread, *kbuf = scores + c->scores_per_thread - 16 * D;
     int b0, b1, gi0, gi1; /* my rows; my groups of the MLP's activations */
     span(B, tid, nt, &b0, &b1);
     span(I / GROUP, tid, nt, &gi0, &gi1);
@@ -1060,12 +1271,13 @@ static void run_step(void *arg, int tid) {
         }
         PHASE(tid, PH_WAIT, barrier(nt));
         PHASE(tid, PH_ATTENTION, {
-            for (int job = tid; job < attention_jobs(B, Hkv, nt); job += nt) {
-                int b, kv0, kv1;
-                attention_job(job, B, Hkv, nt, &b, &kv0, &kv1);
+            for (int j; (j = __atomic_fetch_add(c->next_job + l, 1, __ATOMIC_RELAXED)) < c->njobs;) {
+                const att_job *job = c->jobs + j;
+                const int b = job->b;
                 kv_view view = {kc, vc, kv_n, c->tables + (size_t)c->row_seq[b] * c->table_stride, dm->block_size};
-                attend(c->qkv + (size_t)b * qkv_n, dm->heads, Hkv, D, &view, kv0, kv1, (int)c->pos[b] + 1, scores,
-                       c->att + (size_t)b * q_n);
+                att_rows rows = {c->qkv + (size_t)b * qkv_n, c->att + (size_t)b * q_n, qkv_n, q_n, job->T,
+                                 (int)c->pos[b]};
+                attend(&rows, dm->heads, Hkv, D, &view, job->kv0, job->kv1, scores, kbuf);
             }
         });
         PHASE(tid, PH_WAIT, barrier(nt));
@@ -1110,17 +1322,29 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
                           int nthreads, int amx_min_rows) {
     const int H = dm->hidden, I = dm->inter, q_n = dm->heads * dm->head_dim;
     const int qkv_n = q_n + 2 * dm->kv_heads * dm->head_dim;
-    int max_ctx = 1;
-    for (int b = 0; b < B; b++) max_ctx = positions[b] + 1 > max_ctx ? (int)positions[b] + 1 : max_ctx;
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
+    att_job *jobs = malloc((size_t)B * dm->kv_heads * sizeof *jobs);
+    int *next_job = calloc((size_t)dm->layers, sizeof *next_job);
+    if (!jobs || !next_job) {
+        free(jobs), free(next_job);
+        return -1;
+    }
+    size_t scores_per_thread;
+    const int njobs = attention_plan(B, positions, row_seq, dm->kv_heads, dm->heads / dm->kv_heads, nthreads, jobs,
+                                     &scores_per_thread);
+    scores_per_thread += 16 * (size_t)dm->head_dim + 16; /* + a block of widened keys */
+    scores_per_thread = (scores_per_thread + 15) / 16 * 16;
     const int amx = amx_min_rows > 0 && B >= amx_min_rows && amx_usable();
     const int R = (B + 31) / 32 * 32; /* rows of the row buffers */
     const int kmax = H > q_n ? (H > I ? H : I) : (q_n > I ? q_n : I), gmax = kmax / GROUP;
     const size_t per_thread = (size_t)gmax * 1024; /* bf16 elements: a widened column pair of the widest K */
     size_t floats = (size_t)R * (H + qkv_n + q_n + 2 * I + I + 1 + gmax + kmax / 2 + kmax / 2) +
-                    (size_t)nthreads * max_ctx * dm->heads + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
+                    (size_t)nthreads * scores_per_thread + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
     float *buf = calloc(floats, sizeof(float));
-    if (!buf) return -1;
+    if (!buf) {
+        free(jobs), free(next_job);
+        return -1;
+    }
     step_ctx c = {.dm = dm, .layers = layers, .B = B, .nthreads = nthreads, .amx = amx, .x = x, .pos = positions,
                   .slots = slots, .tables = tables, .row_seq = row_seq, .table_stride = table_stride, .kv = kv,
                   .layer_stride = layer_stride, .kv_stride = kv_stride, .cos = cos, .sin = sin};
@@ -1134,13 +1358,13 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
     c.qx.sx = p, p += (size_t)R * gmax;
     c.qx.q = (int16_t *)p, p += (size_t)R * kmax / 2;
     c.qx.bf = (uint16_t *)p, p += (size_t)R * kmax / 2;
-    c.scores = p, p += (size_t)nthreads * max_ctx * dm->heads;
+    c.scores = p, p += (size_t)nthreads * scores_per_thread;
     p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); /* (the 16 spare floats) */
     c.tile_scratch = (uint16_t *)p;
     c.tile_scratch_per_thread = per_thread;
-    c.max_ctx = max_ctx;
+    c.jobs = jobs, c.njobs = njobs, c.next_job = next_job, c.scores_per_thread = scores_per_thread;
     run_parallel(run_step, &c, nthreads);
-    free(buf);
+    free(buf), free(jobs), free(next_job);
     return 0;
 }
 
@@ -1724,7 +1948,10 @@ int sluice_sample(int B, int V, const float *logits, const float *temperature, c
 /* ---- attention alone, for the torch path's decode rows (the torch path) ---- */
 
 typedef struct {
-    int B, heads, kv_heads, head_dim, block_size, table_stride, nthreads, max_ctx;
+    int heads, kv_heads, head_dim, block_size, table_stride, njobs, nthreads;
+    const att_job *jobs;
+    int *next_job;
+    size_t scores_per_thread;
     const float *q;
     int64_t q_stride;
     float *out, *scores;
@@ -1736,13 +1963,12 @@ static void run_attention(void *arg, int tid) {
     attn_ctx *a = arg;
     if (tid >= a->nthreads) return;
     const int D = a->head_dim, kv_n = a->kv_heads * D;
-    float *scores = a->scores + (size_t)tid * a->max_ctx * a->heads;
-    for (int job = tid; job < attention_jobs(a->B, a->kv_heads, a->nthreads); job += a->nthreads) {
-        int b, kv0, kv1;
-        attention_job(job, a->B, a->kv_heads, a->nthreads, &b, &kv0, &kv1);
+    float *scores = a->scores + (size_t)tid * a->scores_per_thread, *kbuf = scores + a->scores_per_thread - 16 * D;
+    for (int j; (j = __atomic_fetch_add(a->next_job, 1, __ATOMIC_RELAXED)) < a->njobs;) {
+        const int b = a->jobs[j].b;
         kv_view view = {a->k, a->v, kv_n, a->tables + (size_t)b * a->table_stride, a->block_size};
-        attend(a->q + b * a->q_stride, a->heads, a->kv_heads, D, &view, kv0, kv1, a->seq_lens[b], scores,
-               a->out + (size_t)b * a->heads * D);
+        att_rows rows = {a->q + b * a->q_stride, a->out + (size_t)b * a->heads * D, 0, 0, 1, a->seq_lens[b] - 1};
+        attend(&rows, a->heads, a->kv_heads, D, &view, a->jobs[j].kv0, a->jobs[j].kv1, scores, kbuf);
     }
 }
 
@@ -1753,21 +1979,31 @@ int sluice_decode_attention(int B, int heads, int kv_heads, int head_dim, const 
                             float *out, const uint16_t *k, const uint16_t *v, int block_size, const int32_t *tables,
                             int table_stride, const int32_t *seq_lens, int nthreads) {
     if (head_dim > 256 || head_dim % 16 || heads % kv_heads || heads > 256) return -2;
-    int max_ctx = 1;
-    for (int b = 0; b < B; b++) max_ctx = seq_lens[b] > max_ctx ? seq_lens[b] : max_ctx;
+    if (B <= 0) return 0;
     pthread_mutex_lock(&step_lock);
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
-    float *scores = malloc((size_t)nthreads * max_ctx * heads * sizeof(float));
-    if (!scores) {
-        pthread_mutex_unlock(&step_lock);
-        return -1;
+    /* Decode rows: every row its own sequence (row_seq 0..B-1), so no tiles. */
+    int64_t *pos = malloc((size_t)B * sizeof *pos);
+    int32_t *row_seq = malloc((size_t)B * sizeof *row_seq);
+    att_job *jobs = malloc((size_t)B * kv_heads * sizeof *jobs);
+    int next_job = 0, rc = -1;
+    if (pos && row_seq && jobs) {
+        for (int b = 0; b < B; b++) pos[b] = seq_lens[b] - 1, row_seq[b] = b;
+        size_t per_thread;
+        const int njobs = attention_plan(B, pos, row_seq, kv_heads, heads / kv_heads, nthreads, jobs, &per_thread);
+        per_thread = (per_thread + 16 * (size_t)head_dim + 31) / 16 * 16;
+        float *scores = malloc((size_t)nthreads * per_thread * sizeof(float));
+        if (scores) {
+            attn_ctx a = {heads, kv_heads, head_dim, block_size, table_stride, njobs, nthreads, jobs, &next_job, per_thread,
+                          q, q_stride, out, scores, k, v, tables, seq_lens};
+            run_parallel(run_attention, &a, nthreads);
+            free(scores);
+            rc = 0;
+        }
     }
-    attn_ctx a = {B, heads, kv_heads, head_dim, block_size, table_stride, nthreads, max_ctx, q, q_stride, out,
-                  scores, k, v, tables, seq_lens};
-    run_parallel(run_attention, &a, nthreads);
-    free(scores);
+    free(pos), free(row_seq), free(jobs);
     pthread_mutex_unlock(&step_lock);
-    return 0;
+    return rc;
 }
 
 /* Which of the code paths above this build took (for the log and the tests). */

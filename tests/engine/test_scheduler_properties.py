@@ -220,3 +220,61 @@ def test_update_from_output_advances_commits_appends_and_stops():
 def test_ignore_eos_keeps_only_the_requested_stop_ids():
     req = EngineRequest("s", [1], SamplingParams(stop_token_ids=[7], ignore_eos=True))
     assert Sequence.from_request(req, 5, eos_token_ids=[9]).stop_token_ids == {7}
+
+
+def _fair_setup(prompt_len: int, decodes: int = 4, fair: bool = True):
+    from engine.step_cost import StepCost
+
+    cfg = EngineConfig(max_running_requests=16, max_num_batched_tokens=512, chunked_prefill_size=256,
+                       block_size=16, fair_prefill=fair)
+    bm = BlockManager(4096, 16)
+    cost = StepCost(base=0.002, per_row=0.0004, per_pair=3e-7)
+    sched = Scheduler(cfg, bm, clock=lambda: 0.0, cost=cost)
+    for i in range(decodes):
+        sched.add(Sequence.from_request(EngineRequest(f"d{i}", [1, 2, 3], SamplingParams(max_tokens=100_000)),
+                                        100_000))
+    for _ in range(3):
+        run_step(sched)
+    long = Sequence.from_request(EngineRequest("long", list(range(prompt_len)), SamplingParams(max_tokens=1)), 1)
+    sched.add(long)
+    return sched, long, cost
+
+
+def test_a_long_prompt_gets_one_more_streams_share_while_decodes_run():
+    """Processor sharing: with four streams decoding, a prompt deep into its prefill takes about a fifth
+    of the predicted step time, in chunks whose cost never exceeds the burst (one full chunk at 0)."""
+    sched, long, cost = _fair_setup(8000)
+    decode_cost = prefill_cost = 0.0
+    while long.status is not SeqStatus.FINISHED:
+        out = run_step(sched)
+        for seq, n in out.scheduled.items():
+            start = seq.num_computed_tokens - n  # (already advanced by the step)
+            c = cost.chunk(n, start)
+            if seq is long:
+                assert c <= sched.burst + 1e-12 or n == 1
+                if start > 256:  # past its first full chunk
+                    prefill_cost += c
+            elif start > 256 or long.num_computed_tokens > 256:
+                decode_cost += c
+        assert sched.has_unfinished()
+    share = prefill_cost / (prefill_cost + decode_cost)
+    assert 0.12 < share < 0.25, share
+
+
+def test_a_short_prompt_joins_running_streams_in_one_step():
+    sched, short, _ = _fair_setup(200)
+    out = run_step(sched)
+    assert out.scheduled[short] == 200
+
+
+def test_alone_a_chunk_deep_in_a_context_is_cut_to_the_step_cap():
+    sched, long, cost = _fair_setup(8000, decodes=0)
+    sizes = []
+    while long.status is not SeqStatus.FINISHED:
+        out = run_step(sched)
+        n = out.scheduled[long]
+        done = long.num_computed_tokens if long.status is not SeqStatus.FINISHED else len(long.prompt_token_ids)
+        start = done - n
+        sizes.append(n)
+        assert cost.chunk(n, start) <= sched.step_cap + 1e-12
+    assert sizes[0] == 256 and sizes[-1] < 64  # full chunks early, cost-bounded ones deep in the context

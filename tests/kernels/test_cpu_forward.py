@@ -191,6 +191,81 @@ def test_forward_step_matches_a_float64_reference(build, config, rows):
             assert torch.equal(kv_ours[:, :, others], kv[:, :, others])
 
 
+# SmolLM2's attention shape (head size 64, three query heads per kv head) and a two-per-kv-head one: the
+# vector paths' fixed (group, head size) kernels.
+TILE_CONFIGS = {
+    "g3-d64": dict(hidden=192, heads=3, kv_heads=1, head_dim=64, inter=256, layers=2, bias=False),
+    "g2-d64": dict(hidden=256, heads=4, kv_heads=2, head_dim=64, inter=256, layers=2, bias=True),
+}
+
+
+def _chunk_step(gen: torch.Generator, block_size: int, chunks: list[tuple[int, int]], decodes: int,
+                blocks_per_seq: int):
+    """Decodes, then prefill chunks of (start, length) with their rows in order (as the model runner
+    lays them out): the rows the native step attends to in tiles."""
+    seqs = decodes + len(chunks)
+    num_blocks = seqs * blocks_per_seq + 3
+    tables = torch.randperm(num_blocks, generator=gen)[:seqs * blocks_per_seq].view(seqs, blocks_per_seq).int()
+    positions, row_seq = [], []
+    for s in range(decodes):
+        positions.append(int(torch.randint(0, blocks_per_seq * block_size, (1,), generator=gen)))
+        row_seq.append(s)
+    for i, (start, n) in enumerate(chunks):
+        positions += range(start, start + n)
+        row_seq += [decodes + i] * n
+    positions, row_seq = torch.tensor(positions), torch.tensor(row_seq, dtype=torch.int32)
+    slots = torch.stack([tables[int(s), int(p) // block_size].long() * block_size + int(p) % block_size
+                         for s, p in zip(row_seq, positions)])
+    return positions, slots, tables, row_seq, num_blocks
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("config", list(TILE_CONFIGS))
+def test_prefill_chunks_attend_in_tiles_like_the_float64_reference(build, config):
+    """Chunks longer than a tile (16 rows), starting deep in a context and at 0, beside decodes."""
+    lib = _library(build)
+    model = TinyModel(**TILE_CONFIGS[config])
+    d = model.dims
+    block_size, blocks_per_seq = 16, 12
+    gen = torch.Generator().manual_seed(7)
+    step = ForwardStep(**d, block_size=block_size, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
+    positions, slots, tables, row_seq, num_blocks = _chunk_step(
+        gen, block_size, [(130, 37), (0, 21), (5, 3)], decodes=3, blocks_per_seq=blocks_per_seq)
+    kv = (torch.randn(len(model.layers), 2, num_blocks * block_size, d["kv_heads"], d["head_dim"], generator=gen)
+          .to(torch.bfloat16))
+    x = torch.randn(len(positions), d["hidden"], generator=gen)
+    want = model.reference(x, positions, slots, tables, row_seq, kv.clone(), block_size)
+    for threads in (1, 2):
+        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), threads, amx_min_rows=0)
+        err = (got.double() - want).abs().max().item()
+        assert err < 2e-3 * want.abs().max().item(), (step.isa, threads, err)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_a_row_attends_the_same_in_a_chunk_as_alone(build):
+    """Tiles change the order of work, not of arithmetic: a prefill chunk's rows come out bit-identical to
+    the same tokens decoded one step at a time (int16 matmuls are per row), so how a prompt is chunked
+    and batched changes nothing."""
+    lib = _library(build)
+    model = TinyModel(**TILE_CONFIGS["g3-d64"])
+    d = model.dims
+    block_size = 16
+    gen = torch.Generator().manual_seed(3)
+    step = ForwardStep(**d, block_size=block_size, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
+    start, n = 45, 40
+    positions, slots, tables, row_seq, num_blocks = _chunk_step(gen, block_size, [(start, n)], decodes=0,
+                                                                blocks_per_seq=6)
+    kv = (torch.randn(len(model.layers), 2, num_blocks * block_size, d["kv_heads"], d["head_dim"], generator=gen)
+          .to(torch.bfloat16))
+    x = torch.randn(n, d["hidden"], generator=gen)
+    chunk = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, amx_min_rows=0)
+    kv_one = kv.clone()
+    for i in range(n):
+        one = step.run(x[i:i + 1].clone(), positions[i:i + 1], slots[i:i + 1], tables, row_seq[i:i + 1], kv_one, 2,
+                       amx_min_rows=0)
+        assert torch.equal(one[0], chunk[i]), (step.isa, i)
+
+
 def test_builds_take_their_code_paths():
     model = TinyModel(**CONFIGS["even-groups"])
     names = {build: ForwardStep(**model.dims, block_size=4, layers=model.blocks, cos=torch.zeros(8, 16),

@@ -1,0 +1,69 @@
+"""What a step costs, so the scheduler can bound it by work rather than by tokens alone.
+
+A prefill chunk deep in a long context costs far more than its token count says: each of its rows
+attends to every earlier position. `StepCost` predicts a step's time as
+
+    base + per_row * rows + per_pair * pairs
+
+where `pairs` counts (query row, cached key) pairs, the attention's work. The model runner measures
+the three coefficients at start on synthetic steps (`ModelRunner.measure_step_cost`); the scheduler
+only ever compares predictions with each other (a decode batch's cost, a chunk's cost, the step cap),
+so the unit does not matter and a default model (one unit per row, no attention term) keeps the
+token-count behaviour where nothing was measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepCost:
+    base: float = 0.0
+    per_row: float = 1.0
+    per_pair: float = 0.0
+
+    def of(self, rows: int, pairs: int) -> float:
+        """A whole step of `rows` rows attending over `pairs` (row, key) pairs in all."""
+        return self.base + self.per_row * rows + self.per_pair * pairs
+
+    @staticmethod
+    def chunk_pairs(n: int, start: int) -> int:
+        """(row, key) pairs of a chunk of n rows at positions [start, start + n): row p sees p + 1 keys."""
+        return n * start + n * (n + 1) // 2
+
+    def chunk(self, n: int, start: int) -> float:
+        """The added cost of a prefill chunk of n tokens from position `start` (no base: it joins a step)."""
+        return self.per_row * n + self.per_pair * self.chunk_pairs(n, start)
+
+    def max_chunk(self, start: int, budget: float, limit: int) -> int:
+        """The most tokens (at most `limit`) from position `start` whose chunk costs no more than `budget`."""
+        if limit <= 0 or budget <= 0:
+            return 0
+        if self.chunk(limit, start) <= budget:
+            return limit
+        # per_pair/2 n^2 + (per_row + per_pair (start + 1/2)) n - budget = 0, then fix rounding.
+        a, b = self.per_pair / 2, self.per_row + self.per_pair * (start + 0.5)
+        n = int(budget / b) if a == 0 else int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
+        n = max(0, min(n, limit))
+        while n > 0 and self.chunk(n, start) > budget:
+            n -= 1
+        while n < limit and self.chunk(n + 1, start) <= budget:
+            n += 1
+        return n
+
+    @classmethod
+    def fit(cls, one_row: float, chunk_at_zero: float, chunk_deep: float, n: int, deep_start: int,
+            one_row_context: int) -> StepCost:
+        """From three timings: a 1-row decode over `one_row_context` keys, an n-row chunk at position 0
+        and the same chunk from position `deep_start`. Negative estimates (noise) become zero."""
+        per_pair = max(0.0, (chunk_deep - chunk_at_zero) / (n * deep_start))
+        pairs0 = cls.chunk_pairs(n, 0)
+        per_row = max(1e-9, (chunk_at_zero - one_row - per_pair * (pairs0 - one_row_context)) / (n - 1))
+        base = max(0.0, one_row - per_row - per_pair * one_row_context)
+        return cls(base=base, per_row=per_row, per_pair=per_pair)
+
+    def describe(self) -> str:
+        return (f"{self.base * 1e3:.2f} ms + {self.per_row * 1e3:.3f} ms/row + "
+                f"{self.per_pair * 1e9:.1f} ns per attended (row, key) pair")
