@@ -49,12 +49,14 @@ class Outage:
 class Recovery:
     """A refused request's try at ending an outage at once (so the first request after the store is back
     is admitted, not one a retry interval later): one attempt at a time, shared by every caller, and at
-    most one every `every_s` however many requests are refused."""
+    most one every `every_s` however many requests are refused. A caller waits at most `wait_s` for it (a
+    store that hangs must not hold the requests it refuses)."""
 
     def __init__(self, attempt: Callable[[], Coroutine[Any, Any, bool]], every_s: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic):
+                 wait_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
         self.attempt = attempt
         self.every_s = every_s
+        self.wait_s = wait_s
         self.clock = clock
         self._task: asyncio.Task[bool] | None = None
         self._last = float("-inf")
@@ -67,4 +69,7 @@ class Recovery:
                 return False
             self._last = now
             self._task = asyncio.create_task(self.attempt())
-        return await asyncio.shield(self._task)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._task), self.wait_s)
+        except TimeoutError:
+            return False

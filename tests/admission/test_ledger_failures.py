@@ -5,6 +5,7 @@ ledger creates private (0600)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sqlite3
@@ -180,3 +181,35 @@ async def test_an_existing_world_readable_ledger_is_made_private(tmp_path):
     ledger = SQLiteLedger(path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     await ledger.close()
+
+
+async def test_a_refused_request_ends_the_outage_once_writes_succeed(tmp_path):
+    """Admission tries the storage itself while failing (not only the next flush), so the first request
+    after it is back is admitted."""
+    ledger = SQLiteLedger(tmp_path / "u.sqlite3", flush_interval_s=3600)
+    real = ledger._write
+    _failing(ledger)
+    ledger.append(_row(0))
+    await ledger.flush()
+    assert not await ledger.recover_now()
+    ledger._write = real  # type: ignore[method-assign]
+    await asyncio.sleep(0.3)  # past the attempts' rate limit
+    assert await ledger.recover_now() and ledger.problem is None
+    await ledger.close()
+    assert len(list(read_sqlite(tmp_path / "u.sqlite3", 0))) == 1
+
+
+async def test_refused_requests_share_one_recovery_attempt():
+    from gateway.admission.outage import Recovery
+
+    calls = []
+
+    async def attempt() -> bool:
+        calls.append(1)
+        await asyncio.sleep(0.05)
+        return True
+
+    recovery = Recovery(attempt, every_s=10)
+    assert await asyncio.gather(*(recovery() for _ in range(20))) == [True] * 20
+    assert len(calls) == 1
+    assert await recovery() is False and len(calls) == 1  # at most one attempt per every_s
