@@ -27,6 +27,7 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+SLOW_STEP_S = 1.0  # a step longer than this is logged (the scheduler bounds steps well below it)
 COMPILE_POLL_S = 0.005  # how long an otherwise idle step waits for a grammar to finish compiling
 
 
@@ -195,7 +196,12 @@ class LLMEngine:
         except Exception:
             log.exception("a step of %d requests failed; retrying each alone", len(sched.scheduled))
             sampled = self._isolate_failure(sched.scheduled, outputs)
-        self.stats.record_step(sched, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        self.stats.record_step(sched, took)
+        if took > SLOW_STEP_S:
+            log.warning("slow step: %.2f s for %d tokens (%d decodes, chunks %s; predicted %.0f ms)", took,
+                        sched.num_tokens, sched.num_decodes, sorted(n for n in sched.scheduled.values() if n > 1),
+                        1e3 * (self.step_cost.base + sched.cost))
         self.scheduler.update_from_output(sched, {seq: s.token for seq, s in sampled.items()})
         for seq, s in sampled.items():
             proc = self._outputs[seq.request_id]

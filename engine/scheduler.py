@@ -168,8 +168,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
         out = SchedulerOutput()
-        self._schedule_running(out, now)
+        # Decodes, then new requests' first chunks, then the running prefills' next chunks: a prompt that
+        # takes whole steps cannot keep a short request waiting behind it for its whole prefill.
+        self._schedule_running(out, now, prefills=False)
         self._admit_waiting(out, now)
+        self._schedule_running(out, now, prefills=True)
         if out.preempted:
             self.waiting.sort(key=lambda s: self._rank(s, now))
         self._earn_credit(out)
@@ -184,12 +187,12 @@ class Scheduler:
             if seq.is_prefilling:
                 seq.prefill_credit = min(self.burst, seq.prefill_credit + share) if out.num_decodes else self.burst
 
-    def _schedule_running(self, out: SchedulerOutput, now: float) -> None:
-        """Running sequences: decodes first, then prefill chunks, each group in rank order. A sequence
+    def _schedule_running(self, out: SchedulerOutput, now: float, prefills: bool) -> None:
+        """Running decodes (`prefills` false) or running prefills' next chunks, in rank order. A sequence
         that needs blocks takes them from the lowest-ranked running one, or yields its own."""
-        for seq in sorted(self.running, key=lambda s: (s.is_prefilling, self._rank(s, now))):
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
+        for seq in sorted((s for s in self.running if s.is_prefilling == prefills), key=lambda s: self._rank(s, now)):
+            if seq.status is not SeqStatus.RUNNING or seq in out.scheduled:
+                continue  # preempted earlier in this loop, or admitted in this step
             start = seq.num_computed_tokens
             n = self._chunk(seq, start, seq.num_uncomputed, out)
             if n == 0:

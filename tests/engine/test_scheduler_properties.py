@@ -278,3 +278,15 @@ def test_alone_a_chunk_deep_in_a_context_is_cut_to_the_step_cap():
         sizes.append(n)
         assert cost.chunk(n, start) <= sched.step_cap + 1e-12
     assert sizes[0] == 256 and sizes[-1] < 64  # full chunks early, cost-bounded ones deep in the context
+
+
+def test_a_short_request_is_not_kept_waiting_behind_a_long_prefill():
+    """With no decodes running, a long prompt's chunks fill whole steps; a request that arrives meanwhile
+    gets its first chunk in the next step, not after the long prompt's prefill."""
+    sched, long, _ = _fair_setup(8000, decodes=0)
+    for _ in range(3):
+        run_step(sched)
+    short = Sequence.from_request(EngineRequest("short", [5, 6, 7], SamplingParams(max_tokens=4)), 4)
+    sched.add(short)
+    out = run_step(sched)
+    assert out.scheduled.get(short) == 3 and long.is_prefilling
