@@ -53,7 +53,8 @@ class GuideStats:
 
     compiles: int = 0
     compile_seconds: float = 0.0
-    masks: int = 0  # token masks computed (one per guided row per step)
+    masks: int = 0  # token masks computed (a guided row's step, where its sampled token was not checked first)
+    checks: int = 0  # sampled tokens checked against their grammar instead of a mask
     mask_seconds: float = 0.0  # host time computing them
 
 
@@ -330,6 +331,11 @@ class Guides:
         Raises RequestRejected (code "invalid_grammar") when the grammar does not compile, or the replayed
         tokens do not follow it (or already complete it)."""
         return self._new_matcher(guide, replay)
+
+    def allows(self, m: GuideMatcher, token_id: int) -> bool:
+        """Whether the matcher's grammar allows `token_id` next (without consuming it)."""
+        self.stats.checks += 1
+        return 0 <= token_id < self.vocab_size and m.matcher.validate_tokens([token_id]) == 1
 
     def fill_bitmask(self, matchers: list[GuideMatcher], pin_memory: bool = False) -> torch.Tensor:
         """int32 [len(matchers), words] on the host: row i is the mask of matchers[i]'s next token."""

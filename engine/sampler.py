@@ -40,11 +40,14 @@ class Sampled:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], guides: Guides | None = None) -> list[Sampled]:
     """logits: [B, vocab] float32, one row per sequence in `seqs`."""
-    controls = logits_controls(seqs, logits.device, guides)
+    native = logits.device.type == "cpu" and cpu_kernels.available()
+    checked = {i for i, s in enumerate(seqs) if s.guide is not None and _check_first(s)} if native else set()
+    controls = logits_controls(seqs, logits.device, guides, unmasked=checked)
     if controls is not None:
         logits = apply_logits_controls(logits, controls)
-    native = logits.device.type == "cpu" and cpu_kernels.available()
     tokens = _sample_native(logits, seqs) if native else _sample_device(logits, seqs)
+    if checked:
+        tokens = _enforce_grammars(logits, seqs, tokens, sorted(checked), guides)
     rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
     if not rows:
         return [Sampled(t) for t in tokens.tolist()]
@@ -61,6 +64,36 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], guides: Guides | None = N
         n = seqs[i].sampling.logprobs or 0
         out[i].logprob = TokenLogprob(out[i].token, finite_logprob(v), ids[:n], [finite_logprob(x) for x in vs[:n]])
     return out
+
+
+def _check_first(seq: Sequence) -> bool:
+    """Whether a guided row may be sampled without its mask and checked afterwards: when its sampling
+    picks the best candidate of a race that masking only shortens (greedy, or temperature without top-k
+    or top-p), a winner the grammar allows is also the winner under the mask. Logprobs need the masked
+    distribution itself."""
+    sp = seq.sampling
+    return sp.logprobs is None and (sp.temperature == 0 or (sp.top_k <= 0 and sp.top_p >= 1.0))
+
+
+def _enforce_grammars(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, rows: list[int],
+                      guides: Guides | None) -> torch.Tensor:
+    """Rows sampled before their grammar mask: each token the grammar allows stands (a cheap check of one
+    token instead of a mask over the vocabulary); the others are sampled again under their masks, with
+    the same noise, so the result is exactly the masked sampler's."""
+    if guides is None:
+        raise ValueError("guided sequences need the engine's Guides to compute their token masks")
+    ids = tokens.tolist()
+    rejected = [i for i in rows if not guides.allows(seqs[i].guide, ids[i])]  # type: ignore[arg-type]
+    if not rejected:
+        return tokens
+    sub = [seqs[i] for i in rejected]
+    masks = guides.fill_bitmask([s.guide for s in sub if s.guide is not None])
+    idx = torch.tensor(rejected, dtype=torch.int64)
+    masked = apply_logits_controls(logits.index_select(0, idx), LogitsControls(
+        guided_rows=torch.arange(len(rejected), dtype=torch.int64), bitmask=masks))
+    tokens = tokens.clone()
+    tokens[idx] = _sample_native(masked, sub)
+    return tokens
 
 
 def _sample_native(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -95,10 +128,12 @@ def _tensor(values: list[int] | list[float], dtype: torch.dtype, device: torch.d
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def logits_controls(seqs: list[Sequence], device: torch.device, guides: Guides | None) -> LogitsControls | None:
+def logits_controls(seqs: list[Sequence], device: torch.device, guides: Guides | None,
+                    unmasked: set[int] | frozenset[int] = frozenset()) -> LogitsControls | None:
     """The batch's logit controls as tensors on `device` (None: no row uses any). Host work is per entry
     of the rows that use a control: their bias, their stop tokens while under min_tokens, their distinct
-    seen/generated tokens (kept incrementally on the sequence), and one grammar mask per guided row."""
+    seen/generated tokens (kept incrementally on the sequence), and one grammar mask per guided row
+    (except the rows in `unmasked`, whose grammar is checked after sampling)."""
     bias_rows: list[int] = []
     bias_tokens: list[int] = []
     bias_values: list[float] = []
@@ -128,7 +163,7 @@ def logits_controls(seqs: list[Sequence], device: torch.device, guides: Guides |
             pen_rows += [i] * len(s.output_counts)
             pen_tokens += s.output_counts.keys()
             pen_values += [sp.frequency_penalty * c + sp.presence_penalty for c in s.output_counts.values()]
-        if s.guide is not None:
+        if s.guide is not None and i not in unmasked:
             guided.append(i)
     if not (bias_rows or ban_rows or rep_rows or pen_rows or guided):
         return None

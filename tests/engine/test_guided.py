@@ -218,3 +218,25 @@ def test_other_requests_run_while_a_grammar_compiles(engine, tokenizer, monkeypa
             seen[o.request_id].append(o)
     text = "".join(o.text for o in seen["guided"])
     assert seen["guided"][-1].finish_reason == "stop" and isinstance(json.loads(text)["slow"], int)
+
+
+def test_checking_sampled_tokens_gives_exactly_the_masked_outputs(engine, tokenizer, monkeypatch):
+    """Greedy and plain-temperature rows are sampled before their mask and checked against the grammar
+    (a mask only for a token it refuses): the outputs are exactly those of masking every step."""
+    import engine.sampler as sampler
+
+    def run(tag):
+        reqs = [EngineRequest(f"{tag}{i}", prompt(tokenizer, t), SamplingParams(
+            temperature=0 if i % 2 else 0.9, seed=i, max_tokens=120, guide=GUIDE)) for i, t in enumerate(TOPICS)]
+        res = engine.generate(reqs)
+        return [[t for o in res[r.request_id] for t in o.token_ids] for r in reqs]
+
+    masks0, checks0 = engine.stats.guide.masks, engine.stats.guide.checks
+    checked = run("c")
+    assert engine.stats.guide.checks > checks0
+    saved = engine.stats.guide.masks - masks0
+    monkeypatch.setattr(sampler, "_check_first", lambda seq: False)
+    masks1 = engine.stats.guide.masks
+    masked = run("m")
+    assert checked == masked
+    assert saved < (engine.stats.guide.masks - masks1) / 2  # most steps needed no mask
