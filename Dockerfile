@@ -8,6 +8,7 @@ COPY pyproject.toml README.md ./
 COPY gateway gateway
 COPY engine engine
 COPY kernels kernels
+COPY loadgen loadgen
 COPY config config
 RUN pip install --no-cache-dir $TORCH_SPEC \
  && pip install --no-cache-dir . \

@@ -33,7 +33,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 # Test install: adds the reference implementation (transformers), Triton for the interpreter tests, and
-# matplotlib (`ops`: `sluice bench --plot`, tested in tests/ops).
+# matplotlib (`ops`: `sluice bench --plot`, tested in tests/loadgen).
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e ".[dev,reference,kernels,ops]"
 	touch $@
@@ -59,7 +59,7 @@ chromium:
 serve: install
 	$(BIN)/sluice serve
 
-# Lint and type gate: ruff (style, unused code and imports) and mypy (engine/, kernels/, gateway/).
+# Lint and type gate: ruff (style, unused code and imports) and mypy (engine/, kernels/, gateway/, loadgen/).
 lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/mypy

@@ -4,7 +4,7 @@ Starts the local mock provider (tests/remote/mock_provider.py: fault-free, `--it
 answers stream like a real provider) and `sluice serve` with the real local model and one `[[providers]]`
 entry that serves the local model's name at `--in-price`/`--out-price` (dollars per million tokens), so
 traffic overflows to it when the estimated local queue wait exceeds the tier's `max_queue_wait_ms`. Creates
-a pro and a standard key, then runs `sluice bench` (gateway/ops/bench: its workload, runner and stats) at a
+a pro and a standard key, then runs `sluice bench` (loadgen/: its workload, runner and stats) at a
 Poisson `--rate` for `--duration` seconds with `--pro-share` pro requests, and prints:
 
 * requests by tier and backend;
@@ -38,8 +38,8 @@ from pathlib import Path
 from rich.console import Console
 
 from bench.server import ROOT, free_port, managed_server, sluice_server_process
-from gateway.ops.bench import cli as bench_cli
-from gateway.ops.bench.stats import num, percentiles, sub
+from loadgen import cli as bench_cli
+from loadgen.stats import num, percentiles, sub
 
 MODEL = "SmolLM2-135M-Instruct"
 PROVIDER = "mockpaid"

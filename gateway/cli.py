@@ -1,4 +1,4 @@
-"""`sluice` command line: serve [--no-engine], worker, keys create|list|revoke, usage, bench (gateway/ops/bench).
+"""`sluice` command line: serve [--no-engine], worker, keys create|list|revoke, usage, bench (the loadgen package).
 
 OpenMP is configured before anything imports torch (gateway/omp.py says why).
 """
@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--config", help="TOML config file (default: $SLUICE_CONFIG or config/sluice.toml)")
     worker.set_defaults(func=cmd_worker)
 
-    # Everything after `bench` is its own command line (gateway/ops/bench/cli.py parses it): prefix_chars
+    # Everything after `bench` is its own command line (loadgen/cli.py parses it): prefix_chars
     # that no argument uses makes argparse hand it over untouched, options and --help included.
     bench = sub.add_parser("bench", add_help=False, prefix_chars="\x00",
                            help="benchmark an OpenAI-compatible URL (`sluice bench --help`); "
@@ -310,8 +310,8 @@ def _bench_scripts() -> tuple[Path, list[str]]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """`sluice bench [OPTIONS]`: the load generator (gateway/ops/bench). `sluice bench --list`: the scripts
-    in bench/; `sluice bench script NAME [ARGS]` runs one (`sluice bench NAME [ARGS]` still does)."""
+    """`sluice bench [OPTIONS]`: the load generator (loadgen/). `sluice bench --list`: the scripts
+    in bench/; `sluice bench script NAME [ARGS]` runs one (so does `sluice bench NAME [ARGS]`)."""
     import importlib
 
     argv: list[str] = list(args.argv)
@@ -332,7 +332,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sys.path.insert(0, str(root))
         importlib.import_module(f"bench.{argv[0]}").main(argv[1:])
         return 0
-    from gateway.ops.bench.cli import main as bench_main
+    from loadgen.cli import main as bench_main  # here, when used: serving never loads the client
 
     return bench_main(argv)
 

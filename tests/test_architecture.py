@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("gateway", "engine", "kernels")
+PACKAGES = ("gateway", "engine", "kernels", "loadgen")
 
 
 def _module_name(path: Path) -> str:
@@ -118,6 +118,18 @@ def test_dependencies_point_one_way():
                 assert dtop != "gateway", f"{mod} imports {d}: the engine knows nothing of the gateway"
             if top == "kernels":
                 assert dtop == "kernels", f"{mod} imports {d}: kernels are leaves"
+
+
+def test_the_bench_client_is_a_plain_client():
+    """loadgen (`sluice bench`) measures any server over HTTP: it imports no server code, and only the
+    command line's dispatch (gateway.cli) imports it."""
+    for mod, deps in _graph().items():
+        for d in deps:
+            top, dtop = mod.split(".")[0], d.split(".")[0]
+            if top == "loadgen":
+                assert dtop == "loadgen", f"{mod} imports {d}: the bench client imports no gateway, engine or kernels"
+            elif dtop == "loadgen":
+                assert mod == "gateway.cli", f"{mod} imports {d}: only `sluice bench`'s dispatch loads the client"
 
 
 def test_the_checker_sees_a_cycle(tmp_path):

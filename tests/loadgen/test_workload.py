@@ -10,11 +10,11 @@ from collections import Counter
 
 import pytest
 
-from gateway.ops.bench.cli import UsageError, build_parser, levels_from, normalise_base_url, tier_keys
-from gateway.ops.bench.client import RequestResult
-from gateway.ops.bench.report import compare_rows
-from gateway.ops.bench.stats import PriceError, Prices, Slo, parse_price, summarise
-from gateway.ops.bench.workload import (
+from loadgen.cli import UsageError, build_parser, levels_from, normalise_base_url, tier_keys
+from loadgen.client import RequestResult
+from loadgen.report import compare_rows
+from loadgen.stats import PriceError, Prices, Slo, parse_price, summarise
+from loadgen.workload import (
     WORDS,
     LengthDist,
     Rag,

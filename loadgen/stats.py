@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gateway.ops.bench.client import RequestResult
+from loadgen.client import RequestResult
 
 Price = tuple[float, float]  # dollars per million (input, output) tokens
 

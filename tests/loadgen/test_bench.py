@@ -14,9 +14,9 @@ import pytest
 from rich.console import Console
 
 from gateway.cli import main as sluice_main
-from gateway.ops.bench.cli import amain
-from gateway.ops.bench.report import COMPARED
-from gateway.ops.bench.stats import num
+from loadgen.cli import amain
+from loadgen.report import COMPARED
+from loadgen.stats import num
 from tests.remote.mock_provider import MockProvider, _words
 
 KEYS = {"pro": "sk-bench-pro", "standard": "sk-bench-standard"}

@@ -30,12 +30,12 @@ from urllib.parse import urlsplit, urlunsplit
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from gateway.ops.bench import usage as gw_usage
-from gateway.ops.bench.client import NotOpenAI, RequestResult, Sender, error_kind
-from gateway.ops.bench.report import compare_table, print_level, sweep_table
-from gateway.ops.bench.runner import Level, LevelRun, run_level
-from gateway.ops.bench.stats import PriceError, Prices, Slo, parse_price, sub, summarise
-from gateway.ops.bench.workload import (
+from loadgen import usage as gw_usage
+from loadgen.client import NotOpenAI, RequestResult, Sender, error_kind
+from loadgen.report import compare_table, print_level, sweep_table
+from loadgen.runner import Level, LevelRun, run_level
+from loadgen.stats import PriceError, Prices, Slo, parse_price, sub, summarise
+from loadgen.workload import (
     LEVEL_STRIDE,
     LengthDist,
     Rag,
@@ -391,7 +391,7 @@ async def amain(argv: list[str], console: Console | None = None, err_console: Co
         err_console.print(f"sluice bench: {failed}", markup=False, highlight=False)
         return 1
     if args.plot:
-        from gateway.ops.bench.plot import PlotUnavailable, plot
+        from loadgen.plot import PlotUnavailable, plot
 
         config = sub(doc, "config")
         title = f"sluice bench: {config.get('base_url')}  {config.get('workload')} {config.get('model') or ''}"

@@ -11,7 +11,7 @@ import os
 import pytest
 from rich.console import Console
 
-from gateway.ops.bench.cli import amain
+from loadgen.cli import amain
 from tests.remote.conftest import LOCAL_MODEL, REMOTE_MODEL, gateway, provider_cfg
 from tests.remote.mock_provider import MockProvider
 

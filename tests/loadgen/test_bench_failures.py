@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from rich.console import Console
 
-from gateway.ops.bench.cli import amain
+from loadgen.cli import amain
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

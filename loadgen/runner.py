@@ -21,8 +21,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from gateway.ops.bench.client import RequestResult
-from gateway.ops.bench.workload import RequestSpec, Workload
+from loadgen.client import RequestResult
+from loadgen.workload import RequestSpec, Workload
 
 SendFn = Callable[[RequestSpec, float], Awaitable[RequestResult]]
 

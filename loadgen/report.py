@@ -9,7 +9,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from gateway.ops.bench.stats import num, sub
+from loadgen.stats import num, sub
 
 
 def _f(x: float | None, digits: int = 1) -> str:

@@ -5,5 +5,8 @@ the tier mix; client.py sends one streamed request through the `openai` SDK and 
 paces a level (a concurrency or a Poisson rate); stats.py turns results into figures (percentiles,
 goodput under an SLO, cost); usage.py reads a Sluice gateway's `GET /v1/usage` before and after;
 report.py prints the tables and `--compare`; plot.py draws `--plot`; cli.py wires them to the
-command line. It imports nothing else of the gateway: it is a client like any other.
+command line.
+
+It imports nothing of the gateway, the engine or the kernels (tests/test_architecture.py checks it):
+it is a client like any other, so it measures Sluice and any other server the same way, over HTTP.
 """

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from gateway.ops.bench.stats import num, sub
+from loadgen.stats import num, sub
 
 _TIER_COLOURS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 # Not the tiers' blue and orange: a colour means one thing across the panels.

@@ -34,9 +34,9 @@ import httpx2
 import openai
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam
 
-from gateway.ops.bench.workload import RequestSpec
+from loadgen.workload import RequestSpec
 
-BACKEND_HEADER = "x-sluice-backend"  # as gateway/routing/router.py sets it; not imported: bench is a plain client
+BACKEND_HEADER = "x-sluice-backend"  # as gateway/routing/router.py sets it; not imported: loadgen is a plain client
 UNKNOWN = "unknown"
 
 

@@ -1,1 +1,0 @@
-"""Operators' tools: `sluice bench` (bench/), a load generator for any OpenAI-compatible URL."""
