@@ -12,11 +12,11 @@ export OMP_WAIT_POLICY := PASSIVE
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 ifeq ($(HAS_GPU),yes)
 TORCH_SPEC ?= torch
-EXTRAS ?= dev
 else
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev
 endif
+# `ops` (matplotlib): every command the README shows works from this install, `sluice bench --plot` included.
+EXTRAS ?= dev,ops
 
 .PHONY: serve test lint install install-test redis-server chromium bench clean
 
@@ -32,8 +32,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m kernels.cpu  # the native CPU forward step for this machine (the engine falls back without it)
 	touch $@
 
-# Test install: adds the reference implementation (transformers), Triton for the interpreter tests, and
-# matplotlib (`ops`: `sluice bench --plot`, tested in tests/loadgen).
+# Test install: adds the reference implementation (transformers) and Triton for the interpreter tests; `ops`
+# again because tests/loadgen draws a --plot, whatever EXTRAS the serving install was made with.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e ".[dev,reference,kernels,ops]"
 	touch $@
