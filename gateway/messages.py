@@ -7,12 +7,12 @@ Outputs and stats travel through Redis, so each has a `to_dict`/`from_dict` pair
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 from engine.request import EngineRequest, RequestOutput, SamplingParams
+from gateway.errors import Failure
 
 if TYPE_CHECKING:
     from gateway.http.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -49,16 +49,6 @@ class ChoiceOutput:
 
     index: int
     output: RequestOutput
-
-
-class Failure(enum.StrEnum):
-    """Why a request ended without an answer; the HTTP layer turns each into a status."""
-
-    INVALID_REQUEST = "invalid_request"  # cannot be served as sent (the engine refused it)
-    TIMED_OUT = "timed_out"  # still queued at its deadline
-    UNAVAILABLE = "unavailable"  # shutting down or aborted: retrying elsewhere may work
-    ENGINE = "engine"  # the local engine failed
-    PROVIDER = "provider"  # a remote provider failed mid-answer
 
 
 @dataclass
@@ -173,6 +163,6 @@ class AbortRequest:
 
 InboxMessage = AddRequest | AbortRequest
 
-__all__ = ["LOCAL", "AbortRequest", "AddRequest", "ChoiceOutput", "ErrorOutput", "Failure", "GenerationRequest",
+__all__ = ["LOCAL", "AbortRequest", "AddRequest", "ChoiceOutput", "ErrorOutput", "GenerationRequest",
            "InboxMessage", "QueueItem", "WorkerStats", "error_output", "is_failure", "output_from_dict",
            "output_to_dict", "queue_timeout_output"]

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from gateway.admission.keys import KeyStore
-from gateway.http.errors import APIError
+from gateway.errors import APIError
 from gateway.observability.ratelog import RateLimitedLog
 
 log = logging.getLogger("sluice.gateway")

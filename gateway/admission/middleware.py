@@ -18,7 +18,7 @@ from gateway.admission.ledger import UsageLedger
 from gateway.admission.limits import Limiter
 from gateway.admission.refusals import budget_spent, usage_unavailable
 from gateway.admission.usage import ANON, SpendUnavailable, UsageStore
-from gateway.http.errors import APIError
+from gateway.errors import APIError
 from gateway.http.middleware import Handler
 from gateway.observability.metrics import Metrics
 

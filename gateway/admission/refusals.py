@@ -3,7 +3,7 @@ refusal is decided (the limits middleware, or the reservation when the request i
 
 from __future__ import annotations
 
-from gateway.http.errors import APIError
+from gateway.errors import APIError
 
 USAGE_RETRY_AFTER_S = 5
 

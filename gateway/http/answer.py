@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.request import Guide, RequestOutput
+from gateway.errors import APIError
 from gateway.http import tools
 from gateway.http.chunks import ChatChunks, ChoiceAcc, CompletionChunks, TokenUsage, chat_response, sse_event
-from gateway.http.errors import APIError
 from gateway.http.logprobs import TokenPieces, chat_logprobs, completion_logprobs
 from gateway.http.openai_schema import (
     ChatChunkChoice,

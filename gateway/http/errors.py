@@ -1,8 +1,9 @@
-"""One error type and the middleware that turns every failure into OpenAI's error shape.
+"""The middleware that turns every failure into OpenAI's error shape (`gateway.errors.APIError`), and
+the status of each kind of output that ends a request without an answer.
 
-Clients (the OpenAI SDK in particular) map status codes to exception classes and read
-`{"error": {"message", "type", "param", "code"}}`; a stack trace or an HTML page would break them, so
-everything that leaves the gateway goes through `error_middleware`.
+A stack trace or an HTML page would break the clients, so everything that leaves the gateway goes
+through `error_middleware`: pydantic's validation errors, malformed JSON, aiohttp's own HTTP exceptions
+and anything unexpected (a 500) are answered in the same shape as a raised `APIError`.
 """
 
 from __future__ import annotations
@@ -10,57 +11,15 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from engine.request import RequestOutput
-from gateway.messages import ErrorOutput, Failure
+from gateway.errors import APIError, Failure
+from gateway.messages import ErrorOutput
 
 log = logging.getLogger("sluice.gateway")
-
-_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-
-
-class APIError(Exception):
-    """An error with an HTTP status and OpenAI's error fields; raise it anywhere in a handler."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str | None = None,
-        param: str | None = None,
-        code: str | None = None,
-        retry_after: float | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        self.param = param
-        self.code = code
-        self.retry_after = retry_after
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def to_response(self) -> web.Response:
-        headers = {}
-        if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, int(round(self.retry_after))))
-        return web.json_response(self.body(), status=self.status, headers=headers)
 
 
 def validation_error(exc: ValidationError) -> APIError:

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from gateway.admission.auth import RESPONSE, TIER_KEY
-from gateway.http.errors import APIError
+from gateway.errors import APIError
 from gateway.observability.metrics import Metrics
 from gateway.observability.ratelog import RateLimitedLog
 

@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from gateway.http.errors import APIError, validation_error
+from gateway.errors import APIError
+from gateway.http.errors import validation_error
 
 log = logging.getLogger("sluice.gateway")
 

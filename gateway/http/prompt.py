@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from engine.request import Guide, SamplingParams
-from gateway.http.errors import APIError
+from gateway.errors import APIError
 from gateway.http.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.settings import TierSettings
 

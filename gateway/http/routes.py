@@ -22,10 +22,10 @@ from engine.request import Guide
 from gateway import jsonio
 from gateway.admission.auth import KEY_NAME, TIER_KEY
 from gateway.backends.base import ChoiceStream
+from gateway.errors import APIError
 from gateway.http import answer, chunks, prompt, tools
 from gateway.http.answer import AnswerShape
 from gateway.http.chunks import ChoiceAcc, ChunkEncoder, TokenUsage
-from gateway.http.errors import APIError
 from gateway.http.logprobs import TokenPieces
 from gateway.http.middleware import END_USER, request_id
 from gateway.http.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList

@@ -39,7 +39,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from gateway.http.errors import APIError
+from gateway.errors import APIError
 from gateway.observability.ratelog import RateLimitedLog
 from gateway.settings import Settings
 from gateway.worker.engine_api import Engine

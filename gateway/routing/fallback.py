@@ -8,7 +8,8 @@ import logging
 from engine.request import RequestOutput
 from gateway.backends.base import ChoiceStream, WrappedStream
 from gateway.backends.remote.backend import RemoteBackend
-from gateway.messages import ChoiceOutput, ErrorOutput, Failure, GenerationRequest
+from gateway.errors import Failure
+from gateway.messages import ChoiceOutput, ErrorOutput, GenerationRequest
 from gateway.observability.metrics import Metrics
 
 log = logging.getLogger("sluice.router")

@@ -20,7 +20,7 @@ import time
 
 from gateway.backends.base import Backend, ChoiceStream
 from gateway.backends.remote.backend import RemoteBackend
-from gateway.http.errors import APIError
+from gateway.errors import APIError
 from gateway.messages import GenerationRequest
 from gateway.observability.metrics import Metrics
 from gateway.queue.base import QueueFull

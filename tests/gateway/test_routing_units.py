@@ -12,7 +12,8 @@ from gateway.admission.limits import MemoryLimiter
 from gateway.admission.usage import UsageStore
 from gateway.backends.base import Backend, ChoiceStream
 from gateway.backends.remote.backend import RemoteBackend
-from gateway.messages import ChoiceOutput, Failure, GenerationRequest, QueueItem, WorkerStats, error_output
+from gateway.errors import Failure
+from gateway.messages import ChoiceOutput, GenerationRequest, QueueItem, WorkerStats, error_output
 from gateway.observability.metrics import Metrics
 from gateway.queue.base import QueueFull
 from gateway.queue.memory import MemoryQueue

@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from engine.request import EngineRequest, SamplingParams
-from gateway.messages import ErrorOutput, Failure, QueueItem
+from gateway.errors import Failure
+from gateway.messages import ErrorOutput, QueueItem
 from gateway.queue.memory import MemoryQueue
 from gateway.worker.worker import EngineWorker
 from tests.gateway.fake_engine import FakeEngine

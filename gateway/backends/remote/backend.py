@@ -55,8 +55,8 @@ from gateway.backends.remote.provider import (
     classify,
     transport_error,
 )
-from gateway.http.errors import APIError
-from gateway.messages import ChoiceOutput, ErrorOutput, Failure, GenerationRequest
+from gateway.errors import APIError, Failure
+from gateway.messages import ChoiceOutput, ErrorOutput, GenerationRequest
 from gateway.observability.metrics import Metrics
 from gateway.settings import ProviderSettings, RoutingSettings
 
