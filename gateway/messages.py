@@ -15,7 +15,7 @@ from engine.request import EngineRequest, RequestOutput, SamplingParams
 from gateway.errors import Failure
 
 if TYPE_CHECKING:
-    from gateway.http.openai_schema import ChatCompletionRequest, CompletionRequest
+    from gateway.openai.schema import ChatCompletionRequest, CompletionRequest
 
     OpenAIRequest = ChatCompletionRequest | CompletionRequest
 

@@ -14,10 +14,10 @@ from gateway.admission.keys import KeyStore
 from gateway.admission.limits import Limiter
 from gateway.admission.usage import UsageStore
 from gateway.backends.remote.backend import RemoteBackend
-from gateway.http.logprobs import TokenPieces
 from gateway.http.offload import Offloader
 from gateway.messages import WorkerStats
 from gateway.observability.metrics import Metrics
+from gateway.openai.logprobs import TokenPieces
 from gateway.queue.base import RequestQueue
 from gateway.routing.router import Router
 from gateway.settings import Settings

@@ -4,7 +4,7 @@ aiohttp application. Reading it top to bottom shows the path of a request:
     middleware: access log -> errors -> auth -> per-key limits -> body timeout     (http/, admission/)
     routes:     parse, tokenize, fit the prompt -> router.submit                     (http/routes.py)
     router:     local (queue -> embedded or `sluice worker` engine) or remote chain (routing/, backends/)
-    answer:     JSON or SSE, accounted on close                 (http/sse.py, http/chunks.py, routing/)
+    answer:     JSON or SSE, accounted on close                 (http/sse.py, openai/, routing/)
 """
 
 from __future__ import annotations

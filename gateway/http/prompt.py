@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 from engine.request import Guide, SamplingParams
 from gateway.errors import APIError
-from gateway.http.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.openai.schema import ChatCompletionRequest, CompletionRequest
 from gateway.settings import TierSettings
 
 DEADLINE_HEADER = "x-request-timeout"  # seconds the client is willing to wait (its own timeout)

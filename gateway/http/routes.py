@@ -3,7 +3,7 @@
 Chat and legacy completions share one path: parse (http/offload.py), decide whether this gateway
 tokenizes (the local engine may serve it) or only remote providers can, fit the prompt, build the
 `GenerationRequest` (http/prompt.py), submit it to the router, and answer as JSON or SSE (http/sse.py)
-in the endpoint's format (http/chunks.py). Every exit path closes the backend stream, so a vanished
+in the endpoint's format (gateway/openai/). Every exit path closes the backend stream, so a vanished
 client frees its engine slot.
 """
 
@@ -23,14 +23,16 @@ from gateway import jsonio
 from gateway.admission.auth import KEY_NAME, TIER_KEY
 from gateway.backends.base import ChoiceStream
 from gateway.errors import APIError
-from gateway.http import answer, chunks, prompt, tools
-from gateway.http.answer import AnswerShape
-from gateway.http.chunks import ChoiceAcc, ChunkEncoder, TokenUsage
-from gateway.http.logprobs import TokenPieces
+from gateway.http import prompt
 from gateway.http.middleware import END_USER, request_id
-from gateway.http.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.http.sse import collect, stream_sse
 from gateway.messages import GenerationRequest
+from gateway.openai import answer, chunks, tools
+from gateway.openai.choices import ChoiceAcc, TokenUsage
+from gateway.openai.chunks import ChunkEncoder
+from gateway.openai.logprobs import TokenPieces
+from gateway.openai.schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.openai.shape import AnswerShape, chat_shape, completion_shape
 from gateway.queue.base import QueueFull
 from gateway.routing.router import BACKEND_HEADER
 from gateway.settings import cache_salt
@@ -77,11 +79,8 @@ class _Format:
     chunks: Callable[[str, int, str, bool, AnswerShape], ChunkEncoder]  # (rid, created, model, usage?, shape)
 
 
-_CHAT = _Format("chatcmpl", answer.chat_answer, answer.ShapedChatChunks)
-_COMPLETION = _Format(
-    "cmpl", lambda rid, created, model, accs, usage, shape: answer.completion_answer(
-        chunks.completion_response(rid, created, model, accs, usage), accs, shape),
-    answer.ShapedCompletionChunks)
+_CHAT = _Format("chatcmpl", answer.chat_answer, chunks.ShapedChatChunks)
+_COMPLETION = _Format("cmpl", answer.completion_answer, chunks.ShapedCompletionChunks)
 
 
 # ---------------------------------------------------------------- the shared generation path
@@ -172,7 +171,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await state.offload.parse(await request.read(), ChatCompletionRequest)
     requested = req.requested_max_tokens()
     needs_remote = _capability(state, req)
-    shape, guide, specs = answer.chat_shape(req, _pieces(state))
+    shape, guide, specs = chat_shape(req, _pieces(state))
     if needs_remote is None and _tokenize_here(state, req.model):
         assert state.engine is not None
         messages = req.template_messages()
@@ -197,7 +196,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await state.offload.parse(await request.read(), CompletionRequest)
     ids: Sequence[int]
-    shape, guide = answer.completion_shape(req, _pieces(state))
+    shape, guide = completion_shape(req, _pieces(state))
     if _tokenize_here(state, req.model):
         assert state.engine is not None
         text_or_ids = req.prompt_text_or_ids()

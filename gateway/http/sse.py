@@ -16,9 +16,10 @@ from aiohttp import web
 
 from engine.request import RequestOutput
 from gateway.backends.base import ChoiceStream
-from gateway.http.chunks import DONE, ChoiceAcc, ChunkEncoder, TokenUsage, sse_event
 from gateway.http.errors import error_for_output
 from gateway.messages import ChoiceOutput, is_failure
+from gateway.openai.choices import ChoiceAcc, TokenUsage
+from gateway.openai.chunks import DONE, ChunkEncoder, sse_event
 from gateway.routing.router import BACKEND_HEADER
 
 log = logging.getLogger("sluice.gateway")

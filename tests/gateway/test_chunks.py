@@ -1,6 +1,7 @@
-"""The answer's bytes (gateway/http/chunks.py): the prepared chunk templates give byte for byte what the
-pydantic chunk models, `model_dump` and `json.dumps(..., separators=(",", ":"), ensure_ascii=False)`
-give, and the JSON answers built as dicts equal the response models' dumps."""
+"""The answer's bytes (gateway/openai/chunks.py, gateway/openai/answer.py): the prepared chunk templates
+give byte for byte what the pydantic chunk models, `model_dump` and
+`json.dumps(..., separators=(",", ":"), ensure_ascii=False)` give, and the JSON answers built as dicts
+equal the response models' dumps."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 
 from engine.request import RequestOutput, TokenLogprob
 from gateway import jsonio
-from gateway.http import chunks
-from gateway.http.chunks import ChatChunks, ChoiceAcc, CompletionChunks, TokenUsage, sse_event
-from gateway.http.openai_schema import (
+from gateway.openai import answer, chunks
+from gateway.openai.choices import ChoiceAcc, TokenUsage
+from gateway.openai.chunks import ChatChunks, CompletionChunks, sse_event
+from gateway.openai.schema import (
     ChatChoice,
     ChatCompletionResponse,
     ChatMessageOut,
@@ -101,13 +103,13 @@ def test_json_answers_equal_the_response_models():
     for c in chat["choices"]:  # a message's `tool_calls` (issue 11) is left out when None
         if c["message"].get("tool_calls", 0) is None:
             del c["message"]["tool_calls"]
-    mine = chunks.chat_response("chatcmpl-1", 5, "m", accs, usage)
+    mine = answer.chat_response("chatcmpl-1", 5, "m", accs, usage)
     assert mine == chat and list(mine) == list(chat)  # the same keys in the same order
     assert jsonio.dumps(mine) == json.dumps(chat, separators=(",", ":"), ensure_ascii=False).encode()
     cmpl = CompletionResponse(id="cmpl-1", created=5, model="m", usage=usage.model(), choices=[
         CompletionChoice(index=i, text="".join(a.text), finish_reason=a.finish_reason)
         for i, a in enumerate(accs)]).model_dump()
-    mine = chunks.completion_response("cmpl-1", 5, "m", accs, usage)
+    mine = answer.completion_response("cmpl-1", 5, "m", accs, usage)
     assert mine == cmpl and list(mine) == list(cmpl)
 
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.guide import Guides, GuideStats
-from gateway.http import tools
-from gateway.http.tools import CallDelta, ContentDelta, ToolCallStreamer, ToolSpec
+from gateway.openai import tools
+from gateway.openai.tools import CallDelta, ContentDelta, ToolCallStreamer, ToolSpec
 
 WEATHER = ToolSpec("get_weather", "Weather in a city", {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},

@@ -15,7 +15,7 @@ import pytest
 
 from engine.request import EngineRequest
 from gateway.admission.keys import KeyStore
-from gateway.http.openai_schema import ChatCompletionRequest
+from gateway.openai.schema import ChatCompletionRequest
 from gateway.settings import Settings, cache_salt
 from tests.gateway.conftest import fake_gateway
 from tests.gateway.fake_engine import FakeEngine

@@ -274,7 +274,7 @@ async def test_logit_bias_keys_are_canonical_ascii_token_ids(tmp_path, bias, bad
 
 def test_canonical_logit_bias_keys_map_to_their_ids():
     from gateway.http.offload import RequestLimits, parse_request
-    from gateway.http.openai_schema import CompletionRequest
+    from gateway.openai.schema import CompletionRequest
 
     body = {"model": "m", "prompt": "x", "logit_bias": {"0": -1, "28": 5, "2147483647": 1}}
     req = parse_request(json.dumps(body).encode(), CompletionRequest, RequestLimits())

@@ -217,8 +217,8 @@ async def test_infinite_estimate_is_not_logged_as_minus_one(tmp_path, providers,
     async with gateway(tmp_path, [provider_cfg(a)]) as (base, app, *_):
         router = app[STATE].router
         from engine.request import SamplingParams
-        from gateway.http.openai_schema import ChatCompletionRequest
         from gateway.messages import GenerationRequest
+        from gateway.openai.schema import ChatCompletionRequest
         req = ChatCompletionRequest(**chat(LOCAL_MODEL))
         gen = GenerationRequest(request_id="r1", prompt_token_ids=[1, 2], sampling=SamplingParams(max_tokens=4),
                                 model=LOCAL_MODEL, api=req)

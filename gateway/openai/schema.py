@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.http import tools
+from gateway.openai import tools
 
 MAX_N = 16
 MAX_STOP = 4

@@ -1,86 +1,39 @@
-"""The answer's bytes in the endpoint's format: SSE events for a stream, a dict for a JSON answer.
+"""A streamed answer's bytes: the SSE events of each output, in the endpoint's chunk format.
 
-Streamed chunks come from byte templates prepared once per request: per token only the text (one
-JSON string encoding), the choice index and the finish reason are filled in, byte for byte what
-building the pydantic chunk (`ChatCompletionChunk` / `CompletionResponse`), `model_dump` and
+Chunks come from byte templates prepared once per request: per token only the text (one JSON string
+encoding), the choice index and the finish reason are filled in, byte for byte what building the
+pydantic chunk (`ChatCompletionChunk` / `CompletionResponse`), `model_dump` and
 `json.dumps(..., separators=(",", ":"), ensure_ascii=False)` give (tests/gateway/test_chunks.py holds
 them equal) at a tenth of the cost. An output the template cannot express (`templated` is False: one
-that carries logprobs, and later tool calls) takes the general path: the pydantic chunk, encoded by
-`sse_event`. A field added to an output belongs in `templated` first, then in the general path.
+that carries logprobs) takes the general path: the pydantic chunk, encoded by `sse_event`. A field
+added to an output belongs in `templated` first, then in the general path. A request that asked for
+tool calls or logprobs (its `AnswerShape` is not plain) takes the general path for every output
+(`ShapedChatChunks`, `ShapedCompletionChunks`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.request import RequestOutput, TokenLogprob
+from engine.request import RequestOutput
 from gateway import jsonio
-from gateway.http.openai_schema import (
+from gateway.openai import tools
+from gateway.openai.choices import ChoiceAcc, TokenUsage
+from gateway.openai.logprobs import chat_logprobs, completion_logprobs
+from gateway.openai.schema import (
     SYSTEM_FINGERPRINT,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,
     CompletionChoice,
     CompletionResponse,
-    PromptTokensDetails,
-    Usage,
+    FunctionCallDelta,
+    ToolCallDelta,
 )
+from gateway.openai.shape import AnswerShape
 
 DONE = b"data: [DONE]\n\n"
-
-
-@dataclass
-class ChoiceAcc:
-    """What one choice produced so far."""
-
-    text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    finished: bool = False
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    started: bool = False
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-    def add(self, out: RequestOutput) -> None:
-        if out.logprobs:
-            self.logprobs.extend(out.logprobs)
-        self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
-        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
-        if out.finished:
-            self.finished = True
-            self.finish_reason = out.finish_reason
-
-
-@dataclass(frozen=True)
-class TokenUsage:
-    """The `usage` object of an answer."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    @classmethod
-    def of(cls, prompt_tokens: int, accs: list[ChoiceAcc]) -> TokenUsage:
-        return cls(prompt_tokens, sum(a.completion_tokens for a in accs),
-                   max((a.cached_tokens for a in accs), default=0))
-
-    def as_dict(self) -> dict[str, object]:
-        """Equal to `Usage(...).model_dump()`."""
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-    def model(self) -> Usage:
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                     total_tokens=self.prompt_tokens + self.completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
-
-    def json(self) -> bytes:
-        return b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,"prompt_tokens_details":' \
-               b'{"cached_tokens":%d}}' % (self.prompt_tokens, self.completion_tokens,
-                                           self.prompt_tokens + self.completion_tokens, self.cached_tokens)
 
 
 def sse_event(obj: dict[str, Any] | str) -> bytes:
@@ -222,22 +175,78 @@ class CompletionChunks:
                                   usage=usage.model()).model_dump()
 
 
-# ---------------------------------------------------------------- JSON answers (equal to the pydantic models' dumps)
+# ---------------------------------------------------------------- tool calls and logprobs (the general path)
 
 
-def chat_response(rid: str, created: int, model: str, accs: list[ChoiceAcc], usage: TokenUsage) -> dict[str, object]:
-    """`ChatCompletionResponse(...).model_dump()` (a message's `tool_calls` left out when None), built
-    directly; a choice with logprobs or tool calls needs those fields added here."""
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(a.text), "refusal": None},
-                         "finish_reason": a.finish_reason, "logprobs": None} for i, a in enumerate(accs)],
-            "usage": usage.as_dict(), "system_fingerprint": SYSTEM_FINGERPRINT}
+class ShapedChatChunks(ChatChunks):
+    """Chat chunks with tool-call deltas and per-token logprobs (the general path)."""
+
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool, shape: AnswerShape):
+        super().__init__(rid, created, model, include_usage)
+        self.shape = shape
+        self._streamers: dict[int, tools.ToolCallStreamer] = {}
+
+    def _chunk(self, index: int, delta: ChatDelta, finish: str | None = None,
+               out: RequestOutput | None = None) -> bytes:
+        t = self._t
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
+        if out is not None and out.logprobs and self.shape.top_logprobs is not None and self.shape.pieces:
+            choice.logprobs = chat_logprobs(self.shape.pieces, out.logprobs, self.shape.top_logprobs)
+        d = ChatCompletionChunk(id=t.rid, created=t.created, model=t.model, choices=[choice]).model_dump()
+        d["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+        if not t.include_usage:
+            d.pop("usage")
+        return sse_event(d)
+
+    def events(self, index: int, out: RequestOutput, acc: ChoiceAcc) -> list[bytes]:
+        if self.shape.plain:
+            return super().events(index, out, acc)
+        events = []
+        if not acc.started:
+            acc.started = True
+            events.append(self._chunk(index, ChatDelta(role="assistant", content="")))
+        if self.shape.tools is None:
+            if out.text or out.logprobs:
+                events.append(self._chunk(index, ChatDelta(content=out.text), out=out))
+            if out.finished:
+                events.append(self._chunk(index, ChatDelta(), out.finish_reason))
+            return events
+        streamer = self._streamers.setdefault(index, tools.ToolCallStreamer(self.shape.ids(index),
+                                                                            self.shape.call_names))
+        parts = streamer.feed(out.text) if out.text else []
+        if out.finished:
+            parts += streamer.finish(cut=out.finish_reason == "length")
+        for p in parts:
+            if isinstance(p, tools.ContentDelta):
+                events.append(self._chunk(index, ChatDelta(content=p.text)))
+            else:
+                events.append(self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
+                    index=p.index, id=p.id, type="function" if p.id else None,
+                    function=FunctionCallDelta(name=p.name, arguments=p.arguments))])))
+        if out.finished:
+            reason = "tool_calls" if streamer.made_calls and out.finish_reason == "stop" else out.finish_reason
+            events.append(self._chunk(index, ChatDelta(), reason))
+        return events
 
 
-def completion_response(rid: str, created: int, model: str, accs: list[ChoiceAcc],
-                        usage: TokenUsage) -> dict[str, object]:
-    """`CompletionResponse(...).model_dump()`, built directly."""
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": i, "text": "".join(a.text), "finish_reason": a.finish_reason, "logprobs": None}
-                        for i, a in enumerate(accs)],
-            "usage": usage.as_dict(), "system_fingerprint": SYSTEM_FINGERPRINT}
+class ShapedCompletionChunks(CompletionChunks):
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool, shape: AnswerShape):
+        super().__init__(rid, created, model, include_usage)
+        self.shape = shape
+        self._offsets: dict[int, int] = {}
+
+    def events(self, index: int, out: RequestOutput, acc: ChoiceAcc) -> list[bytes]:
+        if self.shape.top_logprobs is None or self.shape.pieces is None:
+            return super().events(index, out, acc)
+        if not out.text and not out.finished and not out.logprobs:
+            return []
+        t = self._t
+        offset = self._offsets.get(index, 0)
+        lp = completion_logprobs(self.shape.pieces, out.logprobs or [], self.shape.top_logprobs, offset)
+        self._offsets[index] = offset + len(out.text)
+        d = CompletionResponse(id=t.rid, created=t.created, model=t.model, choices=[
+            CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason if out.finished else None,
+                             logprobs=lp)]).model_dump()
+        if not t.include_usage:
+            d.pop("usage")
+        return [sse_event(d)]

@@ -10,7 +10,7 @@ from functools import lru_cache
 from typing import Protocol
 
 from engine.request import TokenLogprob
-from gateway.http.openai_schema import ChoiceLogprobs, CompletionLogprobs, TokenLogprobOut, TopLogprob
+from gateway.openai.schema import ChoiceLogprobs, CompletionLogprobs, TokenLogprobOut, TopLogprob
 
 
 class TokenText(Protocol):
