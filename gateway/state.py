@@ -1,6 +1,7 @@
-"""The gateway's shared state, typed, with the aiohttp keys to reach it. Built once by
+"""The gateway's shared state, typed, with the aiohttp key to reach it. Built once by
 `gateway.http.app.create_app`; every component it holds gets its dependencies explicitly, so nothing
-but the HTTP handlers and the lifecycle hooks reads this object.
+but the HTTP layer (its handlers and lifecycle hooks) reads this object: only http/ sits above it
+(tests/test_architecture.py keeps the floors).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from gateway.admission.keys import KeyStore
 from gateway.admission.limits import Limiter
 from gateway.admission.usage import UsageStore
 from gateway.backends.remote.backend import RemoteBackend
-from gateway.http.offload import Offloader
 from gateway.messages import WorkerStats
 from gateway.observability.metrics import Metrics
 from gateway.openai.logprobs import TokenPieces
@@ -31,7 +31,6 @@ class GatewayState:
     keys: KeyStore
     queue: RequestQueue
     metrics: Metrics
-    offload: Offloader
     limiter: Limiter
     usage: UsageStore
     remote: RemoteBackend | None

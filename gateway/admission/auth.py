@@ -37,7 +37,7 @@ log = logging.getLogger("sluice.gateway")
 _ratelog = RateLimitedLog(log)
 
 PUBLIC_PATHS = frozenset({"/health", "/ready"})
-# The operator's dashboard (observability/dashboard.py): a browser sends the admin key as the password of
+# The operator's dashboard (http/dashboard.py): a browser sends the admin key as the password of
 # HTTP Basic auth (any user name); the challenge makes it ask for one.
 DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/data", "/dashboard/static/{name}"})
 ADMIN_PATHS = frozenset({"/metrics"}) | DASHBOARD_PATHS  # public without keys; an admin key once keys exist

@@ -11,6 +11,7 @@ import math
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from gateway.admission.auth import KEY_NAME, TIER_KEY, make_auth_middleware
 from gateway.admission.keys import KeyStore
@@ -19,7 +20,6 @@ from gateway.admission.limits import Limiter
 from gateway.admission.refusals import budget_spent, usage_unavailable
 from gateway.admission.usage import ANON, SpendUnavailable, UsageStore
 from gateway.errors import APIError
-from gateway.http.middleware import Handler
 from gateway.observability.metrics import Metrics
 
 LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})

@@ -9,7 +9,6 @@ aiohttp application. Reading it top to bottom shows the path of a request:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
@@ -22,20 +21,19 @@ from gateway.admission.spill import Spill
 from gateway.admission.usage import UsageStore
 from gateway.backends.local import LocalBackend
 from gateway.backends.remote.backend import RemoteBackend
-from gateway.http import routes
+from gateway.http import dashboard, routes
 from gateway.http.errors import error_middleware
+from gateway.http.lifecycle import engine_lifecycle, services, usage_ledger
 from gateway.http.middleware import access_log, body_timeout, on_response_prepare
-from gateway.http.offload import Offloader, RequestLimits
-from gateway.observability import dashboard
+from gateway.http.offload import OFFLOAD, Offloader, RequestLimits
 from gateway.observability.metrics import Metrics, make_key_label
-from gateway.observability.sampler import MetricsSampler
 from gateway.queue.base import RequestQueue
 from gateway.routing.accounting import Accountant
 from gateway.routing.estimate import WaitEstimator
 from gateway.routing.router import Router
+from gateway.routing.sampler import MetricsSampler
 from gateway.settings import Settings
 from gateway.state import STATE, GatewayState
-from gateway.worker.embedded import engine_lifecycle
 from gateway.worker.factory import ModelFrontend, make_queue
 
 
@@ -63,11 +61,8 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
         spill_path=str(spill_dir / spill_name), max_spill_bytes=max_spill,
         max_pending_rows=settings.usage.max_pending_rows, ballast_bytes=int(settings.usage.ballast_mb * 1e6)))
     remote = RemoteBackend(settings.providers, settings.routing, metrics) if settings.providers else None
-    state = GatewayState(
-        settings=settings, keys=keys, queue=queue, metrics=metrics, limiter=limiter, usage=usage, remote=remote,
-        offload=Offloader(RequestLimits(max_messages=settings.server.max_messages,
-                                        max_prompt_chars=settings.server.max_prompt_chars)),
-        engine=engine, no_engine=no_engine)
+    state = GatewayState(settings=settings, keys=keys, queue=queue, metrics=metrics, limiter=limiter, usage=usage,
+                         remote=remote, engine=engine, no_engine=no_engine)
     estimator = WaitEstimator(state, queue, settings.tiers, settings.routing)
     accountant = Accountant(metrics, usage, limiter, estimator, settings.routing.local_price,
                             providers=settings.providers, ledger=ledger,
@@ -78,6 +73,8 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
 
     app = web.Application(client_max_size=settings.server.max_body_bytes)
     app[STATE] = state
+    app[OFFLOAD] = Offloader(RequestLimits(max_messages=settings.server.max_messages,
+                                           max_prompt_chars=settings.server.max_prompt_chars))
     app.middlewares.append(access_log(metrics))
     app.middlewares.append(error_middleware)
     admission.setup(app, keys=keys, anonymous_tier=settings.auth.anonymous_tier, limiter=limiter, usage=usage,
@@ -87,31 +84,7 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
     routes.setup(app)
     dashboard.setup(app)  # /dashboard and /dashboard/data (admin-only once keys exist)
 
-    async def usage_ledger(app: web.Application) -> AsyncIterator[None]:  # noqa: ARG001 (aiohttp passes it)
-        """Before the engine starts, after it stops (its last answers are recorded too): what earlier runs
-        spilled is taken in first."""
-        await usage.open()
-        if ledger is not None:
-            await ledger.open()
-            if usage.redis is None:  # in-memory totals: rebuilt from the ledger, so budgets survive a restart
-                usage.restore(await ledger.totals_by_key() or {})
-            ledger.start()
-        usage.start()
-        yield
-        if ledger is not None:
-            await ledger.close()
-        await usage.close()
-
-    app.cleanup_ctx.append(usage_ledger)
+    app.cleanup_ctx.append(usage_ledger(usage, ledger))
     app.cleanup_ctx.append(engine_lifecycle)
-
-    async def services(app: web.Application) -> AsyncIterator[None]:  # noqa: ARG001 (aiohttp passes it)
-        sampler.start()
-        yield
-        await sampler.close()
-        if remote is not None:
-            await remote.close()
-        await limiter.close()
-
-    app.cleanup_ctx.append(services)
+    app.cleanup_ctx.append(services(sampler, remote, limiter))
     return app

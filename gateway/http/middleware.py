@@ -8,9 +8,9 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from gateway.admission.auth import RESPONSE, TIER_KEY
 from gateway.errors import APIError
@@ -20,7 +20,6 @@ from gateway.observability.ratelog import RateLimitedLog
 log = logging.getLogger("sluice.gateway")
 _ratelog = RateLimitedLog(log)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("sluice_request_id", str)
 # The client's `user` / `safety_identifier` (an end-user id, as OpenAI uses it): only logged.
 END_USER: web.RequestKey[str] = web.RequestKey("sluice_end_user", str)

@@ -20,6 +20,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from gateway.errors import APIError
@@ -196,6 +197,9 @@ class Offloader:
         self._restart_pool()
 
 
+OFFLOAD: web.AppKey[Offloader] = web.AppKey("sluice_offload", Offloader)
+
+
 def _apply_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     try:
         return tokenizer.apply_chat_template(messages)
@@ -203,4 +207,4 @@ def _apply_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
         raise APIError(400, str(e), param="messages", code="invalid_messages") from None
 
 
-__all__ = ["Offloader", "RequestLimits", "check_limits", "parse_request"]
+__all__ = ["OFFLOAD", "Offloader", "RequestLimits", "check_limits", "parse_request"]

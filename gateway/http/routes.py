@@ -25,6 +25,7 @@ from gateway.backends.base import ChoiceStream
 from gateway.errors import APIError
 from gateway.http import prompt
 from gateway.http.middleware import END_USER, request_id
+from gateway.http.offload import OFFLOAD
 from gateway.http.sse import collect, stream_sse
 from gateway.messages import GenerationRequest
 from gateway.openai import answer, chunks, tools
@@ -168,7 +169,7 @@ def _pieces(state: GatewayState) -> TokenPieces | None:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = await state.offload.parse(await request.read(), ChatCompletionRequest)
+    req = await request.app[OFFLOAD].parse(await request.read(), ChatCompletionRequest)
     requested = req.requested_max_tokens()
     needs_remote = _capability(state, req)
     shape, guide, specs = chat_shape(req, _pieces(state))
@@ -177,7 +178,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         messages = req.template_messages()
         if specs:
             messages = tools.with_tool_system(messages, specs)
-        ids = await state.offload.chat_prompt(state.engine.tokenizer, messages)
+        ids = await request.app[OFFLOAD].chat_prompt(state.engine.tokenizer, messages)
         ids = prompt.fit_prompt(ids, state.max_model_len, requested, req.prompt_truncation, _marker(state))
         max_tokens = prompt.resolve_max_tokens(state.max_model_len, len(ids), requested, None)
     else:  # remote providers only: they tokenize, parse tools, and their usage is what counts
@@ -194,13 +195,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = await state.offload.parse(await request.read(), CompletionRequest)
+    req = await request.app[OFFLOAD].parse(await request.read(), CompletionRequest)
     ids: Sequence[int]
     shape, guide = completion_shape(req, _pieces(state))
     if _tokenize_here(state, req.model):
         assert state.engine is not None
         text_or_ids = req.prompt_text_or_ids()
-        ids = (await state.offload.encode(state.engine.tokenizer, text_or_ids) if isinstance(text_or_ids, str)
+        ids = (await request.app[OFFLOAD].encode(state.engine.tokenizer, text_or_ids) if isinstance(text_or_ids, str)
                else text_or_ids)
         if not ids:
             raise APIError(400, "The prompt is empty.", param="prompt", code="invalid_value")

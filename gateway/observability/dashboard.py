@@ -1,6 +1,7 @@
-"""The operator's dashboard: `GET /dashboard` (a static page from `observability/static/`, no build step,
-no CDN, hand-drawn SVG charts) refreshing from `GET /dashboard/data` (JSON). Both are admin-only once
-keys exist (`admission/auth.py` ADMIN_PATHS), like /metrics.
+"""What the operator's dashboard shows: the JSON of `GET /dashboard/data` and the files of the page
+(`observability/static/`: no build step, no CDN, hand-drawn SVG charts) that refreshes from it. The
+routes are http/dashboard.py's; both are admin-only once keys exist (`admission/auth.py` ADMIN_PATHS),
+like /metrics.
 
 The JSON is read from the same Prometheus registry that /metrics serves, so every raw figure on the page
 equals the metric of the same name at that moment; rates (requests/s, tokens/s, spend/s) are computed here
@@ -20,15 +21,17 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 
-from aiohttp import web
 from prometheus_client import Gauge
 
+from gateway.admission.keys import KeyStore
 from gateway.admission.usage import ANON
-from gateway.messages import LOCAL
-from gateway.state import STATE, GatewayState
+from gateway.messages import LOCAL, WorkerStats
+from gateway.observability.metrics import Metrics
+from gateway.settings import ProviderSettings, Settings
 
 RATE_WINDOW_S = 10.0
 _HISTORY_S = 60.0
@@ -38,7 +41,51 @@ _TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 Sample = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def _snapshot(state: GatewayState) -> Sample:
+class _Worker(Protocol):
+    def stats(self) -> WorkerStats: ...
+
+
+class _Provider(Protocol):
+    @property
+    def settings(self) -> ProviderSettings: ...
+
+
+class _Providers(Protocol):
+    def status(self) -> dict[str, dict[str, Any]]: ...
+
+    def chain(self, model: str) -> Sequence[_Provider]: ...
+
+
+class GatewayView(Protocol):
+    """What the dashboard reads of a running gateway (`gateway.state.GatewayState` is one)."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def keys(self) -> KeyStore: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def model_name(self) -> str | None: ...
+
+    @property
+    def engine(self) -> object | None:
+        """The model; the embedded engine's KV blocks (its `block_manager`) give the KV usage."""
+        ...
+
+    @property
+    def local_worker(self) -> _Worker | None: ...
+
+    @property
+    def remote(self) -> _Providers | None: ...
+
+    def worker_stats(self) -> list[WorkerStats]: ...
+
+
+def _snapshot(state: GatewayView) -> Sample:
     """Every sample of the registry: (name, sorted labels) -> value."""
     out: Sample = {}
     for family in state.metrics.registry.collect():
@@ -98,7 +145,7 @@ def _quantiles(snap: Sample, name: str) -> list[dict[str, Any]]:
 class DashboardData:
     """Keeps the counter samples of recent refreshes (for rates) and builds the JSON."""
 
-    def __init__(self, state: GatewayState):
+    def __init__(self, state: GatewayView):
         self.state = state
         self.history: deque[tuple[float, Sample]] = deque()
         self.kv_gauge = Gauge("sluice_engine_kv_usage_ratio",
@@ -231,30 +278,9 @@ class DashboardData:
                 "local_price": dict(st.settings.routing.local_price)}
 
 
-DATA: web.AppKey[DashboardData] = web.AppKey("sluice_dashboard", DashboardData)
-
-
-def _static(name: str) -> bytes:
-    return resources.files("gateway.observability").joinpath("static", name).read_bytes()
-
-
-async def page(request: web.Request) -> web.Response:
-    name = request.match_info.get("name", "index.html")
+def asset(name: str) -> tuple[bytes, str] | None:
+    """A file of the page and its content type (None: not one of the page's files)."""
     if name not in _STATIC:
-        raise web.HTTPNotFound()
-    body = _static(name)
-    return web.Response(body=body, content_type=_TYPES[name[name.rfind("."):]], charset="utf-8",
-                        headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff",
-                                 "Content-Security-Policy": "default-src 'self'; img-src 'self' data:"})
-
-
-async def data(request: web.Request) -> web.Response:
-    body = await request.app[DATA].build()
-    return web.json_response(body, headers={"Cache-Control": "no-store"})
-
-
-def setup(app: web.Application) -> None:
-    app[DATA] = DashboardData(app[STATE])
-    app.router.add_get("/dashboard", page)
-    app.router.add_get("/dashboard/data", data)
-    app.router.add_get("/dashboard/static/{name}", page)
+        return None
+    body = resources.files("gateway.observability").joinpath("static", name).read_bytes()
+    return body, _TYPES[name[name.rfind("."):]]

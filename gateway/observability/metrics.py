@@ -1,6 +1,6 @@
 """Every Prometheus metric of the gateway, in one registry that `/metrics` serves: HTTP requests,
 routing decisions, remote providers, usage by key, latencies and the local engine. Gauges that describe
-state (queue depth per tier, the engine's busy ratio) are refreshed by `observability.sampler`.
+state (queue depth per tier, the engine's busy ratio) are refreshed by `routing.sampler`.
 
 Metrics labelled by API key never show the key's name by default: the `key` label is the key's short
 id (the first 8 hex digits of its hash, as `sluice keys list` shows), or its name only when

@@ -1,15 +1,29 @@
-"""The engine side of a gateway process: the embedded engine and its worker (loaded in the background
-so /health answers at once and /ready turns 200 when they run), or, with `--no-engine`, the model's
-frontend plus a watch on the live `sluice worker`s behind the Redis queue."""
+"""What starts with a gateway and stops with it: aiohttp cleanup contexts, appended by `create_app` in
+this order (aiohttp stops them in reverse):
+
+  1. `usage_ledger`: spend is recorded before the engine starts and after it stops, so the last answers
+     are written too;
+  2. `engine_lifecycle`: the engine side of the process: the embedded engine and its worker (loaded in
+     the background so /health answers at once and /ready turns 200 when they run), or, with
+     `--no-engine`, the model's frontend plus a watch on the live `sluice worker`s behind the Redis
+     queue; then the queue and the request-preparation helper;
+  3. `services`: the metrics sampler, the remote providers' connection pools and the limiter.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from gateway.admission.ledger import UsageLedger
+from gateway.admission.limits import Limiter
+from gateway.admission.usage import UsageStore
+from gateway.backends.remote.backend import RemoteBackend
+from gateway.http.offload import OFFLOAD
+from gateway.routing.sampler import MetricsSampler
 from gateway.state import STATE, GatewayState
 from gateway.tasks import cancel_and_wait, run_forever
 from gateway.worker.engine_api import ModelFrontend
@@ -17,6 +31,27 @@ from gateway.worker.factory import Frontend, load_engine
 from gateway.worker.worker import EngineWorker
 
 log = logging.getLogger("sluice.gateway")
+
+CleanupContext = Callable[[web.Application], AsyncIterator[None]]
+
+
+def usage_ledger(usage: UsageStore, ledger: UsageLedger | None) -> CleanupContext:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:  # noqa: ARG001 (aiohttp passes it)
+        """Before the engine starts, after it stops (its last answers are recorded too): what earlier runs
+        spilled is taken in first."""
+        await usage.open()
+        if ledger is not None:
+            await ledger.open()
+            if usage.redis is None:  # in-memory totals: rebuilt from the ledger, so budgets survive a restart
+                usage.restore(await ledger.totals_by_key() or {})
+            ledger.start()
+        usage.start()
+        yield
+        if ledger is not None:
+            await ledger.close()
+        await usage.close()
+
+    return ctx
 
 
 async def _start(state: GatewayState) -> None:
@@ -68,4 +103,16 @@ async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     if state.local_worker is not None:
         await state.local_worker.stop(grace_s=state.settings.server.shutdown_grace_s)
     await state.queue.close()
-    state.offload.close()
+    app[OFFLOAD].close()
+
+
+def services(sampler: MetricsSampler, remote: RemoteBackend | None, limiter: Limiter) -> CleanupContext:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:  # noqa: ARG001 (aiohttp passes it)
+        sampler.start()
+        yield
+        await sampler.close()
+        if remote is not None:
+            await remote.close()
+        await limiter.close()
+
+    return ctx

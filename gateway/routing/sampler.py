@@ -1,5 +1,6 @@
-"""Gauges that describe state rather than events (queue depth and estimated wait per tier, the
-engine's busy ratio, providers' circuits), refreshed once a second."""
+"""Once a second, what the router sees: the engine workers' step counters go into the wait estimate
+(`WaitEstimator.sample_steps`), and the gauges that describe state rather than events are refreshed
+(queue depth and estimated wait per tier, the engine's busy ratio, providers' circuits)."""
 
 from __future__ import annotations
 
