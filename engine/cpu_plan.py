@@ -11,6 +11,10 @@ layer (49k rows) and larger steps use every thread.
 Nothing here is guessed: `measure_plan` times each choice on this machine at start, per step size,
 on all the weights of a group (so caches do not flatter either side), and the model looks the
 choice up per step (`Plan.for_rows`).
+
+Which CPU kernels run at all (native or torch), with how many threads, and from how many rows the
+native step multiplies on AMX, is one decision (`CpuKernels`): the model runner makes it once at start
+and hands the same object to the model and the sampler.
 """
 
 from __future__ import annotations
@@ -22,10 +26,33 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.dispatch import native_cpu_allowed
+
 ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 # Fewer threads than all must be this much faster to be chosen (timing noise at start aside, the
 # attention and elementwise ops of larger steps, which are not timed, gain from all threads).
 FEWER_THREADS_MARGIN = 1.1
+
+
+@dataclass
+class CpuKernels:
+    """The engine's CPU kernel choice, made once by the model runner (`decide`) and shared, as one object,
+    by the model and the sampler, so no op picks an implementation or a thread count on its own.
+
+    `native`: kernels/cpu runs the forward step (where the model's weights allow it), its int8 output
+    layer and sampling; only where `SLUICE_KERNELS` allows native code and it built here
+    (kernels.dispatch.native_cpu_allowed). `threads`: what every native call uses, and the most a torch
+    step's plan takes. `amx_min_rows`: native steps of at least this many rows multiply on AMX tiles
+    (0: never); configured or timed by the runner at start, before the first step."""
+
+    native: bool = False
+    threads: int = 1
+    amx_min_rows: int = 0
+
+    @staticmethod
+    def decide(device: torch.device) -> CpuKernels:
+        """Native kernels where the device is a CPU and they are allowed; this process's torch threads."""
+        return CpuKernels(native=device.type == "cpu" and native_cpu_allowed(), threads=torch.get_num_threads())
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ class LoadedModel:
     generation_defaults: dict[str, float] = field(default_factory=dict)
     # GGUF Q4_0 / Q4_1 linear weights as their blocks of 32: name -> (codes uint8 [N, K] in 0..15,
     # scale [N, K/32], min [N, K/32]), weight = code * scale + min (fp32). `weights` holds the same values
-    # dequantized; the engine's int4 matmul reads these codes directly (engine/model.py, Int4Weight).
+    # dequantized; the engine's int4 matmul reads these codes directly (engine/weights.py, Int4Weight).
     q4_blocks: MutableMapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 

@@ -15,14 +15,15 @@ import torch
 from kernels import AttentionMetadata
 
 from .config import EngineConfig
-from .cpu_plan import ROW_CANDIDATES, amx_min_rows
+from .cpu_plan import ROW_CANDIDATES, CpuKernels, amx_min_rows
 from .cuda_graphs import DecodeGraphs
 from .guide import Guides
 from .loader import LoadedModel
-from .model import LlamaModel, int4_available
+from .model import LlamaModel
 from .sampler import Sampled, sample
 from .sequence import Sequence
 from .step_cost import StepCost
+from .weights import int4_available
 
 log = logging.getLogger(__name__)
 
@@ -103,15 +104,17 @@ class ModelRunner:
         self.guides = guides  # constrained decoding: the token masks of guided sequences
         self.device = pick_device(config)
         self.dtype = pick_dtype(config, self.device)
+        # Native CPU kernels or not, their threads and AMX rows: decided here, once, for the model and the sampler.
+        self.kernels = CpuKernels.decide(self.device)
         args = loaded.args
         self.weight_dtype = pick_weight_dtype(config)
         self.int4 = use_int4(config, loaded, self.device)
         self.kv_dtype = pick_kv_dtype(config, self.device, self.dtype, self.weight_dtype)
-        native = (self.int4 and self.kv_dtype == torch.bfloat16 and self.dtype == torch.float32
+        native = (self.kernels.native and self.int4 and self.kv_dtype == torch.bfloat16 and self.dtype == torch.float32
                   and config.native_cpu_step)
         self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, self.weight_dtype,
                                 deterministic=config.deterministic, q4_blocks=loaded.q4_blocks if self.int4 else None,
-                                native_block_size=config.block_size if native else 0)
+                                native_block_size=config.block_size if native else 0, kernels=self.kernels)
         self.int4_max_rows = 0  # steps of up to this many tokens read the 4-bit weights
         if self.device.type == "cpu" and not config.deterministic and self.model.native is None:
             self._plan_cpu_steps()  # (the native step's plan, its AMX threshold, is `_plan_native`)
@@ -147,7 +150,7 @@ class ModelRunner:
         """Which weights (packed low-bit or dense) and how many threads each step size uses, measured
         here at start (engine/cpu_plan.py), and logged."""
         cfg, model = self.config, self.model
-        threads = torch.get_num_threads()
+        threads = self.kernels.threads
         forced = cfg.int4_max_batch if model.has_packed else None
         times = model.plan_cpu_steps(threads, forced)
         assert model.layer_plan is not None and model.head_plan is not None
@@ -158,14 +161,13 @@ class ModelRunner:
 
     def _plan_native(self) -> None:
         """From how many rows the native step multiplies on AMX tiles (configured, or timed against its
-        int16 matmul on the first layers with a synthetic context, at this process's thread count)."""
-        model, cfg = self.model, self.config
+        int16 matmul on the first layers with a synthetic context, at the kernels' thread count)."""
+        model, cfg, kernels = self.model, self.config, self.kernels
         assert model.native is not None
-        model.native_threads = torch.get_num_threads()
         if not model.native.amx:
-            model.amx_min_rows = 0
+            kernels.amx_min_rows = 0
         elif cfg.amx_min_rows is not None:
-            model.amx_min_rows = cfg.amx_min_rows
+            kernels.amx_min_rows = cfg.amx_min_rows
         else:
             blocks = -(-NATIVE_TIMING_CONTEXT // self.block_size)
             rows = [r for r in ROW_CANDIDATES if r <= cfg.max_running_requests and r * blocks <= self.num_blocks]
@@ -176,13 +178,13 @@ class ModelRunner:
                 self.model.hidden(*step, num_layers=NATIVE_TIMING_LAYERS, amx_min_rows=1 if amx else 0)
                 return time.perf_counter() - t
 
-            model.amx_min_rows, times = amx_min_rows(time_step, rows)
+            kernels.amx_min_rows, times = amx_min_rows(time_step, rows)
             log.debug("native CPU step, AMX vs int16 matmuls (first %d layers, ms): %s", NATIVE_TIMING_LAYERS,
                       {r: (round(a * 1e3, 2), round(i * 1e3, 2)) for r, (a, i) in times.items()})
-        amx = (f"AMX matmuls from {model.amx_min_rows} rows" if model.amx_min_rows else
+        amx = (f"AMX matmuls from {kernels.amx_min_rows} rows" if kernels.amx_min_rows else
                "no AMX on this CPU" if not model.native.amx else "AMX off")
         log.info("native CPU forward step (kernels/cpu, %s, %d threads) for every step; %s; its 4-bit weights "
-                 "%d MiB", model.native.isa, model.native_threads, amx, model.native.nbytes() // 2**20)
+                 "%d MiB", model.native.isa, kernels.threads, amx, model.native.nbytes() // 2**20)
 
     def _synthetic_decode(self, rows: int, context: int) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -262,7 +264,7 @@ class ModelRunner:
         if not samplers:
             return {}
         logits = self._exact_for_logprobs(logits, hidden, samplers)
-        return dict(zip(samplers, sample(logits, samplers, self.guides)))
+        return dict(zip(samplers, sample(logits, samplers, self.guides, self.kernels)))
 
     def _exact_for_logprobs(self, logits: torch.Tensor, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """With the bf16 output layer only each row's top candidates are exact: rows that want logprobs

@@ -11,7 +11,7 @@ noise, a hash of (seed, token index, vocabulary index): a seeded request gets th
 whatever else is in the batch, and a resumed request simply continues at its index. On CUDA it runs
 as device ops (no host synchronisation); on a CPU the native kernel (kernels/cpu) computes the same
 tokens row by row from a few hundred candidates instead of sorting and drawing 49k values per row
-(torch ops where it cannot be built).
+(torch ops where the runner's `CpuKernels` says native kernels do not run).
 
 Logprobs ("processed", like vLLM's `processed_logprobs`) are the log-softmax of the distribution each
 token was actually sampled from: after the controls, temperature and top-k/top-p (greedy rows: of the
@@ -27,6 +27,7 @@ import torch
 import kernels.cpu as cpu_kernels
 from kernels.sampling import LogitsControls, apply_logits_controls, sample_tokens, token_logprobs
 
+from .cpu_plan import CpuKernels
 from .guide import Guides
 from .request import TokenLogprob, finite_logprob
 from .sequence import Sequence
@@ -38,16 +39,16 @@ class Sampled:
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], guides: Guides | None = None) -> list[Sampled]:
-    """logits: [B, vocab] float32, one row per sequence in `seqs`."""
-    native = logits.device.type == "cpu" and cpu_kernels.available()
+def sample(logits: torch.Tensor, seqs: list[Sequence], guides: Guides | None, kernels: CpuKernels) -> list[Sampled]:
+    """logits: [B, vocab] float32, one row per sequence in `seqs`; `kernels`: the runner's kernel choice."""
+    native = logits.device.type == "cpu" and kernels.native
     checked = {i for i, s in enumerate(seqs) if s.guide is not None and _check_first(s)} if native else set()
     controls = logits_controls(seqs, logits.device, guides, unmasked=checked)
     if controls is not None:
         logits = apply_logits_controls(logits, controls)
-    tokens = _sample_native(logits, seqs) if native else _sample_device(logits, seqs)
+    tokens = _sample_native(logits, seqs, kernels.threads) if native else _sample_device(logits, seqs)
     if checked:
-        tokens = _enforce_grammars(logits, seqs, tokens, sorted(checked), guides)
+        tokens = _enforce_grammars(logits, seqs, tokens, sorted(checked), guides, kernels.threads)
     rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
     if not rows:
         return [Sampled(t) for t in tokens.tolist()]
@@ -76,7 +77,7 @@ def _check_first(seq: Sequence) -> bool:
 
 
 def _enforce_grammars(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, rows: list[int],
-                      guides: Guides | None) -> torch.Tensor:
+                      guides: Guides | None, threads: int) -> torch.Tensor:
     """Rows sampled before their grammar mask: each token the grammar allows stands (a cheap check of one
     token instead of a mask over the vocabulary); the others are sampled again under their masks, with
     the same noise, so the result is exactly the masked sampler's."""
@@ -92,17 +93,17 @@ def _enforce_grammars(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.
     masked = apply_logits_controls(logits.index_select(0, idx), LogitsControls(
         guided_rows=torch.arange(len(rejected), dtype=torch.int64), bitmask=masks))
     tokens = tokens.clone()
-    tokens[idx] = _sample_native(masked, sub)
+    tokens[idx] = _sample_native(masked, sub, threads)
     return tokens
 
 
-def _sample_native(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _sample_native(logits: torch.Tensor, seqs: list[Sequence], threads: int) -> torch.Tensor:
     sp = [s.sampling for s in seqs]
     f32, i64 = torch.float32, torch.int64
     return cpu_kernels.sample(
         logits, torch.tensor([p.temperature for p in sp], dtype=f32), torch.tensor([p.top_k for p in sp], dtype=i64),
         torch.tensor([p.top_p for p in sp], dtype=f32), torch.tensor([s.noise_seed for s in seqs], dtype=i64),
-        torch.tensor([len(s.output_token_ids) for s in seqs], dtype=i64), torch.get_num_threads())
+        torch.tensor([len(s.output_token_ids) for s in seqs], dtype=i64), threads)
 
 
 def _sample_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -6,6 +6,10 @@ kernels/cpu, built at first use with the machine's C compiler); `SLUICE_KERNELS=
 reference; `SLUICE_KERNELS=triton` always takes Triton (on CPU tensors that only works under
 `TRITON_INTERPRET=1`). The torch branches are exactly the engine's CPU math.
 
+The engine's whole-step native kernels (the CPU forward step, its int8 output layer, sampling) are not
+per-op choices: the engine asks `native_cpu_allowed` once at start, under the same rule (only `auto`
+runs native code), and keeps the answer (engine/cpu_plan.py, `CpuKernels`).
+
 Triton is optional: a CPU serving install does not have it. An op's Triton module (`kernels.triton.*`)
 is imported the first time that op takes the Triton branch, never when `kernels` is imported, so
 `import kernels` works without Triton and `TRITON_INTERPRET` can still be set after it.
@@ -48,11 +52,16 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
+def native_cpu_allowed() -> bool:
+    """Whether native CPU code (kernels/cpu) may run: `auto` mode, and a C compiler built it here."""
+    return kernel_mode() == "auto" and cpu.available()
+
+
 def use_native_cpu(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The native CPU decode attention (kernels/cpu): `auto` mode, fp32 queries on a CPU, a bf16 cache,
-    and a C compiler to build it."""
-    return (kernel_mode() == "auto" and q.device.type == "cpu" and q.dtype == torch.float32
-            and k_cache.dtype == torch.bfloat16 and cpu.available())
+    """The native CPU decode attention (kernels/cpu): fp32 queries on a CPU, a bf16 cache, and native
+    code allowed (`native_cpu_allowed`)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
+            and native_cpu_allowed())
 
 
 def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -87,5 +87,5 @@ def test_device_sampler_applies_controls_and_grammar_masks_per_row(engine):
     assert out[1] != top and out[1] == int(logits[1].topk(2).indices[1])
     assert engine.tokenizer.decode([out[2]]).startswith("{") and engine.tokenizer.decode([out[3]]).startswith("{")
     # The CPU sampler's controls are the same functions and its noise the same: every row agrees.
-    host = [s.token for s in sample(logits, seqs, engine.guides)]
+    host = [s.token for s in sample(logits, seqs, engine.guides, engine.runner.kernels)]
     assert host == out

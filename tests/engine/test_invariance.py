@@ -90,7 +90,7 @@ def test_native_int16_step_gives_the_same_tokens_however_requests_are_batched():
 
     def native(**kw):
         engine = LLMEngine(EngineConfig(kv_cache_tokens=8192, amx_min_rows=0, **kw))
-        assert engine.runner.model.native is not None and engine.runner.model.amx_min_rows == 0
+        assert engine.runner.model.native is not None and engine.runner.kernels.amx_min_rows == 0
         return engine
 
     engine = native(enable_prefix_caching=False, chunked_prefill_size=0, max_num_batched_tokens=4096,

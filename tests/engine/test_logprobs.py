@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import EngineRequest, SamplingParams
-from engine.model import Linear
+from engine.weights import Linear
 
 pytestmark = pytest.mark.model
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import kernels.cpu as cpu_kernels
-from engine.cpu_plan import Plan
-from engine.model import REFINE_TOP, Int4Weight, Int8Weight, Linear, LlamaModel, int4_available, int8_available
+from engine.cpu_plan import CpuKernels, Plan
+from engine.model import REFINE_TOP, LlamaModel
+from engine.weights import Int4Weight, Int8Weight, Linear, int4_available, int8_available
 
 
 def test_fast_logits_are_exact_where_it_matters():
@@ -100,6 +101,6 @@ def test_native_int8_output_layer_refines_the_top_candidates(rows):
     assert cpu_kernels.int8_logits(x[:0], head, 2, exact=weight, refine=REFINE_TOP).shape == (0, 4992)  # a chunk
     model = LlamaModel.__new__(LlamaModel)
     model.lm_head = Linear(weight, None, torch.float32)
-    model.lm_head_fast, model.head_tiles, model.native_threads, model.amx_min_rows = None, head, 2, 0
+    model.lm_head_fast, model.head_tiles, model.kernels = None, head, CpuKernels(native=True, threads=2, amx_min_rows=0)
     assert model.approximate_logits
     torch.testing.assert_close(model.logits(x), cpu_kernels.int8_logits(x, head, 2, weight, REFINE_TOP))

@@ -241,7 +241,7 @@ def test_native_cpu_step_stays_close_to_the_reference(prompt_ids, ref_logits, re
     assert model.native is not None and not model.layers  # no torch copy of the layers at all
     if amx_min_rows and not model.native.amx:
         pytest.skip("this CPU (or OS) has no AMX")
-    assert model.amx_min_rows == amx_min_rows
+    assert model.kernels.amx_min_rows == amx_min_rows
     calls = []
     run = model.native.run
     model.native.run = lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k)  # type: ignore[method-assign]

@@ -117,3 +117,16 @@ def test_rotary_reference_rotates_q_and_k_of_a_fused_qkv_in_one_pass_with_the_sa
     want_q2 = apply_rope_ref(q2, cos[pos], sin[pos])
     rotary_inplace_ref(q2, k2, cos, sin, pos)
     assert torch.equal(q2, want_q2) and torch.equal(k2, want_k2)
+
+
+def test_native_cpu_code_runs_only_in_auto_mode(monkeypatch):
+    """The engine's native CPU kernels follow SLUICE_KERNELS like every op: `torch` and `triton` turn them off."""
+    monkeypatch.setattr(dispatch.cpu, "available", lambda: True)
+    monkeypatch.delenv("SLUICE_KERNELS", raising=False)
+    assert dispatch.native_cpu_allowed()
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("SLUICE_KERNELS", mode)
+        assert not dispatch.native_cpu_allowed()
+    monkeypatch.delenv("SLUICE_KERNELS")
+    monkeypatch.setattr(dispatch.cpu, "available", lambda: False)  # no C compiler: the torch path
+    assert not dispatch.native_cpu_allowed()

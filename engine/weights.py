@@ -1,0 +1,169 @@
+"""The weight formats a step reads, and how the model file's weights become them; the model itself
+(engine/model.py) only says which layer multiplies by which weight (gpt-fast keeps its quantize.py
+apart from its model.py the same way).
+
+- `Linear`: y = x W^T (+ b), W in its own dtype, with an optional packed copy for small steps:
+  `Int4Weight` (the GGUF's own Q4_0/Q4_1 blocks, torch's CPU int4 matmul) or `Int8Weight` (one scale
+  per output row, for the output layer).
+- The 4-bit blocks of the fused linears (`LAYER_LINEARS`), checked against the weights they stand for.
+- `native_layers`: every layer in the native CPU step's tile layouts (kernels/cpu).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+
+import torch
+import torch.nn.functional as F
+
+import kernels.cpu as cpu_kernels
+
+from . import batch_invariant
+from .loader import ModelArgs
+
+Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] 0..15, scale, min [N, K/32]
+Q4_GROUP = 32
+# The fused linears of a layer and the checkpoint weights each one concatenates along its rows.
+LAYER_LINEARS = {
+    "qkv": [f"self_attn.{n}_proj.weight" for n in "qkv"],
+    "o": ["self_attn.o_proj.weight"],
+    "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "down": ["mlp.down_proj.weight"],
+}
+
+
+def int4_available(device: torch.device) -> bool:
+    """torch's CPU int4 matmul (group-wise scale and zero point, AVX-512 / AVX2 kernels)."""
+    return device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+
+
+def int8_available(device: torch.device) -> bool:
+    """torch's CPU int8 weight-only matmul (one scale per output row)."""
+    return device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
+
+
+class Int4Weight:
+    """A GGUF Q4_0/Q4_1 weight as torch's packed int4 (`_weight_int4pack_mm_for_cpu`): the file's own
+    4-bit codes, one (scale, zero) pair per 32 inputs, so it reads a quarter of bf16's bytes. The kernel
+    computes in bf16: x is rounded to bf16 (as the bf16 path does) and the fp16 scales to bf16."""
+
+    def __init__(self, blocks: Q4Blocks):
+        codes, scale, mn = blocks
+        self.shape = codes.shape
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        # The kernel's dequantisation is (code - 8) * scale + zero.
+        zero = mn + 8 * scale
+        self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, Q4_GROUP, self.scales_zeros)
+
+
+class Int8Weight:
+    """A weight as int8 with one scale per output row (`_weight_int8pack_mm`): half of bf16's bytes.
+    Used for the output layer, whose rows a decode step reads in full while only each row's top
+    candidates matter (and those are recomputed at full precision, see `LlamaModel.logits`)."""
+
+    def __init__(self, weight: torch.Tensor, chunk_rows: int = 4096):
+        n = weight.shape[0]
+        self.q = torch.empty(weight.shape, dtype=torch.int8)
+        scales = torch.empty(n)
+        for a in range(0, n, chunk_rows):  # in slices: no full-size float temporaries at load
+            w = weight[a:a + chunk_rows].float()
+            s = w.abs().amax(1).clamp_min(1e-12) / 127
+            self.q[a:a + chunk_rows] = (w / s[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+            scales[a:a + chunk_rows] = s
+        self.scales = scales.to(torch.bfloat16)
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * 2
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scales)
+
+
+PackedWeight = Int4Weight | Int8Weight
+
+
+class Linear:
+    """y = x W^T (+ b), with W stored in its own dtype (bf16 halves the bytes a CPU decode step reads);
+    the activations stay in the model's dtype, so the residual stream and the norms keep full precision.
+
+    `packed`: the same weight in fewer bytes (the GGUF's own 4-bit blocks, or int8), which a caller
+    asks for per call: small steps are bound by the bytes they read, larger ones run faster on the
+    CPU's bf16 matmul (AMX / AVX512-BF16) than dequantising (see engine/cpu_plan.py)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: torch.dtype,
+                 invariant: bool = False, packed: PackedWeight | None = None):
+        self.weight = weight.to(weight_dtype).contiguous()
+        self.bias = bias
+        self.invariant = invariant  # fixed-shape matmuls: a row's result ignores the rest of the batch
+        self.packed = packed
+
+    def __call__(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        if packed and self.packed is not None:
+            y = self.packed.mm(x).to(x.dtype)
+        elif self.invariant:
+            y = batch_invariant.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        else:
+            y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        return y + self.bias if self.bias is not None else y
+
+    def nbytes(self, packed: bool = False) -> int:
+        """Bytes of weights one call reads."""
+        if packed and self.packed is not None:
+            return self.packed.nbytes()
+        return self.weight.numel() * self.weight.element_size()
+
+
+def q4_matches(blocks: Q4Blocks, weight: torch.Tensor) -> bool:
+    """The first row of the blocks dequantizes to the weight's first row."""
+    codes, scale, mn = (b[:1] for b in blocks)
+    row = (codes.float().unflatten(-1, (-1, Q4_GROUP)) * scale[..., None] + mn[..., None]).flatten(-2)
+    return torch.allclose(row, weight[:1].float(), rtol=0, atol=1e-6)
+
+
+def fused_blocks(parts: list[Q4Blocks | None]) -> Q4Blocks | None:
+    """The 4-bit blocks of weights fused along their output rows (Q/K/V, gate/up), if all are 4-bit."""
+    if any(b is None for b in parts):
+        return None
+    return tuple(torch.cat([b[j] for b in parts if b is not None]) for j in range(3))  # type: ignore[return-value]
+
+
+def native_fits(args: ModelArgs, q4_blocks: MutableMapping[str, Q4Blocks]) -> bool:
+    """Every linear weight of every layer has 4-bit blocks, and the shapes are ones the native step takes
+    (checked before anything is built, so a model it cannot run gets the torch path whole)."""
+    q_n, kv_n = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    shapes_ok = (args.hidden_size % 32 == 0 and args.intermediate_size % 32 == 0 and q_n % 32 == 0
+                 and (q_n + 2 * kv_n) % 16 == 0 and args.head_dim % 16 == 0 and args.head_dim <= 256
+                 and args.num_heads % args.num_kv_heads == 0 and args.num_heads <= 256)
+    return shapes_ok and all(f"model.layers.{i}.{n}" in q4_blocks for i in range(args.num_layers)
+                             for names in LAYER_LINEARS.values() for n in names)
+
+
+def native_layers(args: ModelArgs, weights: MutableMapping[str, torch.Tensor],
+                  q4: Callable[[str], Q4Blocks | None],
+                  drop_layer: Callable[[int], None]) -> list[cpu_kernels.LayerBlocks] | None:
+    """Every layer in the native step's layouts (each layer's entries dropped once it is packed), or None
+    when the first layer's blocks do not match its weights (nothing dropped then: the torch path builds
+    the model). `q4(name)`: a weight's 4-bit blocks if they match it."""
+    layers: list[cpu_kernels.LayerBlocks] = []
+    for i in range(args.num_layers):
+        p = f"model.layers.{i}."
+        blocks = {name: fused_blocks([q4(p + n) for n in names]) for name, names in LAYER_LINEARS.items()}
+        packed = {name: None if b is None else cpu_kernels.pack_q4_1(*b) for name, b in blocks.items()}
+        if any(b is None for b in packed.values()):
+            if i:
+                raise RuntimeError(f"layer {i}'s 4-bit blocks do not match its weights (the layers before it "
+                                   "matched); the model file is inconsistent")
+            return None
+        bias = (torch.cat([weights[p + f"self_attn.{n}_proj.bias"].float() for n in "qkv"])
+                if args.attention_bias else None)
+        layers.append(cpu_kernels.LayerBlocks(
+            attn_norm=weights[p + "input_layernorm.weight"],
+            mlp_norm=weights[p + "post_attention_layernorm.weight"], qkv_bias=bias, **packed))  # type: ignore[arg-type]
+        drop_layer(i)
+    return layers
