@@ -1,12 +1,14 @@
-"""The typed things that cross the gateway's modules: a generation request on its way to a backend,
-the per-choice outputs coming back, failures (by kind, never by HTTP status: the HTTP layer maps a
-kind to a status), worker stats (the heartbeat's schema) and the commands a worker's engine thread takes.
+"""The typed things that cross the gateway's modules: a generation request on its way to a backend
+(with its target: the local engine may serve it, or only a remote provider), the per-choice outputs
+coming back, failures (by kind, never by HTTP status: the HTTP layer maps a kind to a status), worker
+stats (the heartbeat's schema) and the commands a worker's engine thread takes.
 
 Outputs and stats travel through Redis, so each has a `to_dict`/`from_dict` pair.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,13 +24,22 @@ if TYPE_CHECKING:
 LOCAL = "local"
 
 
+class Target(enum.Enum):
+    """Where a request may be served, decided when it is prepared."""
+
+    LOCAL = "local"  # tokenized here: the local engine may serve it (the router may still send it to a provider)
+    RELAY = "relay"  # not tokenized: only a remote provider may serve it, relayed as the client sent it (`api`)
+
+
 @dataclass
 class GenerationRequest:
-    """A validated, tokenized request, as every backend takes it."""
+    """A validated request, as every backend takes it: tokenized with the engine's sampling parameters
+    (target LOCAL), or the client's request to relay (target RELAY: no tokens, no engine parameters)."""
 
     request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    sampling: SamplingParams | None = None
+    target: Target = Target.LOCAL
     n: int = 1
     tier: str = "standard"
     priority: int = 1
@@ -39,8 +50,12 @@ class GenerationRequest:
     key: str | None = None  # the API key's name (never the key), for limits and usage
     # Prefix-cache isolation: an opaque salt mixed into the first KV block's hash (see settings.cache_salt).
     cache_salt: str | None = None
-    # Set when the local model cannot serve it (e.g. an image part): only a remote provider may.
+    # A relay's reason when the local model cannot serve it: the field it cannot serve (e.g. an image part).
     needs_remote: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.target is Target.LOCAL and self.sampling is None:
+            raise ValueError(f"{self.request_id}: a request the local engine may serve needs its sampling parameters")
 
 
 @dataclass
@@ -164,5 +179,5 @@ class AbortRequest:
 InboxMessage = AddRequest | AbortRequest
 
 __all__ = ["LOCAL", "AbortRequest", "AddRequest", "ChoiceOutput", "ErrorOutput", "GenerationRequest",
-           "InboxMessage", "QueueItem", "WorkerStats", "error_output", "is_failure", "output_from_dict",
+           "InboxMessage", "QueueItem", "Target", "WorkerStats", "error_output", "is_failure", "output_from_dict",
            "output_to_dict", "queue_timeout_output"]

@@ -84,6 +84,7 @@ class LocalBackend(Backend):
 
     @staticmethod
     def sub_requests(req: GenerationRequest) -> list[EngineRequest]:
+        assert req.sampling is not None  # the router sends only local requests here
         out = []
         for i in range(req.n):
             rid = req.request_id if req.n == 1 else f"{req.request_id}-{i}"

@@ -85,15 +85,20 @@ class Accountant:
         n = max(1, gen.n)
         worst = 0.0
         if local:
+            assert gen.sampling is not None  # a local request carries the engine's parameters
             price = self.local_price
             worst = (len(gen.prompt_token_ids) * price.get("input_per_m", 0.0)
-                     + n * int(gen.sampling.max_tokens or 0) * price.get("output_per_m", 0.0)) / 1e6
+                     + n * gen.sampling.max_tokens * price.get("output_per_m", 0.0)) / 1e6
         if providers:
             prompt_bound = len(gen.api.model_dump_json(exclude_none=True)) if gen.api is not None \
                 else len(gen.prompt_token_ids)
             requested = _requested_max_tokens(gen)
-            completion = requested if requested is not None else max(int(gen.sampling.max_tokens or 0),
-                                                                     self.reserve_completion_tokens)
+            if requested is not None:
+                completion = requested
+            elif gen.sampling is not None:  # tokenized here: at least the budget the local engine would get
+                completion = max(gen.sampling.max_tokens, self.reserve_completion_tokens)
+            else:  # a relay that sets no max_tokens: its provider's limit is unknown here
+                completion = self.reserve_completion_tokens
             for p in providers:
                 input_price = max(p.input_price_per_m, p.cached_input_price_per_m or 0.0)
                 worst = max(worst, (prompt_bound * input_price + n * completion * p.output_price_per_m) / 1e6)

@@ -11,6 +11,7 @@ from gateway.backends.remote.backend import RemoteBackend
 from gateway.errors import Failure
 from gateway.messages import ChoiceOutput, ErrorOutput, GenerationRequest
 from gateway.observability.metrics import Metrics
+from gateway.routing.reasons import RouteReason
 
 log = logging.getLogger("sluice.router")
 
@@ -42,7 +43,7 @@ class FallbackStream(WrappedStream):
                 log.warning("local failure before the first token for %s (%s); retrying remotely",
                             self._gen.request_id, ch.output.error or ch.output.finish_reason)
                 await self._inner.aclose()
-                self._metrics.decisions.labels(self._gen.tier, "remote", "local_failed").inc()
+                self._metrics.decisions.labels(self._gen.tier, "remote", RouteReason.LOCAL_FAILED).inc()
                 self._inner = await self._remote.submit(self._gen)
                 return await self._inner.__anext__()
         return ch

@@ -1,14 +1,16 @@
 """The router: picks the backend of each request, local engine or remote provider chain.
 
 Local first:
-  * a model only providers serve goes remote (`remote_only`); so does any request when no engine
-    worker is ready (`no_worker`);
+  * a request prepared as a relay (`Target.RELAY`: not tokenized here) goes remote: a model only
+    providers serve (`remote_only`), any request when no engine worker is ready (`no_worker`), or a
+    part the local model cannot serve (`capability`);
   * a model served both ways goes remote when the estimated queue wait for the request's tier exceeds
     `tiers.<tier>.max_queue_wait_ms` (`queue_wait`; the estimate: routing/estimate.py) or the tier's
     queue is full (`queue_full`);
   * a local failure before the first token is retried remotely (`local_failed`, routing/fallback.py).
 `pro` has nothing of `standard` ahead of it and a larger target, so it stays local longest. Each
-decision is counted (`sluice_route_decisions_total`) and logged (remote ones at INFO); every answer is
+decision is counted with its reason (`RouteReason`, routing/reasons.py: the words in parentheses here)
+in `sluice_route_decisions_total` and logged (remote ones at INFO); every answer is
 accounted (routing/accounting.py) and carries `x-sluice-backend: local|remote:<provider>`.
 """
 
@@ -21,13 +23,14 @@ import time
 from gateway.backends.base import Backend, ChoiceStream
 from gateway.backends.remote.backend import RemoteBackend
 from gateway.errors import APIError
-from gateway.messages import GenerationRequest
+from gateway.messages import GenerationRequest, Target
 from gateway.observability.metrics import Metrics
 from gateway.queue.base import QueueFull
 from gateway.routing.accounting import Accountant
 from gateway.routing.capacity import LocalSide
 from gateway.routing.estimate import WaitEstimator
 from gateway.routing.fallback import FallbackStream
+from gateway.routing.reasons import RouteReason
 from gateway.settings import RoutingSettings
 
 log = logging.getLogger("sluice.router")
@@ -55,7 +58,7 @@ class Router(Backend):
     async def submit(self, gen: GenerationRequest) -> ChoiceStream:
         """Hold the request's worst-case cost against its key's budget (for every backend it may take),
         then route it; the hold is settled when the answer is accounted, or released here on failure."""
-        local = bool(gen.prompt_token_ids) and gen.needs_remote is None
+        local = gen.target is Target.LOCAL and gen.needs_remote is None
         chain = self.remote.chain(gen.model) if self.remote is not None else []
         await self.accountant.reserve(gen, local=local, providers=[p.settings for p in chain])
         try:
@@ -67,33 +70,34 @@ class Router(Backend):
     async def _route(self, gen: GenerationRequest) -> ChoiceStream:
         t0 = time.monotonic()
         if gen.needs_remote is not None:  # a capability the local model lacks (an image part, ...)
-            return await self._remote(gen, "capability", t0)
-        if not gen.prompt_token_ids:  # the handler did not tokenize: the local side cannot take it
-            reason = "remote_only" if gen.model != self.side.local_model() else "no_worker"
+            return await self._remote(gen, RouteReason.CAPABILITY, t0)
+        if gen.target is Target.RELAY:  # not tokenized here: the local side cannot take it
+            reason = RouteReason.REMOTE_ONLY if gen.model != self.side.local_model() else RouteReason.NO_WORKER
             return await self._remote(gen, reason, t0)
         if not self.serves_remotely(gen.model):
-            return self._local(await self.local.submit(gen), gen, t0, "local_only")
+            return self._local(await self.local.submit(gen), gen, t0, RouteReason.LOCAL_ONLY)
         if not self.side.local_ready():
-            return await self._remote(gen, "no_worker", t0)
+            return await self._remote(gen, RouteReason.NO_WORKER, t0)
         target = self.estimator.tier_target_s(gen.tier)
         if self.routing.overflow and target is not None:
             est = await self.estimator.estimate_wait(gen.tier)
             if est > target:
-                return await self._remote(gen, "queue_wait", t0, est)
+                return await self._remote(gen, RouteReason.QUEUE_WAIT, t0, est)
         try:
             stream = await self.local.submit(gen)
         except QueueFull:
-            return await self._remote(gen, "queue_full", t0)
+            return await self._remote(gen, RouteReason.QUEUE_FULL, t0)
         if self.routing.local_retry_remote and self.remote is not None:
             stream = FallbackStream(gen, stream, self.remote, self.metrics)
-        return self._local(stream, gen, t0, "local")
+        return self._local(stream, gen, t0, RouteReason.LOCAL)
 
-    def _local(self, stream: ChoiceStream, gen: GenerationRequest, t0: float, reason: str) -> ChoiceStream:
+    def _local(self, stream: ChoiceStream, gen: GenerationRequest, t0: float, reason: RouteReason) -> ChoiceStream:
+        assert gen.sampling is not None  # a local request carries the engine's parameters
         self.metrics.decisions.labels(gen.tier, "local", reason).inc()
-        self.estimator.started_local(gen.request_id, int(gen.sampling.max_tokens or 0) * max(1, gen.n))
+        self.estimator.started_local(gen.request_id, gen.sampling.max_tokens * max(1, gen.n))
         return self.accountant.wrap(stream, gen, t0)
 
-    async def _remote(self, gen: GenerationRequest, reason: str, t0: float,
+    async def _remote(self, gen: GenerationRequest, reason: RouteReason, t0: float,
                       est: float | None = None) -> ChoiceStream:
         if self.remote is None or not self.remote.chain(gen.model):
             raise APIError(503, "No engine worker is ready and no remote provider serves this model.",
@@ -104,7 +108,7 @@ class Router(Backend):
                      gen.tier, reason, f"{est * 1000:.0f} ms" if math.isfinite(est)
                      else "unknown (no free slot, no completion or step rate yet)")
         else:  # a remote-only model is not news; a fallback from local is
-            log.log(logging.DEBUG if reason == "remote_only" else logging.INFO, "route %s tier=%s -> remote (%s)",
-                    gen.request_id, gen.tier, reason)
+            log.log(logging.DEBUG if reason == RouteReason.REMOTE_ONLY else logging.INFO,
+                    "route %s tier=%s -> remote (%s)", gen.request_id, gen.tier, reason)
         self.metrics.decisions.labels(gen.tier, "remote", reason).inc()
         return self.accountant.wrap(stream, gen, t0)

@@ -13,7 +13,7 @@ from gateway.admission.usage import UsageStore
 from gateway.backends.base import Backend, ChoiceStream
 from gateway.backends.remote.backend import RemoteBackend
 from gateway.errors import Failure
-from gateway.messages import ChoiceOutput, GenerationRequest, QueueItem, WorkerStats, error_output
+from gateway.messages import ChoiceOutput, GenerationRequest, QueueItem, Target, WorkerStats, error_output
 from gateway.observability.metrics import Metrics
 from gateway.queue.base import QueueFull
 from gateway.queue.memory import MemoryQueue
@@ -158,7 +158,10 @@ class Remote(RemoteBackend):
                                      completion_tokens=2)], backend="remote:p", settings=self.providers[0].settings)
 
 
-def _gen(rid: str = "r1", tier: str = "standard", prompt: list[int] | None = None) -> GenerationRequest:
+def _gen(rid: str = "r1", tier: str = "standard", prompt: list[int] | None = None,
+         target: Target = Target.LOCAL) -> GenerationRequest:
+    if target is Target.RELAY:  # not tokenized here: no tokens, no engine parameters
+        return GenerationRequest(request_id=rid, target=target, tier=tier, model="local-m")
     return GenerationRequest(request_id=rid, prompt_token_ids=[1, 2, 3] if prompt is None else prompt,
                              sampling=SamplingParams(max_tokens=8), tier=tier, model="local-m")
 
@@ -199,10 +202,10 @@ async def test_over_the_target_goes_remote_and_pro_stays_local():
 
 async def test_remote_only_no_worker_and_queue_full():
     router, remote, metrics = _router(Side(ready=False), await _queue(), Local())
-    await router.submit(_gen("a", prompt=[]))  # not tokenized here: the local side cannot take it
+    await router.submit(_gen("a", target=Target.RELAY))  # not tokenized here: the local side cannot take it
     assert _decisions(metrics, "standard", "remote", "no_worker") == 1
     router.side.model = "another"  # type: ignore[attr-defined]
-    await router.submit(_gen("b", prompt=[]))
+    await router.submit(_gen("b", target=Target.RELAY))
     assert _decisions(metrics, "standard", "remote", "remote_only") == 1
     router, remote, metrics = _router(Side([WorkerStats(capacity=8)]), await _queue(), Local(full=True))
     assert (await router.submit(_gen("c"))).backend == "remote:p"
