@@ -148,6 +148,18 @@ def _usage_into(parsed: _Parsed, usage: dict[str, Any] | None) -> None:
     parsed.cached_tokens = int((details or {}).get("cached_tokens") or usage.get("prompt_cache_hit_tokens") or 0)
 
 
+@dataclass
+class TryResult:
+    """What one successful try delivered. A JSON answer: every output (`rest` None). A stream: the
+    outputs read up to and including the first real text (the stream is then committed), and the
+    outputs still to come (`rest`: the same iterator, so nothing it read is lost; None when the whole
+    answer is already here); `parsed` accumulates the stream's facts (its usage) as `rest` is read."""
+
+    outputs: list[ChoiceOutput]
+    parsed: _Parsed
+    rest: AsyncIterator[list[ChoiceOutput]] | None = None
+
+
 class stop_when(stop_base):
     """A tenacity stop condition from a predicate (so it composes with `|`)."""
 
@@ -237,16 +249,16 @@ class RemoteStream(ChoiceStream):
 
     # ---------------------------------------------------------------- one try
 
-    async def _try(self, p: Provider, deadline: float) -> Any:
-        """One call to one provider. JSON: its outputs (a list). Stream: the buffered outputs up to and
-        including the first real text (the stream is then committed), plus the outputs still to come
-        (the same iterator, so nothing it read is lost; None when the whole answer is buffered)."""
+    async def _try(self, p: Provider, deadline: float) -> TryResult:
+        """One call to one provider: its answer, whole (JSON), or as far as the first real text (a stream)."""
         timeout = max(0.05, min(p.settings.timeout_s, deadline - time.monotonic()))
         body = self._body(p)
         if not body.get("stream"):
             resp = await p.post(self._gen.endpoint, jsonio.dumps(body), timeout)
             content = await p.read(resp)
-            return self._json_outputs(_json_body(resp.status, resp.headers.get("content-type", ""), content))
+            parsed = _Parsed()
+            outputs = self._json_outputs(_json_body(resp.status, resp.headers.get("content-type", ""), content), parsed)
+            return TryResult(outputs, parsed)
         resp = await p.post(self._gen.endpoint, jsonio.dumps(body), timeout)
         self._resp = resp
         ctype = resp.headers.get("content-type", "")
@@ -261,9 +273,9 @@ class RemoteStream(ChoiceStream):
                 async for outs in rest:
                     buffered.extend(outs)
                     if outs and outs[-1].output.finished:  # the end: the whole answer is here
-                        return buffered, None, parsed
+                        return TryResult(buffered, parsed)
                     if any(o.output.text for o in outs):
-                        return buffered, rest, parsed
+                        return TryResult(buffered, parsed, rest)
         except BaseException:
             await self._release_resp()
             raise
@@ -333,8 +345,7 @@ class RemoteStream(ChoiceStream):
                 cached_tokens=parsed.cached_tokens)))
         return outs
 
-    def _json_outputs(self, body: dict[str, Any]) -> list[ChoiceOutput]:
-        parsed = _Parsed()
+    def _json_outputs(self, body: dict[str, Any], parsed: _Parsed) -> list[ChoiceOutput]:
         _usage_into(parsed, body.get("usage"))
         chat = self._gen.endpoint == "chat"
         outs = []
@@ -350,7 +361,7 @@ class RemoteStream(ChoiceStream):
 
     # ---------------------------------------------------------------- the try chain
 
-    async def _open(self) -> tuple[Provider, Any]:
+    async def _open(self) -> tuple[Provider, TryResult]:
         b = self._remote
         r = b.routing
         start = time.monotonic()
@@ -404,7 +415,7 @@ class RemoteStream(ChoiceStream):
         return [p for p in self._chain if p not in self._excluded
                 and not (p.config_error and not p.breaker.available())]
 
-    async def _round(self, deadline: float) -> tuple[Provider, Any]:
+    async def _round(self, deadline: float) -> tuple[Provider, TryResult]:
         failures: list[AttemptFailure] = []
         tried = 0
         for p in self._remote.order(self._chain):
@@ -517,19 +528,13 @@ class RemoteStream(ChoiceStream):
     async def _run(self) -> AsyncGenerator[list[ChoiceOutput], None]:
         p, result = await self._open()
         self._backend = f"remote:{p.name}"
-        if isinstance(result, list):  # a JSON answer, already turned into outputs
-            try:
-                yield result
-            finally:
-                await self._release()
-            return
-        buffered, rest, parsed = result
+        parsed = result.parsed
         try:
-            yield buffered
-            if rest is None:  # the whole answer was in the buffered outputs
+            yield result.outputs
+            if result.rest is None:  # the whole answer is here (a JSON answer, or a stream read to its end)
                 return
             try:
-                async for outs in rest:
+                async for outs in result.rest:
                     yield outs
             except (Exception, StreamDropped) as e:  # committed: end with an error event, never silently
                 f = classify(p, e)
