@@ -1,2 +1,3 @@
-"""1. HTTP in, JSON or SSE out: the aiohttp app, the OpenAI routes and schema, request preparation,
-errors, middleware and the guarded server."""
+"""1. HTTP in, JSON or SSE out: the aiohttp app, the routes (parse -> prepare -> submit -> answer),
+request preparation, the error middleware, lifecycle, the dashboard's routes and the guarded server.
+The OpenAI protocol itself (schema, tools, encoders) is gateway/openai/."""

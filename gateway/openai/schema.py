@@ -134,7 +134,7 @@ class ChatMessage(_Request):
     def to_template(self) -> dict[str, str]:
         """The {role, content[, name]} dict the chat template takes; developer is the new name for system.
         The template decides what `name` means (many ignore it, as OpenAI's own models may). Tool calls
-        and tool results are rendered in the Hermes format (gateway/http/tools.py)."""
+        and tool results are rendered in the Hermes format (gateway/openai/tools.py)."""
         role = "system" if self.role == "developer" else self.role
         content = self.text()
         if self.tool_calls:
