@@ -1,6 +1,7 @@
-"""Turning a backend's choice stream into the client's answer: one JSON body, or Server-Sent Events
-ending with `data: [DONE]`. A failure before the first output becomes a real HTTP status; after the
-headers went out it becomes an error event, and the usage chunk still reports what was billed.
+"""Relaying a backend's choice stream to the client: collected per choice for a JSON body (`collect`),
+or written as Server-Sent Events ending with `data: [DONE]` (`stream_sse`); the bytes themselves come
+from gateway/openai's encoders. A failure before the first output becomes a real HTTP status; after
+the headers went out it becomes an error event, and the usage chunk still reports what was billed.
 
 A stream is relayed a batch at a time (what one upstream read delivered, `ChoiceStream.next_batch`):
 one write per batch, and the last chunks, the usage chunk and `[DONE]` go out with the end of the body
