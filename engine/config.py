@@ -106,3 +106,11 @@ class EngineConfig:
             positive(name)
         if self.priority_aging_s <= 0:
             raise EngineConfigError("priority_aging_s must be positive")
+
+
+def output_room(prompt_len: int, max_model_len: int, pool_tokens: int | None,
+                req_max_output_len: int | None) -> int:
+    """The largest output budget (`max_tokens`) a prompt of `prompt_len` tokens leaves: what the context,
+    the KV pool (None: no cap known) and req_max_output_len allow (0 or less: the prompt alone fills them)."""
+    room = min(max_model_len, pool_tokens if pool_tokens is not None else max_model_len) - prompt_len
+    return room if req_max_output_len is None else min(room, req_max_output_len)

@@ -14,7 +14,7 @@ import random
 import time
 
 from .block_manager import BlockManager
-from .config import EngineConfig, EngineConfigError
+from .config import EngineConfig, EngineConfigError, output_room
 from .guide import CompileTicket, GuideLimits, Guides, GuideStats
 from .loader import load_model
 from .model_runner import ModelRunner
@@ -107,17 +107,15 @@ class LLMEngine:
         bad = [t for t in req.sampling.logit_bias if not 0 <= t <= self.max_token_id]
         if bad:
             raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary", param="logit_bias")
-        room = self.max_model_len - prompt_len
-        if self.config.req_max_output_len is not None:
-            room = min(room, self.config.req_max_output_len)
-        max_tokens = min(req.sampling.max_tokens, room)
-        total = prompt_len + max_tokens
-        if total > self.capacity_tokens:
-            max_tokens = self.capacity_tokens - prompt_len
-            if max_tokens < 1:
-                raise RequestRejected(
-                    f"the prompt ({prompt_len} tokens) cannot fit in this engine's KV pool of "
-                    f"{self.capacity_tokens} tokens", code="context_length_exceeded", param="messages")
+        if prompt_len >= self.capacity_tokens:
+            raise RequestRejected(
+                f"the prompt ({prompt_len} tokens) cannot fit in this engine's KV pool of "
+                f"{self.capacity_tokens} tokens", code="context_length_exceeded", param="messages")
+        max_tokens = req.sampling.max_tokens
+        room = self.max_output_tokens(prompt_len)
+        if max_tokens > room:
+            raise RequestRejected(self._no_room(max_tokens, prompt_len, room), code="context_length_exceeded",
+                                  param="max_tokens")
         seq = Sequence.from_request(req, max_tokens, self.eos_token_ids)
         if req.sampling.seed is None:  # the noise of unseeded requests: from the engine's seeded stream
             seq.noise_seed = self._noise_seeds.getrandbits(62)
@@ -141,6 +139,27 @@ class LLMEngine:
             self.scheduler.add(seq)
         else:
             self._compiling[req.request_id] = (seq, ticket)
+
+    def max_output_tokens(self, prompt_len: int) -> int:
+        """The largest `max_tokens` this engine takes with a prompt of `prompt_len` tokens: what the
+        context, the KV pool and req_max_output_len leave. A larger one is refused, never shortened, so
+        a request gets the budget it asked for or an error that says why."""
+        return output_room(prompt_len, self.max_model_len, self.capacity_tokens, self.config.req_max_output_len)
+
+    def _no_room(self, max_tokens: int, prompt_len: int, room: int) -> str:
+        limits = [f"a context of {self.max_model_len} tokens"]
+        if self.capacity_tokens < self.max_model_len:
+            limits.append(f"a KV pool of {self.capacity_tokens} tokens")
+        if self.config.req_max_output_len is not None:
+            limits.append(f"req_max_output_len {self.config.req_max_output_len}")
+        return (f"max_tokens {max_tokens} cannot fit: with a prompt of {prompt_len} tokens this engine "
+                f"({', '.join(limits)}) has room for at most {room} output tokens. Lower max_tokens.")
+
+    def kv_usage(self) -> float:
+        """The share of the KV pool's blocks that sequences hold (cached prefix blocks nobody holds count
+        as free: a new request may take them)."""
+        bm = self.block_manager
+        return (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)

@@ -33,7 +33,7 @@ class Sequence:
     sampling: SamplingParams
     priority: int
     arrival_time: float
-    max_tokens: int  # the effective output limit (request, model context and req_max_output_len)
+    max_tokens: int  # the output limit (the request's; the engine refuses one that cannot fit)
     output_token_ids: list[int] = field(default_factory=list)
     num_resumed_tokens: int = 0  # outputs produced elsewhere before a retry (never re-emitted)
     status: SeqStatus = SeqStatus.WAITING

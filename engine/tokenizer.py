@@ -103,6 +103,17 @@ class Tokenizer:
         """The Hugging Face `tokenizers` JSON of the model's tokenizer (the grammar engine builds its own from it)."""
         return self._tok.to_str()
 
+    def token_pieces(self) -> dict[int, str]:
+        """Each token id's piece as the vocabulary spells it, special tokens included. For byte-level BPE
+        (GPT-2's byte-to-character map) a piece gives back the token's exact bytes, which decoding one
+        token alone cannot when it holds part of a UTF-8 character (logprobs report those bytes)."""
+        pieces = {}
+        for i in range(self._tok.get_vocab_size()):
+            piece = self._tok.id_to_token(i)
+            if piece is not None:
+                pieces[i] = piece
+        return pieces
+
     # -- encoding --------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         """Plain text, never control tokens (for user-supplied text)."""

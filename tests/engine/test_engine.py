@@ -125,6 +125,42 @@ def test_too_long_prompt_rejected(engine):
     assert e.value.code == "context_length_exceeded"
 
 
+def test_an_output_budget_that_cannot_fit_is_refused_not_shortened(engine, configured, monkeypatch):
+    ids = chat(engine, PROMPTS[0])
+    room = engine.max_model_len - len(ids)
+    assert engine.max_output_tokens(len(ids)) == room  # this engine's KV pool holds its whole context
+    with pytest.raises(RequestRejected) as e:
+        engine.add_request(EngineRequest("over", ids, SamplingParams(max_tokens=room + 1)))
+    assert (e.value.code, e.value.param) == ("context_length_exceeded", "max_tokens")
+    assert not engine.has_unfinished()
+    monkeypatch.setattr(engine, "capacity_tokens", len(ids) + 10)  # a KV pool smaller than the context
+    assert engine.max_output_tokens(len(ids)) == 10
+    with pytest.raises(RequestRejected) as e:
+        engine.add_request(EngineRequest("pool", ids, SamplingParams(max_tokens=11)))
+    assert e.value.param == "max_tokens" and "KV pool of" in str(e.value)
+    with pytest.raises(RequestRejected) as e:  # the prompt alone fills the pool
+        engine.add_request(EngineRequest("pool2", ids + [100] * 10, SamplingParams(max_tokens=1)))
+    assert (e.value.code, e.value.param) == ("context_length_exceeded", "messages")
+    monkeypatch.undo()
+    capped = configured(req_max_output_len=8)
+    assert capped.max_output_tokens(len(ids)) == 8
+    with pytest.raises(RequestRejected) as e:
+        capped.add_request(EngineRequest("cap", ids, SamplingParams(max_tokens=9)))
+    assert e.value.param == "max_tokens" and "req_max_output_len 8" in str(e.value)
+    outs = capped.generate([EngineRequest("fits", ids, SamplingParams(max_tokens=8, ignore_eos=True))])["fits"]
+    assert (outs[-1].completion_tokens, outs[-1].finish_reason) == (8, "length")
+
+
+def test_kv_usage_is_the_share_of_blocks_held(engine):
+    assert engine.kv_usage() == 0.0  # nothing runs (cached prefix blocks nobody holds are free)
+    engine.add_request(EngineRequest("kv", chat(engine, PROMPTS[3]), SamplingParams(max_tokens=50)))
+    engine.step()
+    bm = engine.block_manager
+    assert engine.kv_usage() == (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks > 0
+    engine.abort("kv")
+    assert engine.kv_usage() == 0.0
+
+
 def test_resumed_request_generates_only_the_rest(engine):
     ids = chat(engine, PROMPTS[6])
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

@@ -2,6 +2,7 @@
 
 import pytest
 
+from engine import EngineConfig, load_frontend
 from engine.tokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.model
@@ -49,3 +50,22 @@ def test_incremental_detokenization_equals_full_decode(tokenizer, text):
     pieces = [detok.push([t]) for t in ids]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_token_pieces_spell_every_token_as_the_vocabulary_does(tokenizer):
+    pieces = tokenizer.token_pieces()
+    assert len(pieces) == tokenizer.vocab_size
+    assert pieces[tokenizer._tok.token_to_id("<|im_end|>")] == "<|im_end|>"
+    (paris,) = tokenizer.encode(" Paris")
+    assert pieces[paris] == "\u0120Paris"  # byte-level BPE: the space is the byte map's U+0120
+
+
+def test_the_frontend_loads_without_weights_and_sizes_like_the_engine(tokenizer):
+    fe = load_frontend(EngineConfig(max_model_len=2048, kv_cache_tokens=1024, req_max_output_len=900))
+    assert fe.max_model_len == 2048 and fe.model_name and fe.generation_defaults
+    assert fe.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}])
+    assert fe.max_output_tokens(100) == 900  # req_max_output_len
+    assert fe.max_output_tokens(200) == 824  # the KV pool
+    gpu = load_frontend(EngineConfig(device="cuda", served_model_name="m"))  # the pool: sized by GPU memory
+    assert gpu.model_name == "m" and gpu.max_output_tokens(100) == gpu.max_model_len - 100
