@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import pct
-from engine.request import EngineRequest, SamplingParams
+from engine import EngineRequest, SamplingParams
 from gateway.messages import QueueItem
 from gateway.queue.memory import MemoryQueue
 from gateway.worker.worker import EngineWorker

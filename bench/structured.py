@@ -24,8 +24,7 @@ import subprocess
 import time
 
 from bench.common import TOPICS, pct
-from engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
-from engine.request import Guide
+from engine import EngineConfig, EngineRequest, Guide, LLMEngine, SamplingParams
 
 SCHEMA = {
     "type": "object",

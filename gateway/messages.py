@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
-from engine.request import EngineRequest, RequestOutput, SamplingParams
+from engine import EngineRequest, RequestOutput, SamplingParams
 from gateway.errors import Failure
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import time
 
-from engine.request import EngineRequest
+from engine import EngineRequest
 from gateway.backends.base import Backend, ChoiceStream
 from gateway.messages import ChoiceOutput, GenerationRequest, QueueItem
 from gateway.queue.base import RequestQueue, Subscription

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from pydantic import ValidationError
 
-from engine.request import RequestOutput
+from engine import RequestOutput
 from gateway.errors import APIError, Failure
 from gateway.messages import ErrorOutput
 

@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.request import Guide, SamplingParams
+from engine import Guide, SamplingParams
 from gateway.errors import APIError
 from gateway.http import prompt
 from gateway.http.offload import Offloader

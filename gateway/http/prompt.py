@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from engine.request import Guide, SamplingParams
+from engine import Guide, SamplingParams
 from gateway.errors import APIError
 from gateway.openai.schema import ChatCompletionRequest, CompletionRequest
 from gateway.settings import TierSettings

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from engine.request import RequestOutput
+from engine import RequestOutput
 from gateway.backends.base import ChoiceStream
 from gateway.http.errors import error_for_output
 from gateway.messages import ChoiceOutput, is_failure

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import RequestOutput, TokenLogprob
+from engine import RequestOutput, TokenLogprob
 from gateway.openai.schema import PromptTokensDetails, Usage
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from engine.request import RequestOutput
+from engine import RequestOutput
 from gateway import jsonio
 from gateway.openai import tools
 from gateway.openai.choices import ChoiceAcc, TokenUsage

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Protocol
 
-from engine.request import TokenLogprob
+from engine import TokenLogprob
 from gateway.openai.schema import ChoiceLogprobs, CompletionLogprobs, TokenLogprobOut, TopLogprob
 
 

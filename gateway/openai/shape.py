@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.request import Guide
+from engine import Guide
 from gateway.errors import APIError
 from gateway.openai import tools
 from gateway.openai.logprobs import TokenPieces

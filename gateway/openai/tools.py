@@ -29,7 +29,7 @@ from typing import Any
 
 import llguidance
 
-from engine.request import Guide
+from engine import Guide
 
 MAX_PARALLEL = 4  # tool calls in one answer when parallel_tool_calls is on
 CALL_OPEN = "<tool_call>"

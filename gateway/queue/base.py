@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 
-from engine.request import RequestOutput
+from engine import RequestOutput
 from gateway.messages import QueueItem, WorkerStats
 
 

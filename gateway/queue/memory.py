@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections import deque
 
-from engine.request import RequestOutput
+from engine import RequestOutput
 from gateway.messages import QueueItem, queue_timeout_output
 from gateway.queue.base import CancellationInbox, QueueFull, RequestQueue, Subscription
 

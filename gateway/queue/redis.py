@@ -42,7 +42,7 @@ import uuid
 from collections import deque
 from typing import Any
 
-from engine.request import RequestOutput
+from engine import RequestOutput
 from gateway.messages import QueueItem, WorkerStats, output_from_dict, output_to_dict, queue_timeout_output
 from gateway.queue import redis_scripts as lua
 from gateway.queue.base import CancellationInbox, QueueFull, RequestQueue, Subscription

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.request import RequestOutput
+from engine import RequestOutput
 from gateway.backends.base import ChoiceStream, WrappedStream
 from gateway.backends.remote.backend import RemoteBackend
 from gateway.errors import Failure

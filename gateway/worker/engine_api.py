@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from engine.request import EngineRequest, RequestOutput
+from engine import EngineRequest, RequestOutput
 
 
 class ModelFrontend(Protocol):

@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from engine.request import RequestOutput, RequestRejected
+from engine import RequestOutput, RequestRejected
 from gateway.messages import (
     AbortRequest,
     AddRequest,

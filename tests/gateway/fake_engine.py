@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.request import EngineRequest, RequestOutput, RequestRejected
+from engine import EngineRequest, RequestOutput, RequestRejected
 
 
 class FakeTokenizer:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from engine.request import RequestOutput, TokenLogprob
+from engine import RequestOutput, TokenLogprob
 from gateway import jsonio
 from gateway.openai import answer, chunks
 from gateway.openai.choices import ChoiceAcc, TokenUsage

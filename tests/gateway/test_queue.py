@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from engine.request import EngineRequest, RequestOutput
+from engine import EngineRequest, RequestOutput
 from gateway.messages import QueueItem
 from gateway.queue.base import QueueFull
 from gateway.queue.memory import MemoryQueue

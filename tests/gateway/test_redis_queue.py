@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from engine.request import EngineRequest, RequestOutput, SamplingParams
+from engine import EngineRequest, RequestOutput, SamplingParams
 from gateway.messages import ErrorOutput, QueueItem
 from gateway.queue.redis import RedisQueue
 from gateway.worker.worker import EngineWorker

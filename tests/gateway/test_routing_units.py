@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from engine.request import EngineRequest, RequestOutput, SamplingParams
+from engine import EngineRequest, RequestOutput, SamplingParams
 from gateway.admission.limits import MemoryLimiter
 from gateway.admission.usage import UsageStore
 from gateway.backends.base import Backend, ChoiceStream

@@ -10,7 +10,7 @@ import json
 import openai
 import pytest
 
-from engine.request import RequestOutput
+from engine import RequestOutput
 from tests.gateway.conftest import fake_gateway
 from tests.gateway.fake_engine import FakeEngine
 

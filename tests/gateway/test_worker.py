@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from engine.request import EngineRequest, SamplingParams
+from engine import EngineRequest, SamplingParams
 from gateway.errors import Failure
 from gateway.messages import ErrorOutput, QueueItem
 from gateway.queue.memory import MemoryQueue

@@ -13,7 +13,7 @@ import uuid
 import openai
 import pytest
 
-from engine.request import EngineRequest
+from engine import EngineRequest
 from gateway.admission.keys import KeyStore
 from gateway.openai.schema import ChatCompletionRequest
 from gateway.settings import Settings, cache_salt

@@ -216,7 +216,7 @@ async def test_infinite_estimate_is_not_logged_as_minus_one(tmp_path, providers,
     a, _ = providers
     async with gateway(tmp_path, [provider_cfg(a)]) as (base, app, *_):
         router = app[STATE].router
-        from engine.request import SamplingParams
+        from engine import SamplingParams
         from gateway.messages import GenerationRequest
         from gateway.openai.schema import ChatCompletionRequest
         req = ChatCompletionRequest(**chat(LOCAL_MODEL))

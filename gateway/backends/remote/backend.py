@@ -42,7 +42,7 @@ import openai
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 from tenacity.stop import stop_base
 
-from engine.request import RequestOutput
+from engine import RequestOutput
 from gateway import jsonio
 from gateway.backends.base import Backend, ChoiceStream
 from gateway.backends.remote.provider import (
