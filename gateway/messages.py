@@ -119,6 +119,7 @@ class WorkerStats:
     steps: int = 0
     step_errors: int = 0
     busy_seconds: float | None = None  # seconds spent inside engine steps (the busy ratio)
+    kv_usage: float | None = None  # the share of the engine's KV pool that running requests hold
     draining: bool = False
     worker_id: str | None = None  # set by the Redis queue on heartbeats
 

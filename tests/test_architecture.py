@@ -206,3 +206,33 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     type_only = "gateway.messages (floor 0) imports gateway.http.routes (floor 6)"
     assert _upward(_graph(tmp_path, typing=True)) == [type_only, at_run_time]
     assert _upward(_graph(tmp_path, typing=False)) == [at_run_time]
+
+
+def _behind_the_front_door(graph: dict[str, set[str]]) -> list[str]:
+    """Every gateway import of an engine module other than the `engine` package itself."""
+    return [f"{mod} imports {d}" for mod, deps in sorted(graph.items()) if mod.split(".")[0] == "gateway"
+            for d in sorted(deps) if d.split(".")[0] == "engine" and d != "engine"]
+
+
+def test_the_gateway_uses_only_the_engines_front_door():
+    """The gateway imports the `engine` package itself, never its submodules (type-only imports included):
+    what `engine/__init__.py` exports is the engine's whole surface, so the engine may rearrange the rest."""
+    graph = _graph(typing=True)
+    assert any("engine" in deps for mod, deps in graph.items() if mod.startswith("gateway."))  # it does use it
+    inside = _behind_the_front_door(graph)
+    assert not inside, "imports past engine/__init__.py:\n  " + "\n  ".join(inside)
+
+
+def test_the_checker_sees_an_engine_submodule_import(tmp_path):
+    """The front-door rule itself works: on a synthetic graph, and on a copy of the gateway and the engine
+    with `from engine.loader import ...` planted in a gateway module."""
+    synthetic = {"gateway.worker.factory": {"engine.loader", "engine", "gateway.settings"},
+                 "engine.engine": {"engine.loader"}}
+    assert _behind_the_front_door(synthetic) == ["gateway.worker.factory imports engine.loader"]
+    assert _behind_the_front_door({"gateway.messages": {"engine"}}) == []
+
+    for pkg in ("gateway", "engine"):
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__", "static"))
+    factory = tmp_path / "gateway" / "worker" / "factory.py"
+    factory.write_text(factory.read_text() + "\nfrom engine.loader import load_model  # noqa\n")
+    assert _behind_the_front_door(_graph(tmp_path)) == ["gateway.worker.factory imports engine.loader"]

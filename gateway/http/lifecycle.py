@@ -27,7 +27,7 @@ from gateway.routing.sampler import MetricsSampler
 from gateway.state import STATE, GatewayState
 from gateway.tasks import cancel_and_wait, run_forever
 from gateway.worker.engine_api import ModelFrontend
-from gateway.worker.factory import Frontend, load_engine
+from gateway.worker.factory import load_engine, load_frontend
 from gateway.worker.worker import EngineWorker
 
 log = logging.getLogger("sluice.gateway")
@@ -58,7 +58,7 @@ async def _start(state: GatewayState) -> None:
     try:
         if state.no_engine:
             frontend: ModelFrontend = (state.engine if state.engine is not None
-                                       else await asyncio.to_thread(Frontend, state.settings))
+                                       else await asyncio.to_thread(load_frontend, state.settings))
             state.engine = frontend
             state.model_name = state.settings.model.served_model_name or frontend.model_name
             state.max_model_len = int(frontend.max_model_len)

@@ -106,9 +106,7 @@ def _pieces(state: GatewayState) -> TokenPieces | None:
         return None
     if state.token_pieces is None:
         tok = state.engine.tokenizer
-        raw = getattr(tok, "_tok", None)  # the byte-level vocabulary, when the tokenizer exposes it
-        vocab = {i: raw.id_to_token(i) for i in range(raw.get_vocab_size())} if raw is not None else None
-        state.token_pieces = TokenPieces(tok, vocab)
+        state.token_pieces = TokenPieces(tok, tok.token_pieces())
     return state.token_pieces
 
 
@@ -126,7 +124,8 @@ async def chat(state: GatewayState, offload: Offloader, req: ChatCompletionReque
             messages = tools.with_tool_system(messages, specs)
         ids = await offload.chat_prompt(state.engine.tokenizer, messages)
         ids = prompt.fit_prompt(ids, state.max_model_len, requested, req.prompt_truncation, _marker(state))
-        max_tokens = prompt.resolve_max_tokens(state.max_model_len, len(ids), requested, None)
+        max_tokens = prompt.resolve_max_tokens(state.max_model_len, len(ids), requested, None,
+                                               room=state.engine.max_output_tokens(len(ids)))
         gen = _local(state, req, caller, CHAT, ids, max_tokens, guide, shape)
     else:  # remote providers only: they tokenize, parse tools, and their usage is what counts
         shape = AnswerShape()
@@ -146,7 +145,8 @@ async def completion(state: GatewayState, offload: Offloader, req: CompletionReq
             raise APIError(400, "The prompt is empty.", param="prompt", code="invalid_value")
         ids = prompt.fit_prompt(ids, state.max_model_len, req.max_tokens, req.prompt_truncation, _marker(state))
         # OpenAI's default max_tokens for completions: 16
-        max_tokens = prompt.resolve_max_tokens(state.max_model_len, len(ids), req.max_tokens, 16, "prompt")
+        max_tokens = prompt.resolve_max_tokens(state.max_model_len, len(ids), req.max_tokens, 16, "prompt",
+                                               room=state.engine.max_output_tokens(len(ids)))
         gen = _local(state, req, caller, COMPLETION, ids, max_tokens, guide, shape)
     else:  # remote providers only
         shape = AnswerShape()
@@ -160,7 +160,8 @@ async def completion(state: GatewayState, offload: Offloader, req: CompletionReq
 def _local(state: GatewayState, req: ChatCompletionRequest | CompletionRequest, caller: Caller, endpoint: Endpoint,
            ids: Sequence[int], max_tokens: int, guide: Guide | None, shape: AnswerShape) -> GenerationRequest:
     """Tokenized here, with the engine's sampling parameters: the local engine may serve it."""
-    sampling = prompt.sampling_params(req, max_tokens, getattr(state.engine, "generation_defaults", None),
+    assert state.engine is not None  # tokenized by it
+    sampling = prompt.sampling_params(req, max_tokens, state.engine.generation_defaults,
                                       guide=guide, logprobs=shape.top_logprobs)
     return _generation(state, req, caller, endpoint, Target.LOCAL, list(ids), sampling=sampling)
 

@@ -17,15 +17,20 @@ TRUNCATION_MARKER = "\n\n[... middle of the prompt truncated ...]\n\n"
 
 
 def resolve_max_tokens(max_model_len: int, prompt_len: int, requested: int | None, default: int | None,
-                       prompt_param: str = "messages") -> int:
-    """The output budget: what was asked for, or what is left of the context (capped by `default`)."""
+                       prompt_param: str = "messages", room: int | None = None) -> int:
+    """The output budget: what was asked for, or what is left of the context (capped by `default`).
+
+    `room`: the engine's own cap for this prompt (its `max_output_tokens`: the KV pool, req_max_output_len),
+    which an unasked budget stays within; the engine refuses a requested one above it. At least 1, so a
+    prompt that fills the engine alone gets the engine's refusal, which names the prompt."""
     if prompt_len >= max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
                             f"{prompt_len} tokens. Please shorten the prompt.",
                        param=prompt_param, code="context_length_exceeded")
     available = max_model_len - prompt_len
     if requested is None:
-        return available if default is None else min(default, available)
+        budget = available if default is None else min(default, available)
+        return budget if room is None else max(1, min(budget, room))
     if requested > available:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. The prompt has "
                             f"{prompt_len} tokens, so at most {available} tokens are available for the "

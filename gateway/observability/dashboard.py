@@ -13,7 +13,8 @@ Tokens by tier: the token counters are labelled by key, so a key's tokens count 
 tier (anonymous requests: `auth.anonymous_tier`; with `metrics.key_labels = "none"` the tier is "unknown").
 
 KV usage (`sluice_engine_kv_usage_ratio`, registered here on the metrics registry): the share of the
-embedded engine's KV blocks held by running sequences; absent with `sluice worker`s elsewhere.
+engines' KV blocks held by running sequences, as the workers report it (`WorkerStats.kv_usage`: the
+embedded engine's, or the mean over the `sluice worker`s behind the Redis queue).
 """
 
 from __future__ import annotations
@@ -70,11 +71,6 @@ class GatewayView(Protocol):
 
     @property
     def model_name(self) -> str | None: ...
-
-    @property
-    def engine(self) -> object | None:
-        """The model; the embedded engine's KV blocks (its `block_manager`) give the KV usage."""
-        ...
 
     @property
     def local_worker(self) -> _Worker | None: ...
@@ -149,17 +145,13 @@ class DashboardData:
         self.state = state
         self.history: deque[tuple[float, Sample]] = deque()
         self.kv_gauge = Gauge("sluice_engine_kv_usage_ratio",
-                              "Share of the embedded engine's KV cache blocks held by running sequences",
+                              "Share of the engines' KV cache blocks held by running sequences",
                               registry=state.metrics.registry)
         self.kv_gauge.set_function(lambda: self.kv_usage() or 0.0)
 
     def kv_usage(self) -> float | None:
-        engine = self.state.engine if self.state.local_worker is not None else None
-        bm = getattr(engine, "block_manager", None)
-        total = getattr(bm, "num_blocks", 0)
-        if bm is None or not total:
-            return None
-        return (total - bm.num_free_blocks) / total
+        reported = [w.kv_usage for w in self.state.worker_stats() if w.kv_usage is not None]
+        return sum(reported) / len(reported) if reported else None
 
     def _tier_of_key(self) -> Any:
         st = self.state

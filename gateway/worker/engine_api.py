@@ -1,24 +1,45 @@
 """What a worker needs from an engine, as a Protocol: `engine.LLMEngine` satisfies it, and so does the
-tests' fake engine, which keeps the fake honest."""
+tests' fake engine, which keeps the fake honest. Everything the gateway reads of an engine is declared
+here, so what it reports (`WorkerStats`) is the same for an embedded engine and a remote worker's."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from engine import EngineRequest, RequestOutput
 
 
 class ModelFrontend(Protocol):
-    """What the HTTP layer needs of the model: an engine, or a `Frontend` when engines run elsewhere."""
+    """What the HTTP layer needs of the model: an engine, or `engine.Frontend` when engines run elsewhere."""
 
     model_name: str
     max_model_len: int
-    tokenizer: Any  # engine.tokenizer.Tokenizer, or a test's stand-in with encode/apply_chat_template
+    # engine.Tokenizer, or a test's stand-in: encode, decode, apply_chat_template, token_pieces
+    tokenizer: Any
     generation_defaults: dict[str, float]
 
+    def max_output_tokens(self, prompt_len: int) -> int:
+        """The largest max_tokens the engine takes with a prompt this long (it refuses a larger one)."""
+        ...
 
+
+class EngineCounters(Protocol):
+    """The engine's counters a worker reports (`engine.EngineStats`)."""
+
+    @property
+    def busy_seconds(self) -> float: ...
+
+
+@runtime_checkable  # the tests check that their fake engine has every member
 class Engine(ModelFrontend, Protocol):
     config: Any  # the engine's config: only max_running_requests is read
+
+    @property
+    def stats(self) -> EngineCounters: ...
+
+    def kv_usage(self) -> float:
+        """The share of the KV pool's blocks that running sequences hold."""
+        ...
 
     def add_request(self, req: EngineRequest) -> None: ...
 

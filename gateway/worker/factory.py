@@ -5,27 +5,45 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.queue.base import RequestQueue
 from gateway.settings import Settings
 from gateway.worker.engine_api import Engine, ModelFrontend
 
-__all__ = ["Frontend", "ModelFrontend", "freeze_long_lived_objects", "load_engine", "make_queue"]
+if TYPE_CHECKING:
+    from engine import EngineConfig
+
+__all__ = ["ModelFrontend", "freeze_long_lived_objects", "load_engine", "load_frontend", "make_queue"]
 
 log = logging.getLogger("sluice.worker")
 
 
-def load_engine(settings: Settings) -> Engine:
-    """Build the engine from settings (slow: loads weights). Imports torch, so callers set OMP first."""
+def _engine_config(settings: Settings) -> EngineConfig:
     from pydantic import TypeAdapter
 
-    from engine import EngineConfig, LLMEngine
+    from engine import EngineConfig
 
-    config = TypeAdapter(EngineConfig).validate_python(settings.engine_kwargs())
-    engine = LLMEngine(config)
+    return TypeAdapter(EngineConfig).validate_python(settings.engine_kwargs())
+
+
+def load_engine(settings: Settings) -> Engine:
+    """Build the engine from settings (slow: loads weights). Imports torch, so callers set OMP first."""
+    from engine import LLMEngine
+
+    engine = LLMEngine(_engine_config(settings))
     freeze_long_lived_objects()
     return engine
+
+
+def load_frontend(settings: Settings) -> ModelFrontend:
+    """The model's tokenizer, name, context and output caps without its weights (gateway only,
+    `--no-engine`): `engine.load_frontend` with the engines' configuration."""
+    from engine import load_frontend as load
+
+    frontend = load(_engine_config(settings))
+    freeze_long_lived_objects()
+    return frontend
 
 
 def freeze_long_lived_objects() -> None:
@@ -34,22 +52,6 @@ def freeze_long_lived_objects() -> None:
     2-4x the CPU per relayed request."""
     gc.collect()
     gc.freeze()
-
-
-class Frontend:
-    """The model's tokenizer, name and context without its weights (gateway only, `--no-engine`)."""
-
-    def __init__(self, settings: Settings):
-        from engine.loader import load_model
-        from engine.tokenizer import Tokenizer
-
-        loaded = load_model(settings.model.path, with_weights=False)  # the tokenizer and config, no weights
-        self.tokenizer = Tokenizer(loaded)
-        self.model_name: str = (settings.model.served_model_name or settings.engine.get("served_model_name")
-                                or loaded.name)
-        self.max_model_len = int(settings.engine.get("max_model_len") or loaded.args.max_position_embeddings)
-        self.generation_defaults: dict[str, float] = dict(loaded.generation_defaults)
-        freeze_long_lived_objects()
 
 
 def make_queue(settings: Settings) -> RequestQueue:

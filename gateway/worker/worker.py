@@ -83,11 +83,11 @@ class EngineWorker:
 
     def stats(self) -> WorkerStats:
         """Racy reads of the engine's counters from the loop thread: fine for monitoring and routing."""
-        busy = getattr(getattr(self.engine, "stats", None), "busy_seconds", None)
         return WorkerStats(model=self.model_name, capacity=self.capacity, in_flight=len(self._in_flight),
                            running=int(self.engine.num_running), waiting=int(self.engine.num_waiting),
                            steps=self.steps, step_errors=self.step_errors,
-                           busy_seconds=None if busy is None else float(busy), draining=self._stopping)
+                           busy_seconds=float(self.engine.stats.busy_seconds), kv_usage=float(self.engine.kv_usage()),
+                           draining=self._stopping)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()

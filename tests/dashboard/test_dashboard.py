@@ -9,7 +9,6 @@ import asyncio
 import base64
 import shutil
 import time
-from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -25,31 +24,14 @@ from tests.remote.conftest import LOCAL_MODEL, REMOTE_MODEL, chat, gateway, prov
 LOCAL_PRICE = {"input_per_m": 0.1, "output_per_m": 0.2}
 
 
-class _Blocks:
-    num_blocks = 64
-
-    def __init__(self, engine: FakeEngine):
-        self.engine = engine
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.num_blocks - 8 * len(self.engine.running)
-
-
 class KVFakeEngine(FakeEngine):
-    """The fake engine with a KV pool (8 blocks per running request) and busy time, as the real one reports."""
+    """The fake engine with a KV pool (8 of 64 blocks per running request) and busy time, as the real one reports."""
 
     def __init__(self) -> None:
         super().__init__(max_running_requests=4, step_s=0.002)
-        self.block_manager = _Blocks(self)
-        self.stats = SimpleNamespace(busy_seconds=0.0)
 
-    def step(self):
-        t0 = time.perf_counter()
-        try:
-            return super().step()
-        finally:
-            self.stats.busy_seconds += time.perf_counter() - t0
+    def kv_usage(self) -> float:
+        return 8 * len(self.running) / 64
 
 
 def test_histogram_quantile():

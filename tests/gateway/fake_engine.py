@@ -27,6 +27,14 @@ class FakeTokenizer:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return self.encode(text)
 
+    def token_pieces(self) -> dict[int, str]:
+        return {}  # no byte-level vocabulary: a token's text and bytes come from decoding it
+
+
+@dataclass
+class FakeStats:
+    busy_seconds: float = 0.0  # time spent in step() past the gate, as the real engine counts its steps
+
 
 @dataclass
 class FakeConfig:
@@ -40,11 +48,18 @@ class _Seq:
 
 
 class FakeEngine:
-    def __init__(self, max_running_requests: int = 4, max_model_len: int = 256, step_s: float = 0.0):
+    def __init__(self, max_running_requests: int = 4, max_model_len: int = 256, step_s: float = 0.0,
+                 output_room: int | None = None):
+        """`output_room`: a cap on every request's output (as a KV pool or req_max_output_len makes one);
+        with it, a larger max_tokens is refused as the real engine refuses it (without it, tests may
+        ask for any budget, to keep a request running)."""
         self.config = FakeConfig(max_running_requests)
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
+        self.output_room = output_room
         self.tokenizer = FakeTokenizer()
+        self.generation_defaults: dict[str, float] = {}
+        self.stats = FakeStats()
         self.step_s = step_s
         self.gate = threading.Event()
         self.gate.set()
@@ -67,6 +82,8 @@ class FakeEngine:
             raise RequestRejected(f"token id {bad[0]} is outside the vocabulary", param="prompt")
         if req.sampling.max_tokens == 999_999:  # a magic value to exercise the rejection path
             raise RequestRejected("rejected on purpose", code="fake_rejection", param="max_tokens")
+        if self.output_room is not None and req.sampling.max_tokens > self.max_output_tokens(len(req.prompt_token_ids)):
+            raise RequestRejected("max_tokens cannot fit", code="context_length_exceeded", param="max_tokens")
         self.added.append(req.request_id)
         # Resumed tokens (a retry after another worker died) count as generated and are not re-emitted.
         self.waiting.append(_Seq(req, generated=list(req.resume_token_ids)))
@@ -76,6 +93,13 @@ class FakeEngine:
         self.aborted.append(request_id)
         self.running.pop(request_id, None)
         self.waiting = [s for s in self.waiting if s.req.request_id != request_id]
+
+    def max_output_tokens(self, prompt_len: int) -> int:
+        room = self.max_model_len - prompt_len
+        return room if self.output_room is None else min(room, self.output_room)
+
+    def kv_usage(self) -> float:
+        return 0.0  # no KV pool
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
@@ -91,6 +115,13 @@ class FakeEngine:
     def step(self) -> list[RequestOutput]:
         self._touch()
         self.gate.wait()
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.stats.busy_seconds += time.perf_counter() - t0
+
+    def _step(self) -> list[RequestOutput]:
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("boom")

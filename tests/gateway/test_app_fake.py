@@ -152,6 +152,19 @@ async def test_engine_rejection_is_400(tmp_path):
             assert e.value.body["code"] == "fake_rejection"
 
 
+async def test_an_unasked_output_budget_stays_within_the_engines_room(tmp_path):
+    """No max_tokens: the budget is what the engine can hold (its KV pool, req_max_output_len), not the rest
+    of the context, which it would refuse; a max_tokens above that room is the engine's 400."""
+    async with fake_gateway(tmp_path, engine=FakeEngine(output_room=6)) as (base, app, engine):
+        r = await client(base).chat.completions.create(model="fake-model", messages=MSG)
+        assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+        r = await client(base).completions.create(model="fake-model", prompt="ab")  # default 16, room 6
+        assert r.usage.completion_tokens == 6
+        with pytest.raises(openai.BadRequestError) as e:
+            await client(base).chat.completions.create(model="fake-model", messages=MSG, max_tokens=7)
+        assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "max_tokens")
+
+
 async def test_context_length_exceeded(tmp_path):
     async with fake_gateway(tmp_path) as (base, app, engine):
         with pytest.raises(openai.BadRequestError) as e:

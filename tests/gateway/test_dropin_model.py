@@ -161,10 +161,9 @@ def test_logit_bias_bans_a_token_and_penalties_are_applied(real_gateway):
     top_id_text = plain.choices[0].logprobs.content[0].token
     banned = sync.completions.create(model=model, prompt=top_id_text, max_tokens=1, temperature=0, logprobs=0)
     assert banned.choices[0].logprobs.tokens  # a token id is needed: find it through the tokenizer below
-    from engine.loader import load_model
-    from engine.tokenizer import Tokenizer
+    from engine import EngineConfig, load_frontend
 
-    tok = Tokenizer(load_model(None, with_weights=False))
+    tok = load_frontend(EngineConfig()).tokenizer
     first_id = tok.encode(plain.choices[0].message.content)[0]
     r = sync.chat.completions.create(model=model, messages=msgs, max_tokens=30, temperature=0,
                                      logit_bias={str(first_id): -100})

@@ -172,8 +172,9 @@ def test_paris_with_the_models_default_sampling(sdk):
     the same tokens as a request that sends them, streamed or not, and at their low temperature mostly
     the right answer (this prompt's first token is 'The' with p = 0.63 at temperature 0.2, 'L' with
     0.30: of 16 seeds about 10 answer Paris in the first 12 tokens; fewer than 6, p < 3%)."""
-    from engine.loader import DEFAULT_MODEL_GENERATION
+    from engine import EngineConfig, load_frontend
 
+    defaults = load_frontend(EngineConfig()).generation_defaults  # the model's recommended sampling
     m = model_id(sdk)
     q = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -186,7 +187,7 @@ def test_paris_with_the_models_default_sampling(sdk):
     assert sum("Paris" in a for a in answers) >= 6, answers
     assert len(set(answers)) > 1  # sampled, not greedy
     for seed in (0, 1):
-        assert ask(seed, **DEFAULT_MODEL_GENERATION) == answers[seed]
+        assert ask(seed, **defaults) == answers[seed]
         s = sdk.chat.completions.create(model=m, messages=q, seed=seed, max_tokens=12, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == answers[seed]
 

@@ -229,6 +229,7 @@ async def test_heartbeats_list_live_workers(cluster):
     [info] = await gw.workers()
     assert info.capacity == 3 and info.model == "fake-model" and info.in_flight == 0
     assert info.busy_seconds == 1.25  # the router's busy ratio across workers
+    assert info.kv_usage == 0.0  # the dashboard's KV gauge, for workers elsewhere too
     assert info.worker_id == w.queue.consumer_id
     await w.stop()
     assert await gw.workers() == []

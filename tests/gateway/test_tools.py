@@ -22,12 +22,10 @@ TIME = ToolSpec("get_time", "Time in a zone", {"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def guides():
-    from engine.loader import load_model
-    from engine.tokenizer import Tokenizer
+    from engine import EngineConfig, load_frontend
 
-    loaded = load_model(None, with_weights=False)
-    tok = Tokenizer(loaded)
-    return Guides(tok._tok.to_str(), tok.vocab_size, tok.eos_token_ids, GuideStats()), tok
+    tok = load_frontend(EngineConfig()).tokenizer
+    return Guides(tok.to_json(), tok.vocab_size, tok.eos_token_ids, GuideStats()), tok
 
 
 def _accepts(guides_tok, guide, text: str) -> bool:

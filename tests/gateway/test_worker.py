@@ -11,6 +11,7 @@ from engine import EngineRequest, SamplingParams
 from gateway.errors import Failure
 from gateway.messages import ErrorOutput, QueueItem
 from gateway.queue.memory import MemoryQueue
+from gateway.worker.engine_api import Engine
 from gateway.worker.worker import EngineWorker
 from tests.gateway.fake_engine import FakeEngine
 
@@ -51,6 +52,20 @@ async def test_generates_and_uses_one_thread(setup):
         assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 4
     assert len(engine.threads) == 1 and threading.get_ident() not in engine.threads
     assert worker.stats().in_flight == 0
+
+
+def test_the_fake_engine_has_everything_the_engine_protocol_declares():
+    assert isinstance(FakeEngine(), Engine)
+    assert not isinstance(object(), Engine)
+
+
+async def test_stats_report_what_the_engine_declares(setup):
+    engine, queue, worker = setup
+    await run_one(queue, "s", max_tokens=3)
+    stats = worker.stats()
+    assert stats.busy_seconds == engine.stats.busy_seconds > 0
+    assert stats.kv_usage == engine.kv_usage() == 0.0
+    assert stats.to_dict()["kv_usage"] == 0.0  # it travels in heartbeats
 
 
 async def test_pulls_only_up_to_capacity(setup):

@@ -142,10 +142,9 @@ async def test_size_bounds_are_400s_naming_the_field(tmp_path):
 
 def test_chat_templating_is_linear_in_the_conversation():
     """The old loop re-sliced the rest of the rendered text per message: quadratic in its length."""
-    from engine.loader import load_model
-    from engine.tokenizer import Tokenizer
+    from engine import EngineConfig, load_frontend
 
-    tok = Tokenizer(load_model(None, with_weights=False))
+    tok = load_frontend(EngineConfig()).tokenizer
 
     def seconds(n: int) -> float:
         msgs = [{"role": "user", "content": "a"}] * n
