@@ -47,7 +47,7 @@ redis-server:
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || \
 	  { echo "redis-server is missing and could not be installed (need root: apt-get install redis-server)"; exit 1; }; }
 
-# The dashboard's browser test (tests/dashboard) drives Debian's Chromium with Playwright (the Python
+# The dashboard's browser test (tests/gateway/observability) drives Debian's Chromium with Playwright (the Python
 # package, in the dev extra, brings its driver; no browser download).
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { \

@@ -1,6 +1,6 @@
 """Cost-aware routing: a mixed pro/standard workload through `sluice serve` with a priced remote provider.
 
-Starts the local mock provider (tests/remote/mock_provider.py: fault-free, `--itl-ms` per token so remote
+Starts the local mock provider (tests/fixtures/mock_provider.py: fault-free, `--itl-ms` per token so remote
 answers stream like a real provider) and `sluice serve` with the real local model and one `[[providers]]`
 entry that serves the local model's name at `--in-price`/`--out-price` (dollars per million tokens), so
 traffic overflows to it when the estimated local queue wait exceeds the tier's `max_queue_wait_ms`. Creates
@@ -58,9 +58,9 @@ def cpu_model() -> str:
 
 @contextlib.contextmanager
 def mock_provider(tokens: int, itl_ms: float, ttft_ms: float):
-    """Yields the base URL of `python -m tests.remote.mock_provider` on a free port; stops it on exit."""
+    """Yields the base URL of `python -m tests.fixtures.mock_provider` on a free port; stops it on exit."""
     port = free_port()
-    cmd = [sys.executable, "-m", "tests.remote.mock_provider", "--port", str(port), "--tokens", str(tokens),
+    cmd = [sys.executable, "-m", "tests.fixtures.mock_provider", "--port", str(port), "--tokens", str(tokens),
            "--itl-ms", str(itl_ms), "--ttft-ms", str(ttft_ms)]
     # It has no GET route: ready once the port accepts connections.
     with managed_server(cmd, port, {**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT):

@@ -35,7 +35,7 @@ from engine import EngineRequest, SamplingParams
 from gateway.messages import QueueItem
 from gateway.queue.memory import MemoryQueue
 from gateway.worker.worker import EngineWorker
-from tests.gateway.fake_engine import FakeEngine
+from tests.fixtures.fake_engine import FakeEngine
 
 
 def _item(rid: str) -> QueueItem:

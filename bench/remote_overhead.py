@@ -2,7 +2,7 @@
 against calling the mock directly.
 
 Three processes besides this load generator: the zero-latency mock provider
-(`tests/remote/mock_provider.py`, 16 tokens per answer), `sluice serve` with the mock as the only
+(`tests/fixtures/mock_provider.py`, 16 tokens per answer), `sluice serve` with the mock as the only
 provider of a remote-only model, and (when `bench/.venv-litellm` exists: `bench/setup_litellm.sh`)
 `litellm --config` routing the same model name to the same mock. For each target, JSON and streamed,
 at each concurrency (closed loop for `--seconds`), it reports requests/s, p50/p99 latency and what the
@@ -84,7 +84,7 @@ def stop(p: subprocess.Popen) -> None:
 
 def start_mock(itl_ms: float = 0.0, tokens: int = 16) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    p = start([sys.executable, "-m", "tests.remote.mock_provider", "--port", str(port), "--tokens", str(tokens),
+    p = start([sys.executable, "-m", "tests.fixtures.mock_provider", "--port", str(port), "--tokens", str(tokens),
                "--itl-ms", str(itl_ms)])
     base = f"http://127.0.0.1:{port}/v1"
     deadline = time.time() + 30

@@ -14,4 +14,4 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.servers import real_gateway, redis_server  # noqa: F401  (session fixtures for every folder)
+from tests.fixtures.servers import real_gateway, redis_server  # noqa: F401  (session fixtures for every folder)

@@ -1,4 +1,4 @@
-"""`sluice bench` against the fault-injecting mock provider (tests/remote/mock_provider.py): every figure
+"""`sluice bench` against the fault-injecting mock provider (tests/fixtures/mock_provider.py): every figure
 is checked against a hand count, from the mock's own log of what it received and answered, or from
 the raw per-request results of `--json`."""
 
@@ -17,7 +17,7 @@ from gateway.cli import main as sluice_main
 from loadgen.cli import amain
 from loadgen.report import COMPARED
 from loadgen.stats import num
-from tests.remote.mock_provider import MockProvider, _words
+from tests.fixtures.mock_provider import MockProvider, _words
 
 KEYS = {"pro": "sk-bench-pro", "standard": "sk-bench-standard"}
 

@@ -12,8 +12,8 @@ import pytest
 from rich.console import Console
 
 from loadgen.cli import amain
-from tests.remote.conftest import LOCAL_MODEL, REMOTE_MODEL, gateway, provider_cfg
-from tests.remote.mock_provider import MockProvider
+from tests.fixtures.mock_provider import MockProvider
+from tests.fixtures.providers import LOCAL_MODEL, REMOTE_MODEL, gateway, provider_cfg
 
 
 async def test_bench_through_sluice_splits_by_backend_and_matches_v1_usage(tmp_path):
