@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import json
 import socket
+import threading
 import time
 import urllib.request
 
@@ -250,3 +251,39 @@ def test_disconnect_mid_stream_then_healthy(gw, sdk):
         time.sleep(0.1)
     r = sdk.chat.completions.create(model=m, messages=MSG, max_tokens=3)
     assert r.choices[0].finish_reason == "length"
+
+
+def test_top_k_overflow_next_to_a_running_stream_leaves_it_intact(real_gateway):
+    gw = real_gateway
+    hi = [{"role": "user", "content": "hi"}]
+    c = openai.OpenAI(base_url=gw.base + "/v1", api_key=gw.key, max_retries=0, timeout=120)
+    model = c.models.list().data[0].id
+    ask = dict(model=model, messages=[{"role": "user", "content": "Count from one to twenty in words."}],
+               max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    alone = c.chat.completions.create(**ask).choices[0].message.content
+
+    first_chunk = threading.Event()
+    streamed: list[str] = []
+    finish: list[str | None] = []
+
+    def stream() -> None:
+        for chunk in c.chat.completions.create(**ask, stream=True):
+            if chunk.choices:
+                streamed.append(chunk.choices[0].delta.content or "")
+                finish.append(chunk.choices[0].finish_reason)
+                first_chunk.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first_chunk.wait(60)
+    for top_k in (2**63, 9223372036854775808, -2):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=model, messages=hi, max_tokens=4, temperature=1.0,
+                                      extra_body={"top_k": top_k})
+        assert e.value.body["param"] == "top_k"
+    # The largest accepted top_k (above the vocabulary: no cut) samples normally, next to the stream.
+    r = c.chat.completions.create(model=model, messages=hi, max_tokens=4, temperature=1.0,
+                                  extra_body={"top_k": 2**31 - 1})
+    assert r.choices[0].finish_reason in ("length", "stop")
+    t.join(120)
+    assert "".join(streamed) == alone and finish[-1] == "length"

@@ -8,7 +8,6 @@ import stat
 
 from gateway.admission.keys import KeyStore, hash_key
 from gateway.cli import main
-from tests.fixtures.servers import ROOT
 
 
 def run(capsys, *argv):
@@ -93,26 +92,3 @@ def test_serve_refuses_public_bind_without_keys(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc, _, err = run(capsys, "serve", "--host", "0.0.0.0", "--port", "0")
     assert rc == 2 and "without API keys" in err
-
-
-def test_settings_layers(tmp_path, monkeypatch):
-    from gateway.settings import load_settings
-
-    cfg = tmp_path / "s.toml"
-    cfg.write_text('[server]\nport = 7000\nhost = "0.0.0.0"\n[queue]\nmax_batch = 8\n'
-                   '[engine]\nmax_running_requests = 3\n')
-    monkeypatch.setenv("SLUICE_CONFIG", str(cfg))
-    monkeypatch.setenv("SLUICE_SERVER__PORT", "9000")
-    s = load_settings(server={"host": "127.0.0.2"})
-    assert s.server.port == 9000 and s.server.host == "127.0.0.2" and s.queue.max_batch == 8
-    assert s.engine_kwargs()["max_running_requests"] == 3
-    assert s.tiers["pro"].priority == 0 and s.tiers["standard"].priority == 1
-
-
-def test_repo_config_mirrors_defaults(monkeypatch):
-    from gateway.settings import Settings, load_settings
-
-    for k in list(os.environ):
-        if k.startswith("SLUICE_"):
-            monkeypatch.delenv(k)
-    assert load_settings(ROOT / "config" / "sluice.toml").model_dump() == Settings().model_dump()

@@ -22,6 +22,7 @@ from gateway.routing.estimate import WaitEstimator
 from gateway.routing.fallback import FallbackStream
 from gateway.routing.router import Router
 from gateway.settings import LimitSettings, ProviderSettings, RoutingSettings, TierSettings
+from tests.fixtures.clock import Clock
 
 TIERS = {"pro": TierSettings(priority=0, max_queue_wait_ms=10_000),
          "standard": TierSettings(priority=1, max_queue_wait_ms=2_000)}
@@ -43,14 +44,6 @@ class Side:
 
     def worker_stats(self) -> list[WorkerStats]:
         return self.workers
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 async def _queue(pro: int = 0, standard: int = 0) -> MemoryQueue:

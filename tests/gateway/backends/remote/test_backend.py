@@ -9,9 +9,21 @@ import time
 import aiohttp
 import pytest
 
+from gateway.backends.remote.backend import RemoteBackend
+from gateway.settings import ProviderSettings, RoutingSettings
 from gateway.state import STATE
 from tests.fixtures.fake_engine import FakeEngine
 from tests.fixtures.providers import LOCAL_MODEL, REMOTE_MODEL, chat, gateway, post, provider_cfg, stream_text
+
+
+async def test_provider_order_and_weights():
+    def mk(n: str, o: int, w: float = 1.0) -> ProviderSettings:
+        return ProviderSettings(name=n, base_url="http://127.0.0.1:1/v1", models={"m": "m"}, order=o, weight=w)
+    rb = RemoteBackend([mk("c", 1), mk("a", 0, 9.0), mk("b", 0, 1.0)], RoutingSettings())
+    firsts = [rb.order(rb.chain("m"))[0].name for _ in range(2000)]
+    assert rb.order(rb.chain("m"))[-1].name == "c"
+    assert 0.85 < firsts.count("a") / 2000 < 0.95
+    await rb.close()
 
 
 async def test_remote_only_model_served_with_upstream_model_and_key(tmp_path, providers):

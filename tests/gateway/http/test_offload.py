@@ -1,0 +1,91 @@
+"""Request parsing, templating and tokenizing off the event loop (gateway/http/offload.py): huge requests
+leave /health fast on the real gateway, and the size bounds are 400s naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+import uuid
+
+import aiohttp
+import openai
+import pytest
+
+from tests.fixtures.fake_gateway import fake_gateway
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _client(base: str, key: str = "none") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+async def _health_latencies_during(base: str, send) -> tuple[list[float], object]:
+    """Probe /health every 10 ms while `send()` runs; returns the probe latencies and send()'s result."""
+    latencies: list[float] = []
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(send(s))
+        while not task.done():
+            t0 = time.perf_counter()
+            async with s.get(base + "/health") as r:
+                assert r.status == 200
+            latencies.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.01)
+        return latencies, task.result()
+
+
+def _p99(xs: list[float]) -> float:
+    return sorted(xs)[max(0, int(len(xs) * 0.99) - 1)]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+async def test_huge_requests_leave_health_fast(real_gateway):
+    gw = real_gateway
+    headers = {"Authorization": f"Bearer {gw.key}", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.base + "/v1/models", headers=headers) as r:
+            model = (await r.json())["data"][0]["id"]
+
+    def poster(body: dict):
+        data = json.dumps(body).encode()
+
+        async def send(s: aiohttp.ClientSession):
+            t0 = time.perf_counter()
+            async with s.post(gw.base + "/v1/chat/completions", data=data, headers=headers) as r:
+                return r.status, await r.json(), time.perf_counter() - t0
+        return send
+
+    # 100,000 one-character messages (3.4 MB): refused with a 400 that says why, without a stall.
+    many = {"model": model, "messages": [{"role": "user", "content": "a"}] * 100_000, "max_tokens": 1}
+    lat, (status, body, _) = await _health_latencies_during(gw.base, poster(many))
+    assert status == 400 and body["error"]["code"] == "too_many_messages", body
+    assert _p99(lat) < 0.05, f"/health p99 {_p99(lat) * 1000:.1f} ms while parsing 100k messages"
+
+    # 1,200 messages of ~720 characters (0.87 MB, under every bound): templated and tokenized off the loop,
+    # cut to the context (prompt_truncation), and answered.
+    words = " ".join(f"word{i}" for i in range(100))
+    long = {"model": model, "max_tokens": 1, "prompt_truncation": "middle",
+            "messages": [{"role": "user", "content": f"{uuid.uuid4().hex} {words}"} for _ in range(1200)]}
+    lat, (status, body, took) = await _health_latencies_during(gw.base, poster(long))
+    assert status == 200, body
+    assert len(lat) >= 10, f"the request took {took:.2f}s: too short to tell"
+    assert _p99(lat) < 0.05, f"/health p99 {_p99(lat) * 1000:.1f} ms (median {statistics.median(lat) * 1000:.1f})"
+
+
+async def test_size_bounds_are_400s_naming_the_field(tmp_path):
+    async with fake_gateway(tmp_path, server={"max_messages": 10, "max_prompt_chars": 1000}) as (base, app, _):
+        c = _client(base)
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(model="fake-model", messages=MSG * 11)
+        assert e.value.body["param"] == "messages" and e.value.body["code"] == "too_many_messages"
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x" * 1001}])
+        assert e.value.body["code"] == "prompt_too_long"
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model="fake-model", prompt="x" * 1001)
+        assert e.value.body["param"] == "prompt" and e.value.body["code"] == "prompt_too_long"
+        r = await c.chat.completions.create(model="fake-model", messages=MSG * 10, max_tokens=2)
+        assert r.choices[0].finish_reason == "length"
