@@ -1,4 +1,4 @@
-"""Issue 11 through the real `openai` SDK against a running gateway with the real model: structured
+"""Sluice as a drop-in for OpenAI: the real `openai` SDK against a running gateway with the real model: structured
 outputs that always parse and validate, tool calls, logprobs and logit controls."""
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def test_stop_string_never_appears(sdk):
     assert base.startswith(r.choices[0].message.content)
 
 
-def test_n_and_seed(sdk):
+def test_n_gives_n_choices_and_a_seed_repeats_its_sample(sdk):
     m = model_id(sdk)
     r = sdk.chat.completions.create(model=m, messages=MSG, max_tokens=6, n=2, temperature=1, seed=11)
     assert sorted(c.index for c in r.choices) == [0, 1]
@@ -130,7 +130,7 @@ async def test_32_concurrent_match_alone(asdk, sdk):
     assert not mismatches, mismatches
 
 
-def test_errors(gw, sdk):
+def test_bad_requests_get_openai_errors_with_status_and_code(gw, sdk):
     m = model_id(sdk)
     bad = openai.OpenAI(base_url=gw.base + "/v1", api_key="sk-sluice-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:

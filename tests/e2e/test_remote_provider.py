@@ -90,7 +90,7 @@ def test_real_gateway_routes_counts_and_never_logs_secrets(stack):
     assert "".join((c.choices[0].delta.content or "") for c in chunks if c.choices) == "w0 w1 w2 w3 w4 w5"
     usages.append(chunks[-1].usage)
 
-    models = client.models.list()  # the local model is listed as before
+    models = client.models.list()  # the local model is still listed, next to the provider's
     local_model = models.data[0].id
     raw = client.chat.completions.with_raw_response.create(
         model=local_model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0)

@@ -1,4 +1,5 @@
-"""Issue 9 items 5, 6, 8 end to end: a real `sluice serve` process on 0.0.0.0 with API keys."""
+"""A real `sluice serve` process on 0.0.0.0 with API keys, end to end: it fails closed on a broken keys file,
+bounds its connections and guards /metrics."""
 
 from __future__ import annotations
 

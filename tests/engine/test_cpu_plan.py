@@ -19,7 +19,7 @@ def test_plan_looks_up_the_smallest_bucket_that_holds_the_step():
     assert Plan.fixed(3, packed_max_rows=8).for_rows(9) == Choice(False, 3)
 
 
-def test_thread_candidates():
+def test_thread_candidates_are_one_powers_of_two_and_all_at_most_four():
     assert thread_candidates(1) == [1]
     assert thread_candidates(2) == [1, 2]
     assert thread_candidates(16) == [1, 2, 4, 16]

@@ -96,7 +96,7 @@ def test_deterministic_outputs_ignore_cache_state_and_batching(det_engine, monke
         engine.config, engine.block_manager, engine.scheduler = saved
 
 
-def test_deterministic_dtypes(det_engine):
+def test_deterministic_mode_computes_in_float32_without_graphs_or_the_fast_head(det_engine):
     want = torch.float32 if det_engine.config.weight_dtype == "auto" else torch.bfloat16
     assert det_engine.runner.weight_dtype == want and det_engine.runner.dtype == torch.float32
     assert det_engine.runner.graphs is None and det_engine.runner.model.lm_head_fast is None

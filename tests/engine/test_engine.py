@@ -31,7 +31,7 @@ def tokens_of(outs):
     return [t for o in outs for t in o.token_ids]
 
 
-def test_paris(engine):
+def test_greedy_answer_names_paris_and_stops(engine):
     r = engine.generate([EngineRequest("p", chat(engine, PROMPTS[0]), SamplingParams(temperature=0, max_tokens=24))])
     assert "Paris" in text_of(r["p"])
     assert r["p"][-1].finish_reason == "stop"

@@ -35,7 +35,7 @@ def test_repo_config_mirrors_defaults(monkeypatch):
 
 
 
-def test_cost():
+def test_provider_cost_prices_cached_input_apart():
     p = ProviderSettings(name="p", base_url="http://x", input_price_per_m=1.0, output_price_per_m=4.0,
                          cached_input_price_per_m=0.5)
     assert p.cost(1_000_000, 200_000, 500_000) == pytest.approx(0.8 + 0.1 + 2.0)

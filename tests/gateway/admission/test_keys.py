@@ -16,7 +16,7 @@ def run(capsys, *argv):
     return rc, out.out, out.err
 
 
-def test_create_list_revoke(tmp_path, capsys, monkeypatch):
+def test_keys_create_list_and_revoke_store_only_the_hash(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("SLUICE_CONFIG", raising=False)
     monkeypatch.chdir(tmp_path)  # no config/sluice.toml here: code defaults
     kf = str(tmp_path / "k" / "keys.json")
@@ -49,7 +49,7 @@ def test_create_list_revoke(tmp_path, capsys, monkeypatch):
     assert "yes" in out
 
 
-def test_admin_keys(tmp_path, capsys, monkeypatch):
+def test_admin_keys_are_flagged_and_user_keys_need_a_tier(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("SLUICE_CONFIG", raising=False)
     monkeypatch.chdir(tmp_path)
     kf = str(tmp_path / "keys.json")

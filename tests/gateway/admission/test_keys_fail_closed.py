@@ -1,4 +1,4 @@
-"""Issue 9 item 5: once a gateway runs with API keys it never serves anonymously again until it is
+"""Keys fail closed: once a gateway runs with API keys it never serves anonymously again until it is
 restarted, whatever happens to the keys file; problems are answered 503 and logged (rate-limited)."""
 
 from __future__ import annotations

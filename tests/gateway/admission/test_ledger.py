@@ -1,4 +1,4 @@
-"""The usage ledger (issue 13 item 3): batching off the request path, retention, rebuilding the usage
+"""The usage ledger (gateway/admission/ledger.py): batching off the request path, retention, rebuilding the usage
 store's totals after a restart, savings, the Redis stream, and `sluice usage`."""
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def test_savings_to_the_cent_on_replayed_rows():
     assert by_model["other"]["savings"] == 0.0 and by_model["other"]["requests"] == 50
 
 
-def test_parse_since():
+def test_parse_since_reads_hours_minutes_and_all():
     assert parse_since("24h", now=100_000) == 100_000 - 86400
     assert parse_since("30m", now=10_000) == 10_000 - 1800
     assert parse_since("all") == 0

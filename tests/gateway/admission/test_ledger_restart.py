@@ -1,5 +1,6 @@
-"""Issue 13 item 3 end to end: a real `sluice serve` (remote-only model on the mock provider, no local model
-loaded), kill -9 after N requests, restart: /v1/usage and the key's remaining budget are exactly as before."""
+"""The usage ledger across a crash, end to end: a real `sluice serve` (remote-only model on the mock provider,
+no local model loaded), kill -9 after N requests, restart: /v1/usage and the key's remaining budget are exactly
+what they were before the kill."""
 
 from __future__ import annotations
 

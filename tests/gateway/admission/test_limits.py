@@ -10,7 +10,7 @@ from gateway.settings import LimitSettings
 from tests.fixtures.clock import Clock
 
 
-async def test_memory_limiter_rpm_tpm_and_windows():
+async def test_memory_limiter_enforces_rpm_tpm_and_budget_per_minute_window():
     c = Clock(600.0)
     lim = MemoryLimiter(LimitSettings(keys={"k": {"rpm": 3, "tpm": 100}}, tiers={"standard": {"rpm": 1}}), clock=c)
     assert [(await lim.admit("k", "standard")).ok for _ in range(4)] == [True, True, True, False]

@@ -1,6 +1,7 @@
-"""Malformed requests cannot flood the log, end to end: a real `sluice serve` with API keys gets 2,000
-requests with a NUL byte in a header on raw sockets (no key needed to send them). Each is answered 400;
-the log gains at most a few rate-limited lines (aiohttp logged an ERROR and an 11-line traceback for each)."""
+"""Malformed requests cannot flood the log (gateway/http/server.py), end to end: a real `sluice serve` with
+API keys gets 2,000 requests with a NUL byte in a header on raw sockets (no key needed to send them). Each
+is answered 400; the log gains at most a few rate-limited lines (aiohttp's own handler logs an ERROR and an
+11-line traceback for each)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Prefix-cache isolation between tenants (issue 9, item 2).
+"""Prefix-cache isolation between tenants: the salt the gateway gives each request (gateway/http/prepare.py,
+gateway/settings.py cache_salt).
 
 A cache hit shows in `usage.prompt_tokens_details.cached_tokens` (and in TTFT), so a cache shared by
 every key lets key B test guesses of key A's prompts. With `auth.prefix_cache_scope = "key"` (the
@@ -99,7 +100,7 @@ async def test_scope_decides_which_requests_share_a_salt(tmp_path, scope):
     assert a_s != a
 
 
-def test_cache_salt_derivation():
+def test_cache_salt_separates_keys_or_tiers_as_the_scope_says():
     assert cache_salt("key", "alice", "pro", None) != cache_salt("key", "bob", "pro", None)
     assert cache_salt("key", None, "standard", None) is not None  # anonymous: one tenant of its own
     assert cache_salt("key", "x", "x", None) != cache_salt("tier", "y", "x", None)  # scope is part of it

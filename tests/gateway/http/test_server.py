@@ -1,4 +1,4 @@
-"""Issue 9 item 6: slow or idle connections cannot exhaust the server.
+"""The server (gateway/http/server.py): slow or idle connections cannot exhaust it.
 
 A connection that sends nothing or a partial request is closed within the header timeout; a body
 that does not arrive in time gets 408; beyond `max_connections` the oldest idle connection is closed

@@ -68,7 +68,7 @@ def test_chunk_events_are_what_clients_parse():
 
 @pytest.mark.parametrize("fmt", [ChatChunks, CompletionChunks])
 def test_an_output_the_template_cannot_express_takes_the_general_path(fmt, monkeypatch):
-    """Logprobs (issue 11) and later tool calls: `templated` says no, the pydantic path encodes it."""
+    """Logprobs and tool calls: `templated` says no, the pydantic path encodes it."""
     out = RequestOutput(request_id="r", text="x", token_ids=[5],
                         logprobs=[TokenLogprob(token_id=5, logprob=-0.5)])
     assert not chunks.templated(out)
@@ -100,7 +100,7 @@ def test_json_answers_equal_the_response_models():
     chat = ChatCompletionResponse(id="chatcmpl-1", created=5, model="m", usage=usage.model(), choices=[
         ChatChoice(index=i, message=ChatMessageOut(content="".join(a.text)), finish_reason=a.finish_reason)
         for i, a in enumerate(accs)]).model_dump()
-    for c in chat["choices"]:  # a message's `tool_calls` (issue 11) is left out when None
+    for c in chat["choices"]:  # a message's `tool_calls` is left out when None
         if c["message"].get("tool_calls", 0) is None:
             del c["message"]["tool_calls"]
     mine = answer.chat_response("chatcmpl-1", 5, "m", accs, usage)

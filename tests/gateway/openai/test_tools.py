@@ -165,7 +165,7 @@ def test_a_streamed_cut_call_reassembles_to_the_cut_json_answer(end, cuts, prefi
 def test_a_named_function_cut_in_its_tag_is_that_function():
     content, calls = tools.parse_tool_calls("<tool_", ["call_a"], cut=True, names=["get_time"])
     assert content is None and [(c.id, c.name, c.arguments) for c in calls] == [("call_a", "get_time", "")]
-    assert tools.parse_tool_calls("<tool_", ["call_a"]) == ("<tool_", [])  # not cut: text, as before
+    assert tools.parse_tool_calls("<tool_", ["call_a"]) == ("<tool_", [])  # not cut: plain text
     # free text that mentions the tag stays text, cut or not
     assert tools.parse_tool_calls("I use <tool_", cut=True, names=NAMES) == ("I use <tool_", [])
     assert tools.parse_tool_calls("<tool_call> is a tag", cut=True, names=NAMES) == ("<tool_call> is a tag", [])

@@ -16,7 +16,7 @@ from tests.fixtures.fake_engine import FakeEngine
 from tests.fixtures.providers import LOCAL_MODEL, REMOTE_MODEL, chat, gateway, post, provider_cfg, stream_text
 
 
-async def test_provider_order_and_weights():
+async def test_providers_are_tried_by_order_and_picked_by_weight_within_an_order():
     def mk(n: str, o: int, w: float = 1.0) -> ProviderSettings:
         return ProviderSettings(name=n, base_url="http://127.0.0.1:1/v1", models={"m": "m"}, order=o, weight=w)
     rb = RemoteBackend([mk("c", 1), mk("a", 0, 9.0), mk("b", 0, 1.0)], RoutingSettings())

@@ -9,7 +9,7 @@ from gateway.backends.remote.provider import retry_after_seconds
 from gateway.settings import ProviderSettings, RoutingSettings
 
 
-def test_retry_after_forms():
+def test_retry_after_reads_seconds_milliseconds_and_http_dates():
     assert retry_after_seconds({"retry-after": "3"}) == 3
     assert retry_after_seconds({"retry-after-ms": "250"}) == 0.25
     assert retry_after_seconds({}) is None
@@ -84,7 +84,7 @@ def test_error_answers_raise_what_the_sdk_raised(status, content):
     assert got.response.headers.get("retry-after") == "3"
 
 
-def test_mid_stream_transport_errors_classify_as_before():
+def test_mid_stream_transport_errors_are_named_as_the_sdk_named_them():
     """A body read that fails is named as the SDK's aiohttp transport named it."""
     import aiohttp
 

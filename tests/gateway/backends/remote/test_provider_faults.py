@@ -1,4 +1,4 @@
-"""Provider faults found with the fault-injecting provider (issue 9, items 11-16): answers that are not
+"""Provider faults, injected by the mock provider, through the gateway: answers that are not
 JSON, bad provider config, credentials the provider refuses, usage after a mid-stream drop, the
 overflow estimate with few completions, and 429s as back-pressure rather than faults."""
 
