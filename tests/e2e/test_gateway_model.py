@@ -9,9 +9,12 @@ import socket
 import threading
 import time
 import urllib.request
+import uuid
 
 import openai
 import pytest
+
+from engine import EngineConfig
 
 pytestmark = pytest.mark.model
 
@@ -48,7 +51,9 @@ def test_models(sdk):
 
 
 def test_chat_non_stream(sdk):
-    raw = sdk.chat.completions.with_raw_response.create(model=model_id(sdk), messages=MSG, max_tokens=8,
+    # A first block no earlier request of the session can share: the first answer reuses nothing.
+    messages = [{"role": "system", "content": f"{uuid.uuid4().hex} Answer in one paragraph."}, *MSG]
+    raw = sdk.chat.completions.with_raw_response.create(model=model_id(sdk), messages=messages, max_tokens=8,
                                                         temperature=0)
     assert raw.headers.get("x-request-id")
     r = raw.parse()
@@ -56,7 +61,13 @@ def test_chat_non_stream(sdk):
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 8
     assert r.usage.total_tokens == r.usage.prompt_tokens + 8 and r.usage.prompt_tokens > 5
-    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # The same prompt again: the prefix cache serves every full block of it short of its last token
+    # (engine/block_manager.py match_prefix), and cached_tokens reports exactly those.
+    again = sdk.chat.completions.create(model=model_id(sdk), messages=messages, max_tokens=8, temperature=0)
+    block = EngineConfig().block_size
+    assert again.usage.prompt_tokens == r.usage.prompt_tokens > block
+    assert again.usage.prompt_tokens_details.cached_tokens == (r.usage.prompt_tokens - 1) // block * block
 
 
 def test_chat_stream_and_usage(sdk):
@@ -173,7 +184,7 @@ def test_paris_with_the_models_default_sampling(sdk):
     the same tokens as a request that sends them, streamed or not, and at their low temperature mostly
     the right answer (this prompt's first token is 'The' with p = 0.63 at temperature 0.2, 'L' with
     0.30: of 16 seeds about 10 answer Paris in the first 12 tokens; fewer than 6, p < 3%)."""
-    from engine import EngineConfig, load_frontend
+    from engine import load_frontend
 
     defaults = load_frontend(EngineConfig()).generation_defaults  # the model's recommended sampling
     m = model_id(sdk)
