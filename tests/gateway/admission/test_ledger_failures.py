@@ -15,6 +15,7 @@ from dataclasses import asdict
 
 from gateway.admission.ledger import SQLiteLedger, UsageRow, read_sqlite
 from gateway.admission.usage import UsageStore
+from tests.fixtures.clock import Clock
 from tests.gateway.admission.test_full_disk import fill, tmpfs
 
 
@@ -187,13 +188,15 @@ async def test_a_refused_request_ends_the_outage_once_writes_succeed(tmp_path):
     """Admission tries the storage itself while failing (not only the next flush), so the first request
     after it is back is admitted."""
     ledger = SQLiteLedger(tmp_path / "u.sqlite3", flush_interval_s=3600)
+    ledger._recovery.clock = clock = Clock()
     real = ledger._write
     _failing(ledger)
     ledger.append(_row(0))
     await ledger.flush()
     assert not await ledger.recover_now()
     ledger._write = real  # type: ignore[method-assign]
-    await asyncio.sleep(0.3)  # past the attempts' rate limit
+    assert not await ledger.recover_now()  # within the attempts' rate limit: not tried again yet
+    clock.t += ledger._recovery.every_s  # past it
     assert await ledger.recover_now() and ledger.problem is None
     await ledger.close()
     assert len(list(read_sqlite(tmp_path / "u.sqlite3", 0))) == 1
@@ -209,7 +212,11 @@ async def test_refused_requests_share_one_recovery_attempt():
         await asyncio.sleep(0.05)
         return True
 
-    recovery = Recovery(attempt, every_s=10)
+    clock = Clock()
+    recovery = Recovery(attempt, every_s=10, clock=clock)
     assert await asyncio.gather(*(recovery() for _ in range(20))) == [True] * 20
     assert len(calls) == 1
+    clock.t += 9.9
     assert await recovery() is False and len(calls) == 1  # at most one attempt per every_s
+    clock.t += 0.1
+    assert await recovery() is True and len(calls) == 2
