@@ -10,7 +10,7 @@ gateway adds to the direct figures, TTFT, the gateway's CPU per request (and per
 /proc, and errors (a fast 429/503 under overload counts as an error, not a success). A second pass
 streams from a mock with `--itl-ms` between tokens and compares the relayed inter-token time with the
 upstream's (bunching would show as a smaller median gap and a larger p99). Last, a summary against
-issue 10's goals: Sluice's CPU per JSON and streamed request at c=64 and c=256, its req/s as a multiple
+the gateway's goals: Sluice's CPU per JSON and streamed request at c=64 and c=256, its req/s as a multiple
 of LiteLLM's, and the p50 it adds at c=1.
 
     python -m bench.remote_overhead [--seconds 6] [--concurrency 1,64,256] [--no-litellm]
@@ -246,8 +246,8 @@ GOALS = {"cpu_json": 0.6, "cpu_stream": 1.0, "x_litellm": 15.0, "added_p50_c1_js
 
 
 def summary(results: dict, concs: list[int], modes: list[str]) -> list[str]:
-    """Issue 10's goals against this run's rows (absent rows are skipped)."""
-    out = ["# summary against the goals (issue 10 item 5)"]
+    """The gateway's overhead goals against this run's rows (absent rows are skipped)."""
+    out = ["# summary against the gateway's overhead goals"]
 
     def ok(good: bool) -> str:
         return "ok  " if good else "MISS"

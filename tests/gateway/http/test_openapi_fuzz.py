@@ -28,7 +28,7 @@ from gateway.settings import Settings  # noqa: E402
 from gateway.state import STATE  # noqa: E402
 from tests.fixtures.fake_engine import FakeEngine  # noqa: E402
 
-SPEC = Path(__file__).resolve().parents[2].parent / "shared" / "openai-api" / "openapi-subset.json"
+SPEC = Path(__file__).resolve().parents[3].parent / "shared" / "openai-api" / "openapi-subset.json"
 if not SPEC.is_file():  # CI clones the project with shared/ beside it; a bare checkout may not have it
     pytest.skip(f"OpenAI spec not found at {SPEC}", allow_module_level=True)
 
