@@ -17,7 +17,7 @@ class EmbeddingConfig:
     model: str | None = None
     served_model_name: str | None = None  # the id clients ask for; default: derived from the model
     device: str = "auto"  # auto: cuda when available, else cpu
-    # The matmuls' dtype (LayerNorms, residuals, softmax and pooling stay float32). auto: bfloat16 on
+    # The forward's dtype (LayerNorm statistics, softmax sums and pooling stay float32). auto: bfloat16 on
     # cuda and on CPUs that multiply bf16 natively (AVX512-BF16 or AMX: about twice float32's speed,
     # cosine to the float32 reference above 0.9999), float32 on the others (AVX2 only), where bf16
     # would be emulated and slower.
