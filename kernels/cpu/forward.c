@@ -24,6 +24,7 @@
 #define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -292,6 +293,23 @@ static pthread_t workers[MAX_THREADS];
 static pthread_mutex_t step_lock = PTHREAD_MUTEX_INITIALIZER; /* one job at a time per process */
 static int worker_ids[MAX_THREADS];
 
+/* One round of waiting for another thread: a short spin (the other thread is normally a few
+ * microseconds away), then yielding the core. Without the yield a waiting thread burns whole
+ * scheduler slices while the thread it waits for is descheduled, which happens as soon as anything
+ * else wants these cores (other processes, the event loop, a second engine): each barrier of a step
+ * could then cost milliseconds, and one step a hundred times its time. */
+#define SPIN_BEFORE_YIELD 4096
+static inline void spin_wait(int *spins) {
+    if (*spins < SPIN_BEFORE_YIELD) {
+        ++*spins;
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+    } else {
+        sched_yield();
+    }
+}
+
 static void barrier(int n) {
     if (n <= 1) return;
     int gen = atomic_load_explicit(&pool.barrier_gen, memory_order_acquire);
@@ -299,11 +317,7 @@ static void barrier(int n) {
         atomic_store_explicit(&pool.arrived, 0, memory_order_relaxed);
         atomic_fetch_add_explicit(&pool.barrier_gen, 1, memory_order_acq_rel);
     } else {
-        while (atomic_load_explicit(&pool.barrier_gen, memory_order_acquire) == gen) {
-#if defined(__x86_64__)
-            __builtin_ia32_pause();
-#endif
-        }
+        for (int spins = 0; atomic_load_explicit(&pool.barrier_gen, memory_order_acquire) == gen;) spin_wait(&spins);
     }
 }
 
@@ -347,11 +361,8 @@ static void run_parallel(job_fn fn, void *arg, int nthreads) {
     }
     fn(arg, 0);
     if (nthreads > 1)
-        while (atomic_load_explicit(&pool.done, memory_order_acquire) < pool.nthreads - 1) {
-#if defined(__x86_64__)
-            __builtin_ia32_pause();
-#endif
-        }
+        for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < pool.nthreads - 1;)
+            spin_wait(&spins);
 }
 
 /* ---- AMX: the process asks the kernel once for the tile state; each thread configures its tiles ---- */
