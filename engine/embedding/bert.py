@@ -11,13 +11,14 @@ dispatch each (x inputs x layers), and one block-diagonal mask over the whole pa
 num_tokens^2 scores instead of inputs * longest^2. The scheduler hands over inputs of similar lengths,
 so the padding attention sees is a few percent.
 
-Q/K/V are one matmul (fused weight). The matmuls run in `matmul_dtype`: bf16 where the CPU multiplies
-it natively (AVX512-BF16, AMX: twice float32's rate). Then the residual stream is kept in bf16 too
-(LayerNorm statistics, softmax sums and pooling are float32 inside torch's kernels): converting it
-back and forth cost 3% more time for no accuracy the goal needs (cosine to the float32 forward 0.99992
-either way). Measured on a 2-core AVX512-BF16 CPU, MiniLM, 1024-token steps: linear layers ~60% of a
-step, attention ~20% (its softmax alone ~12%: with head_dim 32 the scores cost as much as the
-products), the rest GELU, LayerNorm and copies.
+Q/K/V are one matmul (fused weight), and each linear layer with what follows it (GELU, the residual
+addition) is one call (linear.py: oneDNN's fused epilogues on a CPU in bf16). The matmuls run in
+`matmul_dtype`: bf16 where the CPU multiplies it natively (AVX512-BF16, AMX: twice float32's rate).
+Then the residual stream is kept in bf16 too (LayerNorm statistics, softmax sums and pooling are
+float32 inside torch's kernels): converting it back and forth cost 3% more time for no accuracy the
+goal needs (cosine to the float32 forward 0.99992 either way). Measured on a 2-core AVX512-BF16 CPU,
+MiniLM, 1024-token steps: linear layers ~60% of a step, attention ~20% (its softmax alone ~12%: with
+head_dim 32 the scores cost as much as the products), the rest LayerNorm, embeddings and copies.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .linear import Linear, onednn_fusion
 
 
 @dataclass
@@ -81,17 +84,20 @@ class PackedBatch:
 
 
 class EncoderLayer:
-    def __init__(self, w: Mapping[str, torch.Tensor], prefix: str, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, w: Mapping[str, torch.Tensor], prefix: str, device: torch.device | str, dtype: torch.dtype,
+                 fused: bool, rows: int):
         def get(name: str) -> torch.Tensor:
             return w[f"{prefix}.{name}"].float().to(device)
 
+        def linear(name: str) -> Linear:
+            return Linear(get(f"{name}.weight"), get(f"{name}.bias"), dtype, fused, rows)
+
         att = "attention.self"
-        self.wqkv = torch.cat([get(f"{att}.{p}.weight") for p in ("query", "key", "value")]).to(dtype)
-        self.bqkv = torch.cat([get(f"{att}.{p}.bias") for p in ("query", "key", "value")]).to(dtype)
-        self.wo, self.bo = get("attention.output.dense.weight").to(dtype), get("attention.output.dense.bias").to(dtype)
+        self.qkv = Linear(torch.cat([get(f"{att}.{p}.weight") for p in ("query", "key", "value")]),
+                          torch.cat([get(f"{att}.{p}.bias") for p in ("query", "key", "value")]), dtype, fused, rows)
+        self.out = linear("attention.output.dense")
         self.ln1 = get("attention.output.LayerNorm.weight"), get("attention.output.LayerNorm.bias")
-        self.w1, self.b1 = get("intermediate.dense.weight").to(dtype), get("intermediate.dense.bias").to(dtype)
-        self.w2, self.b2 = get("output.dense.weight").to(dtype), get("output.dense.bias").to(dtype)
+        self.up, self.down = linear("intermediate.dense"), linear("output.dense")
         self.ln2 = get("output.LayerNorm.weight"), get("output.LayerNorm.bias")
 
 
@@ -99,7 +105,7 @@ class Bert:
     """The encoder: embeddings, then `num_layers` post-norm layers; returns every token's last hidden state."""
 
     def __init__(self, args: BertArgs, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
-                 matmul_dtype: torch.dtype = torch.float32):
+                 matmul_dtype: torch.dtype = torch.float32, rows: int = 1024):
         if args.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden_act {args.hidden_act!r} is not supported (gelu, gelu_new, gelu_pytorch_tanh)")
         self.args = args
@@ -108,6 +114,7 @@ class Bert:
         # matmuls at 64-256 tokens), but its bf16 path is slower than its float32 one, while bf16 batched
         # matmuls run on the bf16 units: 15-30% less time than flash at 32-256 tokens. On CUDA, flash.
         self.flash = matmul_dtype == torch.float32 or torch.device(device).type != "cpu"
+        self.fused = onednn_fusion(matmul_dtype, torch.device(device))  # linear.py; `rows`: a step's usual size
         self.gelu_approximate = "none" if args.hidden_act == "gelu" else "tanh"
 
         def get(name: str) -> torch.Tensor:
@@ -118,7 +125,7 @@ class Bert:
         # Every input is one segment (type 0): its embedding is a constant added to every token.
         self.token_type_0 = get("embeddings.token_type_embeddings.weight")[0]
         self.ln_embed = get("embeddings.LayerNorm.weight"), get("embeddings.LayerNorm.bias")
-        self.layers = [EncoderLayer(weights, f"encoder.layer.{i}", device, matmul_dtype)
+        self.layers = [EncoderLayer(weights, f"encoder.layer.{i}", device, matmul_dtype, self.fused, rows)
                        for i in range(args.num_layers)]
 
     def _norm(self, x: torch.Tensor, ln: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -160,9 +167,8 @@ class Bert:
         x = self.word_embeddings[input_ids] + self.position_embeddings[batch.positions] + self.token_type_0
         x = self._norm(x, self.ln_embed).to(self.dtype)
         for layer in self.layers:
-            qkv = F.linear(x, layer.wqkv, layer.bqkv)
-            attn = self._attention(qkv, batch)
-            x = self._norm(x + F.linear(attn, layer.wo, layer.bo), layer.ln1)
-            h = F.gelu(F.linear(x, layer.w1, layer.b1), approximate=self.gelu_approximate)
-            x = self._norm(x + F.linear(h, layer.w2, layer.b2), layer.ln2)
+            attn = self._attention(layer.qkv(x), batch)
+            x = self._norm(layer.out.plus(attn, x), layer.ln1)
+            h = layer.up.gelu(x, self.gelu_approximate)
+            x = self._norm(layer.down.plus(h, x), layer.ln2)
         return x.float()

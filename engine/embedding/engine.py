@@ -71,13 +71,14 @@ class EmbeddingEngine:
         self.device = torch.device(config.device if config.device != "auto" else
                                    "cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = Bert(loaded.args, loaded.weights, self.device, self.dtype)
+        self.model = Bert(loaded.args, loaded.weights, self.device, self.dtype, rows=config.max_batch_tokens)
         del loaded
         self.scheduler = EmbeddingScheduler(config.max_batch_tokens, config.priority_aging_s)
         self.stats = EmbeddingStats()
-        log.info("embedding engine: model %s on %s (matmuls %s), %d dimensions, %s pooling%s, max %d tokens an "
+        log.info("embedding engine: model %s on %s (%s%s), %d dimensions, %s pooling%s, max %d tokens an "
                  "input, %d a step, loaded in %.1fs", self.model_name, self.device,
-                 str(self.dtype).removeprefix("torch."), self.dimensions, self.pooling,
+                 str(self.dtype).removeprefix("torch."), ", fused oneDNN linears" if self.model.fused else "",
+                 self.dimensions, self.pooling,
                  ", normalised" if self.normalize else "", self.max_input_tokens, config.max_batch_tokens,
                  time.perf_counter() - t0)
 
