@@ -12,7 +12,7 @@ num_tokens^2 scores instead of inputs * longest^2. The scheduler hands over inpu
 so the padding attention sees is a few percent.
 
 Q/K/V are one matmul (fused weight), and each linear layer with what follows it (GELU, the residual
-addition) is one call (linear.py: oneDNN's fused epilogues on a CPU in bf16). The matmuls run in
+addition) is one call (linear.py: oneDNN's fused epilogues on a CPU). The matmuls run in
 `matmul_dtype`: bf16 where the CPU multiplies it natively (AVX512-BF16, AMX: twice float32's rate).
 Then the residual stream is kept in bf16 too (LayerNorm statistics, softmax sums and pooling are
 float32 inside torch's kernels): converting it back and forth cost 3% more time for no accuracy the

@@ -1,6 +1,6 @@
 """The encoder's linear layers: the plain path is linear, GELU and a residual addition as torch computes
 them; the oneDNN path (packed weight, fused epilogues) gives the same values wherever `onednn_fusion`
-picks it, and is never picked off a CPU or outside bf16."""
+picks it (bf16; float32 on AVX-512), and is never picked off a CPU."""
 
 from __future__ import annotations
 
@@ -26,16 +26,19 @@ def test_the_plain_path(data):
     torch.testing.assert_close(lin.plus(x, res), res + F.linear(x, w, b))
 
 
-def test_fusion_only_on_a_cpu_in_bf16():
-    assert not onednn_fusion(torch.float32, torch.device("cpu"))
+def test_fusion_only_on_a_cpu_and_float32_only_on_avx512(monkeypatch):
     assert not onednn_fusion(torch.bfloat16, torch.device("cuda"))
+    assert not onednn_fusion(torch.float16, torch.device("cpu"))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not onednn_fusion(torch.float32, torch.device("cpu"))
 
 
-def test_the_fused_path_agrees_with_the_plain_one(data):
-    if not onednn_fusion(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("oneDNN's fused linear is not available on this machine")
-    x, w, b, res = (t.bfloat16() for t in data)
-    plain, fused = Linear(w, b, torch.bfloat16, fused=False), Linear(w, b, torch.bfloat16, fused=True, rows=64)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_path_agrees_with_the_plain_one(data, dtype):
+    if not onednn_fusion(dtype, torch.device("cpu")):
+        pytest.skip(f"oneDNN's fused linear is not used for {dtype} on this machine")
+    x, w, b, res = (t.to(dtype) for t in data)
+    plain, fused = Linear(w, b, dtype, fused=False), Linear(w, b, dtype, fused=True, rows=64)
     for approximate in ("none", "tanh"):
         torch.testing.assert_close(fused.gelu(x, approximate).float(), plain.gelu(x, approximate).float(),
                                    atol=0.02, rtol=0.02)
