@@ -20,32 +20,12 @@ from .bert import Bert, PackedBatch
 from .config import EmbeddingConfig
 from .loader import load_encoder
 from .pooling import pool
+from .precision import resolve_dtype
 from .request import EmbeddingOutput, EmbeddingRequest
 from .scheduler import EmbeddingScheduler, Pending, Step
 from .tokenizer import EncoderTokenizer
 
 log = logging.getLogger(__name__)
-
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_multiplies_bf16() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), which oneDNN's bf16
-    matmul uses; elsewhere (AVX2, plain AVX-512) bf16 is converted to float32 and multiplied slower."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return any(flag in line.split() for flag in NATIVE_BF16_FLAGS)
-    except OSError:
-        pass
-    return False
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_multiplies_bf16() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 class EmbeddingEngine:
@@ -70,7 +50,7 @@ class EmbeddingEngine:
         self.vocab_size = loaded.args.vocab_size
         self.device = torch.device(config.device if config.device != "auto" else
                                    "cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, loaded.args.hidden_size)
         self.model = Bert(loaded.args, loaded.weights, self.device, self.dtype, rows=config.max_batch_tokens)
         del loaded
         self.scheduler = EmbeddingScheduler(config.max_batch_tokens, config.priority_aging_s)

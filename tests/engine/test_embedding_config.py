@@ -1,13 +1,11 @@
 """The embedding engine's settings: refused at start when they cannot be honoured, naming the setting;
-`max_seq_length` only lowers the model's limit; `auto` picks bf16 matmuls only on CPUs with bf16 units."""
+`max_seq_length` only lowers the model's limit."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import EmbeddingConfig, EmbeddingEngine, EmbeddingRequest, EngineConfigError, RequestRejected
-from engine.embedding import engine as embedding_engine_module
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -41,12 +39,3 @@ def test_a_lower_max_seq_length_is_the_engines_limit():
     cut, = engine.tokenize(["one two three four five six seven eight nine ten eleven twelve thirteen fourteen"],
                            truncate=True)
     assert len(cut) == 16 and cut[-1] == 102
-
-
-def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch):
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(embedding_engine_module, "cpu_multiplies_bf16", lambda: True)
-    assert embedding_engine_module.resolve_dtype("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(embedding_engine_module, "cpu_multiplies_bf16", lambda: False)
-    assert embedding_engine_module.resolve_dtype("auto", cpu) == torch.float32
-    assert embedding_engine_module.resolve_dtype("bfloat16", cpu) == torch.bfloat16
