@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 
 class EmbeddingEngine:
+    """What a caller reads besides the loop: `model_name`, `max_input_tokens` (the longest input, special
+    tokens included), `dimensions` (the vectors' length), `supports_dimensions`, `stats`; `tokenize`
+    turns texts into a request's inputs."""
+
     def __init__(self, config: EmbeddingConfig | None = None):
         self.config = config = config or EmbeddingConfig()
         config.validate_basic()
@@ -167,13 +171,18 @@ class EmbeddingEngine:
         return pool(hidden, batch.cu_seqlens, self.pooling, self.normalize).cpu()
 
     def embed(self, texts: list[str], truncate: bool = True) -> torch.Tensor:
-        """Texts to vectors through the engine's own batching (tests, benchmarks, offline use)."""
+        """Texts to vectors through the engine's own batching (tests, benchmarks, offline use), on an idle
+        engine: its loop would take other requests' outputs."""
+        if self.has_unfinished():
+            raise RuntimeError("embed() needs an idle engine; drive requests in flight with step()")
         ids = self.tokenize(texts, truncate=truncate)
         req = EmbeddingRequest("__embed__", ids)
         self.add_request(req)
         out = torch.empty(len(texts), self.dimensions)
         while self.has_unfinished():
             for o in self.step():
+                if o.error is not None:
+                    raise RuntimeError(o.error)
                 out[o.index] = torch.tensor(o.embedding)
         return out
 
