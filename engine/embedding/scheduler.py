@@ -72,7 +72,7 @@ class EmbeddingScheduler:
         return (AGED if aged else p.priority, p.arrival)
 
     def schedule(self, now: float) -> Step:
-        """The next step's inputs; each request's served inputs leave the pending set with it."""
+        """The next step's inputs; a request leaves `pending` once all of its inputs are scheduled."""
         ranked = sorted(self.pending.values(), key=lambda p: self._rank(p, now))
         rows: list[tuple[Pending, int]] = []
         tokens = 0
