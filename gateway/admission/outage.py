@@ -48,7 +48,7 @@ class Outage:
 
 class Recovery:
     """A refused request's try at ending an outage at once (so the first request after the store is back
-    is admitted, not one a retry interval later): one attempt at a time, shared by every caller, and at
+    is admitted, not one after a further retry interval): one attempt at a time, shared by every caller, and at
     most one every `every_s` however many requests are refused. A caller waits at most `wait_s` for it (a
     store that hangs must not hold the requests it refuses)."""
 

@@ -216,7 +216,7 @@ async def test_worker_sigkill_mid_stream_every_client_completes(cluster, referen
         assert text == reference[(p, 48)], (p, text)  # no token lost, none repeated
         assert finish in ("length", "stop")
     cluster.workers.remove(victim)
-    cluster.start_worker()  # back to two for what follows (ready-checked later)
+    cluster.start_worker()  # back to two for what follows (checked ready below)
 
 
 async def test_cancelled_stream_leaves_the_worker(cluster):
