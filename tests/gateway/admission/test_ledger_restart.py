@@ -17,6 +17,7 @@ import urllib.request
 
 import pytest
 
+from tests.fixtures.processes import stop_all
 from tests.fixtures.servers import ROOT, free_port, wait_http_ok
 
 pytestmark = pytest.mark.slow
@@ -115,10 +116,4 @@ budget = {BUDGET}
         assert float(rows[0]["spend"]) == pytest.approx(8 * COST, abs=1e-6)
         assert float(rows[0]["savings"]) == 0.0  # remote answers: spend is the equivalent
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_all(procs)
