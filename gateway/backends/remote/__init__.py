@@ -1,1 +1,2 @@
-"""Remote OpenAI-compatible providers: the backend and its streams, retry classification, breakers."""
+"""Remote OpenAI-compatible providers: the backend and its streams (backend.py), each request's tries
+over its provider chain (tries.py), one provider and failure classification (provider.py), breakers."""

@@ -6,21 +6,9 @@ fields removed and the model name mapped) is forwarded as is, and the answer's b
 building SDK objects: a relayed chunk costs one JSON parse. A stream is relayed a socket read at a
 time: the outputs of one read go to the client together (`next_batch`), one write per read.
 
-Tries are rounds over the provider chain (order, then weight), driven by tenacity:
-  * in a round each provider whose breaker is closed (or half-open and free for a probe), that is not
-    at `max_concurrent` and not inside a Retry-After it gave us, gets one try; a failure (5xx, timeout,
-    connection error, a stream cut before its first text, a 200 whose body is not JSON/SSE, any error
-    no rule knows) counts against its breaker and moves on to the next provider at once;
-  * a 429 is back-pressure, not a fault: it never counts against the breaker; the provider is skipped
-    for its Retry-After (a healthy fallback serves at once). A request that finds every provider
-    inside a Retry-After window answers 429 with that Retry-After at once;
-  * 400/413/422 are the caller's fault and answered as they are; 401/403 are a configuration error
-    (the provider refuses our key): no retry, its breaker opens at once, the next provider serves, and
-    the log and `/ready` say why; a 404 (the model mapping) moves on without retrying it;
-  * when a round fails, tenacity waits (the soonest Retry-After, else exponential backoff with full
-    jitter) and tries again, at most `max_attempts` rounds, and never past the request's deadline
-    (the first round runs without it: building its retry state costs more than most requests);
-  * then the client gets 429 (every provider rate-limited us) or 503, with Retry-After.
+Each request's tries over its provider chain (rounds, backoff, breakers, Retry-After, failover and
+the 429/503 of giving up) are a `TryChain` (tries.py); this module says what one try is: a chat or
+completion answer, read whole (JSON) or as far as its first text (a stream).
 A stream is committed once a chunk with real text arrived (a role-only first chunk is not); before
 that every failure is retried invisibly; after it a failure ends the stream with an error event.
 """
@@ -33,28 +21,24 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import openai
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
-from tenacity.stop import stop_base
 
 from engine import RequestOutput
 from gateway import jsonio
 from gateway.backends.base import Backend, ChoiceStream
 from gateway.backends.remote.provider import (
-    AttemptFailure,
     BadResponse,
     Provider,
-    RoundFailed,
     StreamDropped,
     UpstreamError,
     classify,
     transport_error,
 )
+from gateway.backends.remote.tries import TryChain
 from gateway.errors import APIError, Failure
 from gateway.messages import ChoiceOutput, ErrorOutput, GenerationRequest
 from gateway.observability.metrics import Metrics
@@ -118,15 +102,6 @@ async def _sse_lines(resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]
         yield [buf]
 
 
-def _client_error(e: openai.APIStatusError) -> APIError:
-    body = e.body if isinstance(e.body, dict) else {}
-    err = body.get("error", body) if isinstance(body, dict) else {}
-    if not isinstance(err, dict):
-        err = {}
-    return APIError(e.status_code, str(err.get("message") or e.message), param=err.get("param"),
-                    code=err.get("code"))
-
-
 @dataclass
 class _Parsed:
     """Accumulated facts of one upstream answer."""
@@ -160,32 +135,24 @@ class TryResult:
     rest: AsyncIterator[list[ChoiceOutput]] | None = None
 
 
-class stop_when(stop_base):
-    """A tenacity stop condition from a predicate (so it composes with `|`)."""
-
-    def __init__(self, predicate: Callable[[RetryCallState], bool]):
-        self.predicate = predicate
-
-    def __call__(self, retry_state: RetryCallState) -> bool:
-        return self.predicate(retry_state)
-
-
 class RemoteStream(ChoiceStream):
+    """A chat or completion answer from the provider chain: the tries are a `TryChain`; a try posts the
+    request and reads the answer (JSON: whole; a stream: up to its first text), the rest is relayed."""
+
     def __init__(self, backend: RemoteBackend, gen: GenerationRequest, chain: list[Provider]):
-        self._remote = backend
         self._gen = gen
-        self._chain = chain
+        self._tries: TryChain[TryResult] = TryChain(backend, gen.request_id, gen.model, gen.deadline, chain)
         self._backend = "remote"  # "remote:<provider>" once a provider answers
-        self.provider: Provider | None = None
         self._prompt_tokens: int | None = None
-        self._excluded: set[Provider] = set()  # refused our configuration: not retried for this request
-        self._last_kind: dict[str, str] = {}  # provider -> its last failure or reason it was skipped
-        self._failures: list[AttemptFailure] = []  # every failed try of this request
         self._it: AsyncGenerator[list[ChoiceOutput], None] = self._run()  # a list per upstream read
         self._ready: collections.deque[ChoiceOutput] = collections.deque()  # read, not yet handed out
         self._resp: aiohttp.ClientResponse | None = None
         self._closed = False
-        self._holding = False  # counted in self.provider.in_flight
+
+    @property
+    def provider(self) -> Provider | None:
+        """The provider being tried, then the one answering."""
+        return self._tries.provider
 
     @property
     def backend(self) -> str:
@@ -232,9 +199,7 @@ class RemoteStream(ChoiceStream):
 
     async def _release(self) -> None:
         await self._release_resp()
-        if self.provider is not None and self._holding:
-            self._holding = False
-            self.provider.in_flight -= 1
+        self._tries.release()
 
     # ---------------------------------------------------------------- the upstream body
 
@@ -248,6 +213,14 @@ class RemoteStream(ChoiceStream):
         return body
 
     # ---------------------------------------------------------------- one try
+
+    async def _attempt(self, p: Provider, deadline: float) -> TryResult:
+        """One try for the TryChain: a failed one leaves no upstream response open."""
+        try:
+            return await self._try(p, deadline)
+        except BaseException:
+            await self._release_resp()
+            raise
 
     async def _try(self, p: Provider, deadline: float) -> TryResult:
         """One call to one provider: its answer, whole (JSON), or as far as the first real text (a stream)."""
@@ -359,174 +332,10 @@ class RemoteStream(ChoiceStream):
         parsed.text_chunks = texts
         return outs + self._finish(parsed)
 
-    # ---------------------------------------------------------------- the try chain
-
-    async def _open(self) -> tuple[Provider, TryResult]:
-        b = self._remote
-        r = b.routing
-        start = time.monotonic()
-        deadline = start + r.request_timeout_s
-        if self._gen.deadline is not None:  # a wall-clock deadline set by the caller
-            deadline = min(deadline, start + max(0.0, self._gen.deadline - time.time()))
-
-        def wait_after(attempt: int, e: BaseException | None) -> float:
-            """The wait after round `attempt` (1-based) failed with `e`."""
-            hint = e.wait_hint if isinstance(e, RoundFailed) else None
-            if hint:
-                return hint + 0.005  # just past the Retry-After (or cool-down) it waits out
-            cap = min(r.backoff_max_s, r.backoff_base_s * 2 ** (attempt - 1))
-            return random.uniform(0, cap)
-
-        def give_up(e: BaseException | None, sleep: float) -> bool:
-            if isinstance(e, RoundFailed):
-                if e.final:
-                    return True
-                if e.wait_hint is not None and e.wait_hint > r.max_retry_after_s:
-                    return True
-            return time.monotonic() + sleep >= deadline
-
-        # Round 1 without tenacity; its retry state machine is built only when that round failed.
-        try:
-            return await self._round(deadline)
-        except RoundFailed as e:
-            last = e
-        sleep = wait_after(1, last)
-        if r.max_attempts <= 1 or give_up(last, sleep):
-            raise self._give_up(last)
-        await asyncio.sleep(sleep)
-
-        def outcome(rs: RetryCallState) -> BaseException | None:
-            return rs.outcome.exception() if rs.outcome else None
-
-        try:  # rounds 2.. (tenacity's attempt k is round k + 1)
-            async for attempt in AsyncRetrying(
-                    stop=stop_after_attempt(r.max_attempts - 1) | stop_when(
-                        lambda rs: give_up(outcome(rs), rs.upcoming_sleep)),
-                    wait=lambda rs: wait_after(rs.attempt_number + 1, outcome(rs)),
-                    retry=retry_if_exception_type(RoundFailed), reraise=True):
-                with attempt:
-                    return await self._round(deadline)
-        except RoundFailed as e:
-            last = e
-        raise self._give_up(last)
-
-    def _live(self) -> list[Provider]:
-        """Providers this request may still wait for: not excluded by a configuration error."""
-        return [p for p in self._chain if p not in self._excluded
-                and not (p.config_error and not p.breaker.available())]
-
-    async def _round(self, deadline: float) -> tuple[Provider, TryResult]:
-        failures: list[AttemptFailure] = []
-        tried = 0
-        for p in self._remote.order(self._chain):
-            if time.monotonic() >= deadline:
-                break
-            if p in self._excluded:
-                continue
-            why = p.unavailable(time.monotonic())
-            if why is None and not p.breaker.allow():
-                why = "circuit_open"
-            if why is not None:
-                self._last_kind[p.name] = why
-                continue
-            tried += 1
-            p.in_flight += 1
-            self.provider, self._holding = p, True
-            b = self._remote
-            t0 = time.monotonic()
-            try:
-                result = await self._try(p, deadline)
-            except asyncio.CancelledError:
-                p.breaker.release()
-                await self._release()
-                raise
-            except Exception as e:
-                await self._release()
-                self.provider = None
-                f = classify(p, e)
-                if f is None:  # the caller's fault (400/413/422): answer it, count no failure
-                    p.breaker.release()
-                    if isinstance(e, openai.APIStatusError):
-                        raise _client_error(e) from None
-                    raise
-                self._failed(p, f, e)
-                failures.append(f)
-                self._failures.append(f)
-                b.on_attempt(p, f.kind, time.monotonic() - t0)
-                continue
-            p.breaker.success()
-            p.config_error = None
-            b.on_attempt(p, "ok", time.monotonic() - t0)
-            return p, result
-        now = time.monotonic()
-        live = self._live()
-        hints = [p.wait_hint(now) for p in live]
-        hint = min(hints) if hints else None
-        # Nothing left to wait for (every provider refused our configuration), or nothing tried because
-        # every provider is inside a 429's Retry-After: answer now rather than wait.
-        final = not live or (tried == 0 and all(self._last_kind.get(p.name) == "rate_limited" for p in live))
-        raise RoundFailed(failures, hint if hint and hint > 0 else None, final)
-
-    def _failed(self, p: Provider, f: AttemptFailure, e: BaseException) -> None:
-        """Book one failed try: the breaker, the provider's Retry-After, the log."""
-        self._last_kind[p.name] = f.kind
-        more = "failing over" if any(q is not p and q.usable(time.monotonic()) for q in self._live()) \
-            else "no other provider now"
-        rid = self._gen.request_id
-        if f.kind == "rate_limited":  # back-pressure, not a fault: the breaker does not count it
-            p.breaker.release()
-            if f.retry_after:
-                p.hold(f.retry_after, "rate_limited")
-            log.info("provider %s rate limited %s (%s%s); %s", p.name, rid, f.message,
-                     f", Retry-After {f.retry_after:g} s" if f.retry_after else "", more)
-            return
-        if f.kind == "misconfigured":
-            self._excluded.add(p)  # never retried for this request
-            if f.status in (401, 403):
-                p.config_error = f.message
-                p.breaker.trip()
-                log.error("provider %s: %s; its circuit is open for %g s (%s, request %s)", p.name, f.message,
-                          p.breaker.cooldown_s, more, rid)
-            else:
-                p.breaker.release()
-                log.warning("provider %s failed for %s: %s; %s", p.name, rid, f.message, more)
-            return
-        p.breaker.failure()
-        if f.retry_after:
-            p.hold(f.retry_after, "retry_after")
-        log.warning("provider %s failed for %s: %s; %s", p.name, rid, f.message, more,
-                    exc_info=e if f.kind == "error" else None)
-
-    def _give_up(self, e: RoundFailed) -> APIError:
-        now = time.monotonic()
-        names = ", ".join(p.name for p in self._chain)
-        live = self._live()
-        model = self._gen.model
-        if not live:  # every provider refused our configuration: say so, not "overloaded"
-            last = {f.provider: f.message for f in self._failures}
-            errors = "; ".join(f"{p.name}: {p.config_error or last.get(p.name) or 'misconfigured'}"
-                               for p in self._chain)
-            waits = [p.breaker.retry_in() for p in self._chain if p.breaker.retry_in() > 0]
-            return APIError(503, f"No provider could serve `{model}`: a configuration error ({errors}).",
-                            type="server_error", code="upstream_misconfigured",
-                            retry_after=min(waits) if waits else None)
-        if all(self._last_kind.get(p.name) == "rate_limited" for p in live):
-            windows = [p.not_before - now for p in live if p.not_before > now]
-            retry_after = min(windows) if windows else (e.wait_hint or 1.0)
-            return APIError(429, f"Every provider for `{model}` is rate limiting ({names}); retry later.",
-                            code="upstream_rate_limited", retry_after=max(retry_after, 1.0))
-        retry_after = e.wait_hint if e.wait_hint else max(1.0, self._remote.routing.backoff_max_s / 5)
-        detail = "; ".join(f"{f.provider}: {f.message}" for f in self._failures[-4:])
-        if not detail:
-            detail = "; ".join(f"{p.name}: {_SKIPPED.get(self._last_kind.get(p.name, ''), 'unavailable')}"
-                               for p in live)
-        return APIError(503, f"No provider could serve `{model}` ({detail}).", type="overloaded_error",
-                        code="upstream_unavailable", retry_after=retry_after)
-
     # ---------------------------------------------------------------- the stream
 
     async def _run(self) -> AsyncGenerator[list[ChoiceOutput], None]:
-        p, result = await self._open()
+        p, result = await self._tries.run(self._attempt)
         self._backend = f"remote:{p.name}"
         parsed = result.parsed
         try:
@@ -550,11 +359,6 @@ class RemoteStream(ChoiceStream):
                     cached_tokens=parsed.cached_tokens, error_code="provider_error", failure=Failure.PROVIDER))]
         finally:
             await self._release()
-
-
-_SKIPPED = {"circuit_open": "circuit open", "busy": "at its concurrency limit",
-            "rate_limited": "inside its Retry-After", "retry_after": "inside its Retry-After",
-            "misconfigured": "misconfigured"}
 
 
 class RemoteBackend(Backend):
