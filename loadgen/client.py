@@ -1,9 +1,13 @@
-"""One streamed chat request through the official `openai` SDK, timed.
+"""One request through the official `openai` SDK, timed: a streamed chat completion, or an embeddings
+call (`--endpoint embeddings`).
 
 `Sender` holds one `AsyncOpenAI` client (the SDK's aiohttp transport, no retries: a failure is a
-result) and the API key of each tier. Each request is sent with `stream=True` and
-`stream_options.include_usage`, through `.with_streaming_response` so the response headers are read
-(`x-sluice-backend`: where Sluice served it; "unknown" when absent, as from any other server).
+result), the API key of each tier, and the endpoint it sends to. Each chat request is sent with
+`stream=True` and `stream_options.include_usage`, through `.with_streaming_response` so the response
+headers are read (`x-sluice-backend`: where Sluice served it; "unknown" when absent, as from any other
+server). Each embeddings request is `client.embeddings.with_raw_response.create(model=..., input=[...])`
+(the SDK's own request: it asks for `encoding_format: base64` unless `--extra-body` names one, and
+decodes the answer), for its headers, then `.parse()`.
 
 Measured per request, from just before the SDK call:
 * TTFT: the first chunk that carries text (content, or a reasoning model's reasoning text); a
@@ -19,11 +23,17 @@ Measured per request, from just before the SDK call:
   before the answer ended (a dropped keep-alive connection too), else the exception's class name
   (`APIConnectionError`, `APITimeoutError`, ...). The kinds of connection failures come from the
   transport's own exception: the SDK's aiohttp transport reports both as `APITimeoutError`.
+
+Measured per embeddings request: end-to-end (until the whole answer is read and parsed), the inputs
+sent, `usage.prompt_tokens`, and the error kinds above plus `not_json` (a 200 that is not JSON),
+`bad_json` (a JSON content type whose body does not parse) and `bad_embeddings` (JSON without one
+embedding per input, e.g. 3 for 4 inputs). There is no stream: no TTFT, no inter-token latencies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -32,12 +42,14 @@ from typing import cast
 import aiohttp
 import httpx2
 import openai
+from openai.types import CreateEmbeddingResponse
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam
 
 from loadgen.workload import RequestSpec
 
 BACKEND_HEADER = "x-sluice-backend"  # as gateway/routing/router.py sets it; not imported: loadgen is a plain client
 UNKNOWN = "unknown"
+ENDPOINTS = ("chat", "embeddings")
 
 
 def _ms(seconds: float) -> float:
@@ -67,6 +79,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     prompt_words: int = 0
+    inputs: int | None = None  # embeddings: the inputs this request carried (None: a chat request)
     cost: float | None = None  # set by stats.Prices; None: no price for this model / backend
 
     def to_json(self) -> dict[str, object]:
@@ -84,12 +97,16 @@ def _has_text(chunk: openai.types.chat.ChatCompletionChunk) -> bool:
     return False
 
 
-class BadStream(Exception):
-    """A 200 that is not a usable stream: not `text/event-stream` (a proxy's HTML page), or no chunk."""
+class BadResponse(Exception):
+    """A 200 that is not a usable answer; `kind` names how (the error kind of the result)."""
 
     def __init__(self, kind: str, detail: str):
         super().__init__(detail)
         self.kind = kind
+
+
+class BadStream(BadResponse):
+    """A 200 that is not a usable stream: not `text/event-stream` (a proxy's HTML page), or no chunk."""
 
 
 class NotOpenAI(Exception):
@@ -122,7 +139,7 @@ def connection_failure(e: BaseException) -> tuple[str, str] | None:
 
 def error_kind(e: BaseException) -> tuple[str, str]:
     """(kind, detail) of a failed request, as the results and the error table name it."""
-    if isinstance(e, BadStream):
+    if isinstance(e, BadResponse):
         return e.kind, str(e)
     failure = connection_failure(e)
     if failure is not None:
@@ -138,10 +155,14 @@ def error_kind(e: BaseException) -> tuple[str, str]:
 
 
 class Sender:
-    """Sends RequestSpecs to one base URL. `keys`: the API key per tier (`default_key` for the others)."""
+    """Sends RequestSpecs to one base URL's `endpoint` ("chat" or "embeddings"). `keys`: the API key per
+    tier (`default_key` for the others)."""
 
     def __init__(self, base_url: str, keys: dict[str, str], default_key: str, *, timeout_s: float = 300.0,
-                 max_connections: int = 1024):
+                 max_connections: int = 1024, endpoint: str = "chat"):
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint {endpoint!r}: one of {', '.join(ENDPOINTS)}")
+        self.endpoint = endpoint
         self.keys = keys
         self.timeout_s = timeout_s
         limits = httpx2.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
@@ -171,6 +192,57 @@ class Sender:
         return [m["id"] for m in data]
 
     async def send(self, spec: RequestSpec, level_t0: float) -> RequestResult:
+        """Sends one request to this sender's endpoint; every failure is a result (never raised)."""
+        if self.endpoint == "embeddings":
+            return await self.send_embeddings(spec, level_t0)
+        return await self.send_chat(spec, level_t0)
+
+    def _headers(self, tier: str) -> dict[str, str]:
+        key = self.key(tier)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def send_embeddings(self, spec: RequestSpec, level_t0: float) -> RequestResult:
+        body = dict(spec.body)
+        model = str(body.pop("model"))
+        inputs = [str(x) for x in cast(list[object], body.pop("input"))]
+        res = RequestResult(index=spec.index, tier=spec.tier, model=model, prompt_words=spec.prompt_words,
+                            inputs=len(inputs))
+        t0 = time.perf_counter()
+        res.start_s = round(t0 - level_t0, 6)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                raw = await self.client.embeddings.with_raw_response.create(
+                    model=model, input=inputs, extra_body=body or None, extra_headers=self._headers(spec.tier))
+                res.backend = raw.headers.get(BACKEND_HEADER) or UNKNOWN
+                content_type = raw.headers.get("content-type", "")
+                not_json = BadResponse("not_json", f"HTTP {raw.status_code} with content-type {content_type!r}")
+                try:
+                    parsed: object = raw.parse()
+                except json.JSONDecodeError as e:
+                    raise BadResponse("bad_json", f"HTTP {raw.status_code}: the body is not JSON ({e.msg})") from None
+                except (ValueError, AttributeError, TypeError) as e:  # the SDK's decoding of `data`
+                    if "json" not in content_type:  # it decoded the page's text (a proxy's HTML)
+                        raise not_json from None
+                    raise BadResponse("bad_embeddings", (str(e) or type(e).__name__)[:200]) from None
+            if not isinstance(parsed, CreateEmbeddingResponse):
+                raise not_json
+            data = getattr(parsed, "data", None)  # the SDK builds it unvalidated: a field may be missing
+            if not isinstance(data, list):
+                raise BadResponse("bad_embeddings", f"HTTP {raw.status_code}: JSON without a `data` list")
+            if len(data) != len(inputs):
+                raise BadResponse("bad_embeddings", f"{len(data)} embeddings for {len(inputs)} inputs")
+            usage = getattr(parsed, "usage", None)
+            tokens = getattr(usage, "prompt_tokens", None)
+            res.prompt_tokens = tokens if isinstance(tokens, int) else None
+            res.ok = True
+        except Exception as e:  # every failure is a result, by kind
+            res.error, res.error_detail = error_kind(e)
+            if isinstance(e, openai.APIStatusError):
+                res.backend = e.response.headers.get(BACKEND_HEADER) or res.backend
+        res.e2e_ms = _ms(time.perf_counter() - t0)
+        return res
+
+    async def send_chat(self, spec: RequestSpec, level_t0: float) -> RequestResult:
         body = dict(spec.body)
         model = str(body.pop("model"))
         messages = cast(Iterable[ChatCompletionMessageParam], body.pop("messages"))
@@ -178,8 +250,7 @@ class Sender:
         options = body.pop("stream_options", None)
         stream_options = cast(ChatCompletionStreamOptionsParam,
                               {**(options if isinstance(options, dict) else {}), "include_usage": True})
-        key = self.key(spec.tier)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        headers = self._headers(spec.tier)
         res = RequestResult(index=spec.index, tier=spec.tier, model=model, prompt_words=spec.prompt_words)
         t0 = time.perf_counter()
         res.start_s = round(t0 - level_t0, 6)

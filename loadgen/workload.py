@@ -12,6 +12,10 @@ same requests:
 * jsonl: recorded requests, one OpenAI chat request body per line, sent in order (cycled), from the
   first line at every level.
 
+For `--endpoint embeddings` (SyntheticEmbeddings) a request is an embeddings body: `input` is a list
+of `inputs_per_request` texts, each of `input_len` words drawn as for a synthetic prompt (1 for a
+search query, 64 or more for ingesting documents).
+
 Level n of a sweep sends indices n * LEVEL_STRIDE + 0, 1, ...: synthetic and rag levels never repeat
 the prompts of the level before (which a prefix cache would answer), and level n of two runs with the
 same seed sends the same requests.
@@ -158,12 +162,12 @@ class TierMix:
 @dataclass(frozen=True)
 class RequestSpec:
     """One request to send: its index in the run, its tier, and its OpenAI chat body (without the
-    `stream` fields, which the client sets)."""
+    `stream` fields, which the client sets) or embeddings body (`model`, `input`: a list of texts)."""
 
     index: int
     tier: str
     body: dict[str, object]
-    prompt_words: int
+    prompt_words: int  # all inputs' together for an embeddings body
 
 
 class Workload(Protocol):
@@ -197,6 +201,30 @@ class Synthetic:
     def describe(self) -> dict[str, object]:
         return {"workload": self.name, "model": self.model, "input_len": str(self.input_len),
                 "output_len": str(self.output_len)}
+
+
+class SyntheticEmbeddings:
+    """Embeddings bodies: `inputs_per_request` texts of `input_len` words each (drawn per text)."""
+
+    name = "synthetic"
+
+    def __init__(self, model: str, input_len: LengthDist, inputs_per_request: int, tiers: TierMix, seed: int = 0,
+                 extra_body: dict[str, object] | None = None):
+        if inputs_per_request < 1:
+            raise WorkloadError(f"--inputs-per-request {inputs_per_request}: at least 1")
+        self.model, self.input_len, self.inputs_per_request = model, input_len, inputs_per_request
+        self.tiers, self.seed, self.extra_body = tiers, seed, extra_body or {}
+
+    def request(self, index: int) -> RequestSpec:
+        rng = _rng(self.seed, index, "embeddings")
+        texts = [words(rng, max(1, self.input_len.sample(rng))) for _ in range(self.inputs_per_request)]
+        body: dict[str, object] = {"model": self.model, "input": texts, **self.extra_body}
+        return RequestSpec(index, self.tiers.pick(_rng(self.seed, index, "tier")), body,
+                           sum(len(t.split()) for t in texts))
+
+    def describe(self) -> dict[str, object]:
+        return {"workload": self.name, "endpoint": "embeddings", "model": self.model,
+                "input_len": str(self.input_len), "inputs_per_request": self.inputs_per_request}
 
 
 class Rag:
