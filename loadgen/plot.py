@@ -7,6 +7,9 @@ backend (no display needed). matplotlib is the optional extra `ops` (`pip instal
 * requests by backend: stacked bars per level (local, each remote provider, unknown), failed requests
   stacked on top in red, and above each bar the local / remote split of the answered ones.
 
+An embeddings run (`--endpoint embeddings`) has no stream: its panels are inputs/s, latency p50 / p99,
+prompt tokens/s and the same backend bars.
+
 Levels sit at even spacing, labelled with their value (sweeps are usually geometric: 1, 4, 16, 64).
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from loadgen.report import endpoint_of
 from loadgen.stats import num, sub
 
 _TIER_COLOURS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
@@ -64,22 +68,27 @@ def plot(levels: list[dict[str, object]], path: str | Path, title: str = "") -> 
     def values(groups: list[dict[str, object]], *p: str) -> list[float]:
         return [v if (v := num(g, *p)) is not None else math.nan for g in groups]
 
+    # (title, y label, metric, percentiles?) of the three line panels: top left, top right, bottom left
+    if summaries and endpoint_of(summaries[0]) == "embeddings":
+        panels = (("Inputs embedded", "inputs / s", "input_rate", False), ("Latency", "ms", "e2e_ms", True),
+                  ("Prompt tokens", "prompt tokens / s", "prompt_throughput", False))
+    else:
+        panels = (("Output throughput", "output tokens / s", "output_throughput", False),
+                  ("Time to first token", "ms", "ttft_ms", True), ("Inter-token latency", "ms", "itl_ms", True))
     fig, axes = plt.subplots(2, 2, figsize=(13, 9), layout="constrained")
     (ax_tp, ax_ttft), (ax_itl, ax_be) = axes
-    for name, colour, groups in series:
-        width = 2.4 if name == "all" else 1.6
-        ax_tp.plot(xs, values(groups, "output_throughput"), marker="o", color=colour, linewidth=width, label=name)
-        for ax, metric in ((ax_ttft, "ttft_ms"), (ax_itl, "itl_ms")):
+    for ax, (panel_title, ylabel, metric, pcts) in zip((ax_tp, ax_ttft, ax_itl), panels):
+        for name, colour, groups in series:
+            width = 2.4 if name == "all" else 1.6
+            if not pcts:
+                ax.plot(xs, values(groups, metric), marker="o", color=colour, linewidth=width, label=name)
+                continue
             ax.plot(xs, values(groups, metric, "p50"), marker="o", color=colour, linewidth=width,
                     label=f"{name} p50")
             ax.plot(xs, values(groups, metric, "p99"), marker="s", color=colour, linewidth=width,
                     linestyle="--", label=f"{name} p99")
-    ax_tp.set_title("Output throughput")
-    ax_tp.set_ylabel("output tokens / s")
-    ax_ttft.set_title("Time to first token")
-    ax_ttft.set_ylabel("ms")
-    ax_itl.set_title("Inter-token latency")
-    ax_itl.set_ylabel("ms")
+        ax.set_title(panel_title)
+        ax.set_ylabel(ylabel)
 
     backends = sorted({b for s in summaries for b in sub(s, "by_backend")},
                       key=lambda b: (b != "local", b == "unknown", b))
@@ -118,7 +127,7 @@ def plot(levels: list[dict[str, object]], path: str | Path, title: str = "") -> 
         if ax is not ax_be:
             ax.set_ylim(bottom=0)
         ax.set_xlim(-0.5, len(xs) - 0.5)
-        if ax in (ax_ttft, ax_itl):
+        if ax is not ax_be and panels[(ax_tp, ax_ttft, ax_itl).index(ax)][3]:
             ax.legend(handles=handles, fontsize=8, loc="best")
         elif ax is ax_be:
             ax.legend(fontsize=8, loc="upper center", ncol=min(4, len(backends) + 1))

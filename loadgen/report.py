@@ -2,7 +2,9 @@
 `--compare` (ratios b / a of the main figures, level by level).
 
 Everything here reads the JSON-shaped summaries (stats.summarise, or a `--json` file read back), so
-`--compare` works on files written by any earlier run."""
+`--compare` works on files written by any earlier run. An embeddings run's summaries (`"endpoint":
+"embeddings"`) get their own columns: inputs/s and prompt tok/s, latency, each tier's and backend's
+share, and no TTFT / ITL (there is no stream); a summary without `endpoint` is a chat run's."""
 
 from __future__ import annotations
 
@@ -49,7 +51,37 @@ def _row_groups(summary: dict[str, object]) -> list[tuple[str, dict[str, object]
     return rows
 
 
+def endpoint_of(summary: dict[str, object]) -> str:
+    """"chat" or "embeddings": what a summary measured (files from before embeddings have no field)."""
+    return "embeddings" if summary.get("endpoint") == "embeddings" else "chat"
+
+
+def _share(g: dict[str, object]) -> str:
+    share = num(g, "share")
+    return "" if share is None else f"{100 * share:.1f}%"
+
+
+def embeddings_table(title: str, summary: dict[str, object]) -> Table:
+    has_cost = sub(summary, "cost") != {}
+    t = Table(title=title, title_justify="left", header_style="bold")
+    t.add_column("")
+    for col in ("ok / sent", "share", "req/s", "inputs/s", "prompt tok/s", "latency ms p50 / p90 / p99", "errors"):
+        t.add_column(col, justify="right")
+    if has_cost:
+        t.add_column("cost", justify="right")
+    for name, g in _row_groups(summary):
+        row = [name, f"{int(num(g, 'ok') or 0)} / {int(num(g, 'requests') or 0)}", _share(g),
+               _f(num(g, "request_rate"), 2), _f(num(g, "input_rate")), _f(num(g, "prompt_throughput")),
+               _pcts(g, "e2e_ms"), _errors(g)]
+        if has_cost:
+            row.append(_money(num(g, "cost", "total")))
+        t.add_row(*row)
+    return t
+
+
 def level_table(title: str, summary: dict[str, object]) -> Table:
+    if endpoint_of(summary) == "embeddings":
+        return embeddings_table(title, summary)
     has_slo = sub(summary, "goodput") != {}
     has_cost = sub(summary, "cost") != {}
     t = Table(title=title, title_justify="left", header_style="bold")
@@ -95,7 +127,22 @@ def print_level(console: Console, level: dict[str, object]) -> None:
         console.print(usage_line(usage))
 
 
+def _embeddings_sweep(levels: list[dict[str, object]]) -> Table:
+    t = Table(title="sweep", title_justify="left", header_style="bold")
+    for col in ("level", "req/s", "inputs/s", "prompt tok/s", "latency p50", "latency p90", "latency p99", "errors",
+                "cost"):
+        t.add_column(col, justify="left" if col == "level" else "right")
+    for lv in levels:
+        s = sub(lv, "summary")
+        t.add_row(str(sub(lv, "level").get("label", "?")), _f(num(s, "request_rate"), 2), _f(num(s, "input_rate")),
+                  _f(num(s, "prompt_throughput")), _f(num(s, "e2e_ms", "p50")), _f(num(s, "e2e_ms", "p90")),
+                  _f(num(s, "e2e_ms", "p99")), str(int(num(s, "errors") or 0)), _money(num(s, "cost", "total")))
+    return t
+
+
 def sweep_table(levels: list[dict[str, object]]) -> Table:
+    if levels and endpoint_of(sub(levels[0], "summary")) == "embeddings":
+        return _embeddings_sweep(levels)
     t = Table(title="sweep", title_justify="left", header_style="bold")
     for col in ("level", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "e2e p50", "e2e p99",
                 "goodput req/s", "errors", "cost"):
@@ -124,6 +171,21 @@ COMPARED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("error rate", ("error_rate",)),
     ("cost per 1k req $", ("cost", "per_1k_requests")),
 )
+COMPARED_EMBEDDINGS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("requests/s", ("request_rate",)),
+    ("inputs/s", ("input_rate",)),
+    ("prompt tok/s", ("prompt_throughput",)),
+    ("latency p50 ms", ("e2e_ms", "p50")),
+    ("latency p90 ms", ("e2e_ms", "p90")),
+    ("latency p99 ms", ("e2e_ms", "p99")),
+    ("error rate", ("error_rate",)),
+    ("cost per 1k req $", ("cost", "per_1k_requests")),
+)
+
+
+def compared(summary: dict[str, object]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The figures --compare sets side by side for a summary of this endpoint."""
+    return COMPARED_EMBEDDINGS if endpoint_of(summary) == "embeddings" else COMPARED
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -151,7 +213,7 @@ def compare_rows(a: list[dict[str, object]], b: list[dict[str, object]]) -> list
     rows = []
     for name, la, lb in pair_levels(a, b):
         sa, sb = sub(la, "summary"), sub(lb, "summary")
-        for label, path in COMPARED:
+        for label, path in compared(sa):
             va, vb = num(sa, *path), num(sb, *path)
             if va is None and vb is None:
                 continue

@@ -12,6 +12,13 @@ Conventions (the same for the whole run, each tier and each backend):
   backend (`--price-backend`), else of its model (`--price`), in dollars per million tokens; a request
   without usage is priced on its prompt's word count and its counted chunks; a failed one without
   usage costs nothing; with no price for it, its cost is None and it is counted as unpriced.
+
+Embeddings (`endpoint="embeddings"`) have no stream, so no TTFT, ITL, TPOT, output tokens or goodput:
+a group has `request_rate`, `inputs` and `input_rate` (the inputs of successful requests per second),
+`prompt_tokens` and `prompt_throughput` (from each successful request's `usage.prompt_tokens`, else
+its word count: `prompt_tokens_unreported` says how many had no usage), the end-to-end latency
+`e2e_ms`, errors by kind and cost; the tier and backend groups add `share`, their fraction of the
+level's requests.
 """
 
 from __future__ import annotations
@@ -104,18 +111,44 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
             "p99": round(float(p99), 3), "max": round(float(a.max()), 3)}
 
 
+def _cost(results: list[RequestResult]) -> dict[str, object] | None:
+    costs = [r.cost for r in results if r.cost is not None]
+    if not costs:
+        return None
+    return {"total": round(sum(costs), 10), "priced": len(costs), "unpriced": len(results) - len(costs),
+            "per_1k_requests": round(sum(costs) / len(costs) * 1000, 10)}
+
+
+def _errors(results: list[RequestResult], ok: list[RequestResult]) -> dict[str, object]:
+    return {"requests": len(results), "ok": len(ok), "errors": len(results) - len(ok),
+            "error_rate": round((len(results) - len(ok)) / len(results), 6) if results else 0.0,
+            "errors_by_kind": dict(sorted(Counter(r.error or "?" for r in results if not r.ok).items()))}
+
+
+def _embeddings_group(results: list[RequestResult], duration_s: float) -> dict[str, object]:
+    ok = [r for r in results if r.ok]
+    inputs = sum(r.inputs or 0 for r in ok)
+    prompt = sum(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_words for r in ok)
+    return {
+        **_errors(results, ok),
+        "request_rate": round(len(ok) / duration_s, 6),
+        "inputs": inputs,
+        "input_rate": round(inputs / duration_s, 6),
+        "prompt_tokens": prompt,
+        "prompt_tokens_unreported": sum(1 for r in ok if r.prompt_tokens is None),
+        "prompt_throughput": round(prompt / duration_s, 6),
+        "e2e_ms": percentiles([r.e2e_ms for r in ok]),
+        "cost": _cost(results),
+    }
+
+
 def _group(results: list[RequestResult], duration_s: float, slo: Slo) -> dict[str, object]:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
-    costs = [r.cost for r in results if r.cost is not None]
     tpots = [(r.e2e_ms - r.ttft_ms) / (r.output_tokens - 1) for r in ok
              if r.ttft_ms is not None and r.output_tokens > 1]
     group: dict[str, object] = {
-        "requests": len(results),
-        "ok": len(ok),
-        "errors": len(results) - len(ok),
-        "error_rate": round((len(results) - len(ok)) / len(results), 6) if results else 0.0,
-        "errors_by_kind": dict(sorted(Counter(r.error or "?" for r in results if not r.ok).items())),
+        **_errors(results, ok),
         "request_rate": round(len(ok) / duration_s, 6),
         "output_tokens": out_tokens,
         "output_throughput": round(out_tokens / duration_s, 6),
@@ -126,8 +159,7 @@ def _group(results: list[RequestResult], duration_s: float, slo: Slo) -> dict[st
         "e2e_ms": percentiles([r.e2e_ms for r in ok]),
         "tpot_ms": percentiles(tpots),
         "goodput": None,
-        "cost": {"total": round(sum(costs), 10), "priced": len(costs), "unpriced": len(results) - len(costs),
-                 "per_1k_requests": round(sum(costs) / len(costs) * 1000, 10) if costs else None} if costs else None,
+        "cost": _cost(results),
     }
     if slo:
         met = sum(1 for r in results if slo.meets(r))
@@ -136,12 +168,23 @@ def _group(results: list[RequestResult], duration_s: float, slo: Slo) -> dict[st
     return group
 
 
-def summarise(results: list[RequestResult], duration_s: float, slo: Slo) -> dict[str, object]:
-    """The level's figures: the whole level, then `by_tier` and `by_backend` (the same fields each)."""
-    summary = {"duration_s": round(duration_s, 6), **_group(results, duration_s, slo)}
+def summarise(results: list[RequestResult], duration_s: float, slo: Slo,
+              endpoint: str = "chat") -> dict[str, object]:
+    """The level's figures: the whole level, then `by_tier` and `by_backend` (the same fields each);
+    `endpoint` ("chat" or "embeddings") says which figures (the module's docstring)."""
+    def group(rs: list[RequestResult]) -> dict[str, object]:
+        return _embeddings_group(rs, duration_s) if endpoint == "embeddings" else _group(rs, duration_s, slo)
+
+    summary: dict[str, object] = {"endpoint": endpoint, "duration_s": round(duration_s, 6), **group(results)}
     for name, attr in (("by_tier", "tier"), ("by_backend", "backend")):
         keys = sorted({getattr(r, attr) for r in results})
-        summary[name] = {k: _group([r for r in results if getattr(r, attr) == k], duration_s, slo) for k in keys}
+        groups: dict[str, object] = {}
+        for k in keys:
+            members = [r for r in results if getattr(r, attr) == k]
+            groups[k] = g = group(members)
+            if endpoint == "embeddings":
+                g["share"] = round(len(members) / len(results), 6)
+        summary[name] = groups
     return summary
 
 
