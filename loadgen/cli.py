@@ -1,13 +1,18 @@
 """`sluice bench`: load an OpenAI-compatible base URL and report per level, tier and backend.
 
-    sluice bench [--base-url URL] [--model NAME] [--concurrency 1,4,16 | --rate 2,8 [--max-concurrency N]]
-                 [--requests N] [--duration S] [workload options] [--tier-mix pro=0.3,standard=0.7
+    sluice bench [--base-url URL] [--endpoint chat|embeddings] [--model NAME]
+                 [--concurrency 1,4,16 | --rate 2,8 [--max-concurrency N]] [--requests N] [--duration S]
+                 [workload options, --inputs-per-request N] [--tier-mix pro=0.3,standard=0.7
                  --key pro=sk-... --key standard=sk-...] [--slo-ttft-ms MS [--slo-itl-ms MS]]
                  [--price MODEL=IN:OUT] [--price-backend BACKEND=IN:OUT] [--json out.json] [--plot out.png]
     sluice bench --compare a.json b.json
 
 `main(argv)` runs it (exit status 0; 1 when the warm-up fails or no request succeeded; 2 for a usage
 error); `amain(argv)` is the same inside a running event loop (tests).
+
+`--endpoint embeddings` sends `POST /embeddings` requests of `--inputs-per-request` synthetic texts
+of `--input-len` words each, and reports requests/s, inputs/s, prompt tok/s and latency instead of
+the streaming figures (TTFT, ITL, output tok/s, goodput: its options are usage errors there).
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loadgen import usage as gw_usage
-from loadgen.client import NotOpenAI, RequestResult, Sender, error_kind
-from loadgen.report import compare_table, print_level, sweep_table
+from loadgen.client import ENDPOINTS, NotOpenAI, RequestResult, Sender, error_kind
+from loadgen.report import compare_table, endpoint_of, print_level, sweep_table
 from loadgen.runner import Level, LevelRun, run_level
 from loadgen.stats import PriceError, Prices, Slo, parse_price, sub, summarise
 from loadgen.workload import (
@@ -41,6 +46,7 @@ from loadgen.workload import (
     Rag,
     Recorded,
     Synthetic,
+    SyntheticEmbeddings,
     TierMix,
     Workload,
     WorkloadError,
@@ -65,14 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sluice bench",
         description="Benchmark any OpenAI-compatible base URL (Sluice or not) with streamed chat requests "
                     "through the openai SDK: requests/s, output tok/s, TTFT / ITL / e2e percentiles, errors by "
-                    "kind, goodput under an SLO, by tier and by backend (x-sluice-backend), and cost.",
+                    "kind, goodput under an SLO, by tier and by backend (x-sluice-backend), and cost. With "
+                    "--endpoint embeddings: embeddings requests, and requests/s, inputs/s, prompt tok/s and "
+                    "latency percentiles instead.",
         epilog="Also: `sluice bench --list` lists the developer scripts in bench/, `sluice bench script NAME "
                "[ARGS]` runs one. Lengths (DIST): N or fixed:N, uniform:LO:HI, lognormal:MEDIAN:SIGMA.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t = p.add_argument_group("target")
     t.add_argument("--base-url", default=DEFAULT_BASE_URL,
                    help="the OpenAI base URL (with /v1; a bare host:port gets /v1 added)")
-    t.add_argument("--model", help="model name (default: a JSONL line's own, else the first of GET /models)")
+    t.add_argument("--endpoint", choices=ENDPOINTS, default="chat",
+                   help="chat: streamed /chat/completions; embeddings: /embeddings (synthetic workload only)")
+    t.add_argument("--model", help="model name (default: a JSONL line's own, else the first of GET /models; "
+                                   "embeddings: the only one GET /models lists, else required)")
     t.add_argument("--api-key", default=None,
                    help="key for requests of a tier without its own key (default: $OPENAI_API_KEY, else 'none')")
     t.add_argument("--key", action="append", default=[], metavar="TIER=KEY",
@@ -89,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt words (about tokens); rag: the question's")
     w.add_argument("--output-len", default=None, metavar="DIST",
                    help="max_tokens (default 128; jsonl: each line's own)")
+    w.add_argument("--inputs-per-request", type=int, default=None, metavar="N",
+                   help="embeddings: texts per request, each of --input-len words (default 1: a query; 64+: "
+                        "ingest)")
     w.add_argument("--docs", type=int, default=4, help="rag: shared documents")
     w.add_argument("--doc-len", type=int, default=1024, help="rag: words per document")
     w.add_argument("--extra-body", metavar="JSON", help='fields added to every body, e.g. \'{"temperature": 0}\'')
@@ -203,9 +217,30 @@ def _extra_body(text: str | None) -> dict[str, object]:
     return body
 
 
+def check_endpoint(args: argparse.Namespace) -> None:
+    """Usage errors for options that mean nothing at this endpoint (before anything is sent)."""
+    if args.endpoint != "embeddings":
+        if args.inputs_per_request is not None:
+            raise UsageError("--inputs-per-request goes with --endpoint embeddings")
+        return
+    given = [f"--workload {args.workload}"] if args.workload not in (None, "synthetic") else []
+    given += [opt for opt, value in (("--dataset", args.dataset), ("--output-len", args.output_len),
+                                     ("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-itl-ms", args.slo_itl_ms))
+              if value is not None]
+    if given:
+        raise UsageError(f"--endpoint embeddings takes no {', '.join(given)} (it sends synthetic inputs of "
+                         "--input-len words, --inputs-per-request per request, and has no stream: no TTFT / ITL)")
+    if args.inputs_per_request is not None and args.inputs_per_request < 1:
+        raise UsageError(f"--inputs-per-request {args.inputs_per_request}: at least 1")
+
+
 async def workload_from(args: argparse.Namespace, mix: TierMix, sender: Sender) -> Workload:
     kind = args.workload or ("jsonl" if args.dataset else "synthetic")
     extra = _extra_body(args.extra_body)
+    if args.endpoint == "embeddings":
+        model = args.model or await embeddings_model(sender)
+        return SyntheticEmbeddings(model, LengthDist.parse(args.input_len), args.inputs_per_request or 1, mix,
+                                   seed=args.seed, extra_body=extra)
     output_len = LengthDist.parse(args.output_len) if args.output_len else None
     if kind == "jsonl":
         if not args.dataset:
@@ -219,7 +254,7 @@ async def workload_from(args: argparse.Namespace, mix: TierMix, sender: Sender) 
     return Synthetic(model, input_len, out, mix, seed=args.seed, extra_body=extra)
 
 
-async def default_model(sender: Sender) -> str:
+async def _listed_models(sender: Sender) -> list[str]:
     try:
         models = await sender.models()
     except NotOpenAI as e:
@@ -229,6 +264,21 @@ async def default_model(sender: Sender) -> str:
         raise UsageError(f"no --model given and GET /models failed ({kind}: {detail})") from None
     if not models:
         raise UsageError("no --model given and GET /models lists none")
+    return models
+
+
+async def default_model(sender: Sender) -> str:
+    return (await _listed_models(sender))[0]
+
+
+async def embeddings_model(sender: Sender) -> str:
+    """The model GET /models lists when it lists one; with several, which one embeds cannot be told from
+    the ids (a usage error naming them)."""
+    models = await _listed_models(sender)
+    if len(models) > 1:
+        shown = ", ".join(models[:20]) + (f", ... ({len(models) - 20} more)" if len(models) > 20 else "")
+        raise UsageError(f"--endpoint embeddings needs --model: GET /models lists {len(models)} models, and "
+                         f"which one is an embedding model is not known (choose one: {shown})")
     return models[0]
 
 
@@ -247,6 +297,7 @@ async def run_bench(args: argparse.Namespace, console: Console, err_console: Con
     """Runs every level; prints a table per level (and a sweep table); returns the --json document and
     its levels."""
     environ = dict(os.environ) if environ is None else environ
+    check_endpoint(args)
     base_url = normalise_base_url(args.base_url)
     levels = levels_from(args)
     mix, keys, default_key = tier_keys(args, environ)
@@ -258,7 +309,8 @@ async def run_bench(args: argparse.Namespace, console: Console, err_console: Con
     if args.duration is not None and args.duration <= 0:
         raise UsageError("--duration must be positive")
     max_in_flight = max((lv.concurrency or lv.max_concurrency or 0) for lv in levels) or 1024
-    sender = Sender(base_url, keys, default_key, timeout_s=args.timeout, max_connections=max(max_in_flight, 1))
+    sender = Sender(base_url, keys, default_key, timeout_s=args.timeout, max_connections=max(max_in_flight, 1),
+                    endpoint=args.endpoint)
     try:
         try:
             workload = await workload_from(args, mix, sender)
@@ -271,7 +323,7 @@ async def run_bench(args: argparse.Namespace, console: Console, err_console: Con
             before = None if args.no_gateway_usage else await gw_usage.snapshot(base_url, usage_keys)
             run = await _run_one(level, workload, sender, requests, args, err_console, LEVEL_STRIDE * n)
             prices.apply(run.results)
-            summary = summarise(run.results, run.duration_s, slo)
+            summary = summarise(run.results, run.duration_s, slo, endpoint=args.endpoint)
             gateway = None
             if before is not None:
                 gateway = await gw_usage.settled_delta(base_url, usage_keys, before,
@@ -285,7 +337,8 @@ async def run_bench(args: argparse.Namespace, console: Console, err_console: Con
     finally:
         await sender.close()
     config: dict[str, object] = {
-        "base_url": base_url, **workload.describe(), "tier_mix": str(mix), "tiers_with_keys": sorted(keys),
+        "base_url": base_url, "endpoint": args.endpoint, **workload.describe(), "tier_mix": str(mix),
+        "tiers_with_keys": sorted(keys),
         "levels": [lv.to_json() for lv in levels], "requests_per_level": requests, "duration_s": args.duration,
         "timeout_s": args.timeout, "seed": args.seed, "slo": slo.to_json(),
         "prices": {"by_model": prices.by_model, "by_backend": prices.by_backend}}
@@ -374,6 +427,10 @@ async def amain(argv: list[str], console: Console | None = None, err_console: Co
     try:
         if args.compare:
             a, b = (_read_json(p) for p in args.compare)
+            ends = [endpoint_of(sub(levels[0], "summary")) if levels else "chat" for levels in (a, b)]
+            if ends[0] != ends[1]:
+                raise UsageError(f"--compare: {args.compare[0]} is a run of --endpoint {ends[0]} and "
+                                 f"{args.compare[1]} of --endpoint {ends[1]}: their figures differ")
             console.print(compare_table(args.compare[0], args.compare[1], a, b))
             return 0
         doc, levels = await run_bench(args, console, err_console)
@@ -394,7 +451,8 @@ async def amain(argv: list[str], console: Console | None = None, err_console: Co
         from loadgen.plot import PlotUnavailable, plot
 
         config = sub(doc, "config")
-        title = f"sluice bench: {config.get('base_url')}  {config.get('workload')} {config.get('model') or ''}"
+        what = "embeddings" if config.get("endpoint") == "embeddings" else config.get("workload")
+        title = f"sluice bench: {config.get('base_url')}  {what} {config.get('model') or ''}"
         try:
             plot(levels, args.plot, title=title)
         except PlotUnavailable as e:
