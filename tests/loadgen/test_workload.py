@@ -20,6 +20,7 @@ from loadgen.workload import (
     Rag,
     Recorded,
     Synthetic,
+    SyntheticEmbeddings,
     TierMix,
     WorkloadError,
     load_jsonl,
@@ -59,6 +60,25 @@ def test_synthetic_prompts_have_the_drawn_word_count_and_repeat_with_the_seed():
     assert other.request(0).body != specs[0].body
     tiers = Counter(s.tier for s in specs)
     assert set(tiers) == {"pro", "standard"} and 60 <= tiers["pro"] <= 140  # about a quarter
+
+
+def test_embeddings_bodies_carry_n_inputs_of_drawn_lengths_and_repeat_with_the_seed():
+    mix = TierMix.parse("pro=1,standard=1")
+    w = SyntheticEmbeddings("e", LengthDist.parse("uniform:2:30"), 4, mix, seed=3, extra_body={"dimensions": 8})
+    specs = [w.request(i) for i in range(200)]
+    for s in specs:
+        assert set(s.body) == {"model", "input", "dimensions"} and s.body["model"] == "e"
+        texts = s.body["input"]
+        assert len(texts) == 4 and all(2 <= len(t.split()) <= 30 and set(t.split()) <= set(WORDS) for t in texts)
+        assert s.prompt_words == sum(len(t.split()) for t in texts)
+    assert sum(len({len(t.split()) for t in s.body["input"]}) > 1 for s in specs) > 150  # drawn per text
+    assert [s.body for s in specs[:10]] == [w.request(i).body for i in range(10)]  # same seed, same requests
+    assert SyntheticEmbeddings("e", LengthDist.parse("5"), 1, mix, seed=4).request(0).body["input"] != \
+        SyntheticEmbeddings("e", LengthDist.parse("5"), 1, mix, seed=3).request(0).body["input"]
+    assert set(Counter(s.tier for s in specs)) == {"pro", "standard"}
+    assert w.describe()["inputs_per_request"] == 4 and w.describe()["endpoint"] == "embeddings"
+    with pytest.raises(WorkloadError):
+        SyntheticEmbeddings("e", LengthDist.parse("5"), 0, mix)
 
 
 def test_rag_shares_documents_and_varies_questions():
@@ -161,3 +181,22 @@ def test_compare_pairs_levels_by_label_and_divides():
                         [lv("concurrency 4", 6.0, 10.0)])
     assert [(r[0], r[1], r[4]) for r in rows] == [("concurrency 4", "requests/s", 1.5),
                                                    ("concurrency 4", "TTFT p50 ms", 0.5)]
+
+
+def test_embeddings_summary_by_hand():
+    def r(i: int, *, ok: bool = True, tokens: int | None = 10, words: int = 7, e2e: float = 10.0,
+          backend: str = "local") -> RequestResult:
+        return RequestResult(index=i, tier="t", model="e", backend=backend, ok=ok, error=None if ok else "http_503",
+                             e2e_ms=e2e, prompt_tokens=tokens if ok else None, prompt_words=words, inputs=4)
+
+    rs = [r(0, e2e=10.0), r(1, tokens=None, words=30, e2e=20.0), r(2, ok=False, backend="remote:a"),
+          r(3, e2e=40.0, backend="remote:a")]
+    s = summarise(rs, 2.0, Slo(), endpoint="embeddings")
+    assert s["endpoint"] == "embeddings" and s["requests"] == 4 and s["ok"] == 3
+    assert s["inputs"] == 12 and s["input_rate"] == 6.0 and s["request_rate"] == 1.5  # answered ones only
+    assert s["prompt_tokens"] == 10 + 30 + 10 and s["prompt_tokens_unreported"] == 1  # no usage: its words
+    assert s["prompt_throughput"] == 25.0 and s["errors_by_kind"] == {"http_503": 1}
+    assert s["e2e_ms"]["p50"] == 20.0 and "ttft_ms" not in s and "goodput" not in s
+    assert s["by_backend"]["remote:a"]["share"] == 0.5 and s["by_backend"]["remote:a"]["inputs"] == 4
+    assert s["by_tier"]["t"]["share"] == 1.0
+    assert "share" not in summarise(rs, 2.0, Slo())["by_tier"]["t"]  # chat groups unchanged
