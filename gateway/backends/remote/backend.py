@@ -8,7 +8,9 @@ time: the outputs of one read go to the client together (`next_batch`), one writ
 
 Each request's tries over its provider chain (rounds, backoff, breakers, Retry-After, failover and
 the 429/503 of giving up) are a `TryChain` (tries.py); this module says what one try is: a chat or
-completion answer, read whole (JSON) or as far as its first text (a stream).
+completion answer, read whole (JSON) or as far as its first text (a stream), or an embeddings answer
+(`RemoteBackend.embeddings`: the client's body without `truncate`, the model name mapped; the answer
+must be a JSON object with a `data` list of one embedding per input, else the next provider is tried).
 A stream is committed once a chunk with real text arrived (a role-only first chunk is not); before
 that every failure is retried invisibly; after it a failure ends the stream with an error event.
 """
@@ -49,10 +51,13 @@ log = logging.getLogger("sluice.remote")
 # Fields of Sluice's request models that providers do not know (extras of vLLM and Sluice).
 SLUICE_ONLY_FIELDS = frozenset({"top_k", "stop_token_ids", "ignore_eos", "prompt_truncation", "cache_salt",
                                 "repetition_penalty", "min_tokens", "guided_json"})
+# Fields of Sluice's embeddings request that providers do not know.
+EMBEDDING_SLUICE_ONLY_FIELDS = frozenset({"truncate"})
 
 
-def _json_body(status: int, content_type: str, content: bytes) -> dict[str, Any]:
-    """The parsed body of a JSON answer; anything else is the provider's failure, not the caller's."""
+def _json_body(status: int, content_type: str, content: bytes, key: str = "choices") -> dict[str, Any]:
+    """The parsed body of a JSON answer, a JSON object with a `key` list; anything else is the
+    provider's failure, not the caller's."""
     ctype = content_type.split(";")[0] or "no content type"
     try:
         body = jsonio.loads(content)
@@ -60,10 +65,32 @@ def _json_body(status: int, content_type: str, content: bytes) -> dict[str, Any]
         raise BadResponse(f"answered {status} with a body that is not JSON ({ctype})") from None
     if not isinstance(body, dict):
         raise BadResponse(f"answered {status} with JSON that is not an object")
-    if not isinstance(body.get("choices"), list):
+    if not isinstance(body.get(key), list):
         if isinstance(body.get("error"), (dict, str)):
             raise UpstreamError(body["error"])
-        raise BadResponse(f"answered {status} without `choices`")
+        raise BadResponse(f"answered {status} without `{key}`")
+    return body
+
+
+def _input_count(inp: object) -> int | None:
+    """How many vectors an embeddings `input` asks for (a string or one list of token ids: 1), or None
+    when its shape says nothing (the provider refuses it)."""
+    if isinstance(inp, str):
+        return 1
+    if isinstance(inp, list) and inp:
+        return 1 if all(isinstance(x, int) for x in inp) else len(inp)
+    return None
+
+
+def _embeddings_body(status: int, content_type: str, content: bytes, inputs: int | None) -> dict[str, Any]:
+    """The parsed body of an embeddings answer: a JSON object whose `data` holds one embedding object
+    per input; anything else is the provider's failure (the next provider is tried)."""
+    body = _json_body(status, content_type, content, "data")
+    data = body["data"]
+    if not all(isinstance(d, dict) and isinstance(d.get("embedding"), (list, str)) for d in data):
+        raise BadResponse(f"answered {status} with a `data` item that is not an embedding")
+    if inputs is not None and len(data) != inputs:
+        raise BadResponse(f"answered {status} with {len(data)} embeddings for {inputs} inputs")
     return body
 
 
@@ -361,6 +388,27 @@ class RemoteStream(ChoiceStream):
             await self._release()
 
 
+@dataclass
+class RemoteAnswer:
+    """A provider's whole JSON answer (embeddings): its body with "model" set back to the Sluice model
+    name (usage as the provider counted it), and the provider that answered, which prices it."""
+
+    body: dict[str, Any]
+    provider: ProviderSettings
+
+    @property
+    def backend(self) -> str:
+        """`remote:<provider>`, the `x-sluice-backend` header."""
+        return f"remote:{self.provider.name}"
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The provider's `usage.prompt_tokens`, or None when it sent none."""
+        usage = self.body.get("usage")
+        n = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        return int(n) if isinstance(n, (int, float)) and not isinstance(n, bool) else None
+
+
 class RemoteBackend(Backend):
     def __init__(self, providers: list[ProviderSettings], routing: RoutingSettings, metrics: Metrics | None = None):
         self.routing = routing
@@ -413,6 +461,34 @@ class RemoteBackend(Backend):
         if not chain:
             raise APIError(404, f"The model `{gen.model}` does not exist.", param="model", code="model_not_found")
         return RemoteStream(self, gen, chain)
+
+    async def embeddings(self, request_id: str, model: str, body: dict[str, Any],
+                         deadline: float | None = None) -> RemoteAnswer:
+        """`POST /v1/embeddings` through the provider chain of `model`: `body` is the client's request
+        (its Sluice-only `truncate` is not sent; `model` is mapped to each provider's name), `deadline`
+        the wall-clock time (`time.time()`) after which it is no longer wanted, as a chat request's.
+        Tried, retried and failed over as chat is (a TryChain): a provider's 400/413/422 is raised as
+        an APIError with its message, param and code; giving up raises the 429/503 with Retry-After;
+        an unknown model is a 404 `model_not_found`."""
+        chain = self.chain(model)
+        if not chain:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        sent = {k: v for k, v in body.items() if k not in EMBEDDING_SLUICE_ONLY_FIELDS}
+        inputs = _input_count(sent.get("input"))
+
+        async def attempt(p: Provider, until: float) -> dict[str, Any]:
+            timeout = max(0.05, min(p.settings.timeout_s, until - time.monotonic()))
+            resp = await p.post("embeddings", jsonio.dumps({**sent, "model": p.settings.models[model]}), timeout)
+            content = await p.read(resp)
+            return _embeddings_body(resp.status, resp.headers.get("content-type", ""), content, inputs)
+
+        tries: TryChain[dict[str, Any]] = TryChain(self, request_id, model, deadline, chain)
+        try:
+            p, answer = await tries.run(attempt)
+        finally:
+            tries.release()  # the whole answer is read: the provider's slot is free
+        answer["model"] = model
+        return RemoteAnswer(answer, p.settings)
 
     async def close(self) -> None:
         for p in self.providers:

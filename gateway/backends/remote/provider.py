@@ -33,7 +33,8 @@ from gateway.settings import ProviderSettings, RoutingSettings
 log = logging.getLogger("sluice.remote")
 
 CLIENT_FAULT_STATUS = frozenset({400, 413, 422})
-PATHS = {"chat": "/chat/completions", "completion": "/completions"}  # by GenerationRequest.endpoint
+# By GenerationRequest.endpoint, and "embeddings" (RemoteBackend.embeddings).
+PATHS = {"chat": "/chat/completions", "completion": "/completions", "embeddings": "/embeddings"}
 KEEPALIVE_S = 5.0  # an idle upstream connection is closed after this (httpx's default, as before)
 
 try:
@@ -132,9 +133,9 @@ class Provider:
         return self._session
 
     async def post(self, endpoint: str, body: bytes, timeout: float | None = None) -> aiohttp.ClientResponse:
-        """POST `body` (JSON) to the endpoint ("chat" or "completion"); the response once it answered
-        2xx, its body unread (the caller releases it). A status >= 400 raises the SDK's exception for
-        it; a failure to connect or to get the answer's head raises `openai.APIConnectionError`
+        """POST `body` (JSON) to the endpoint ("chat", "completion" or "embeddings"); the response once
+        it answered 2xx, its body unread (the caller releases it). A status >= 400 raises the SDK's
+        exception for it; a failure to connect or to get the answer's head raises `openai.APIConnectionError`
         (`APITimeoutError` for a timeout) chained to the aiohttp error. `timeout` (default the
         provider's `timeout_s`) bounds the connect and each read, as the SDK's did."""
         url = self.urls[endpoint]
