@@ -10,7 +10,15 @@ internal.
 """
 
 from .config import EngineConfig, EngineConfigError
-from .embedding import EmbeddingConfig, EmbeddingEngine, EmbeddingOutput, EmbeddingRequest, EmbeddingStats
+from .embedding import (
+    EmbeddingConfig,
+    EmbeddingEngine,
+    EmbeddingFrontend,
+    EmbeddingOutput,
+    EmbeddingRequest,
+    EmbeddingStats,
+    load_embedding_frontend,
+)
 from .engine import EngineStats, LLMEngine
 from .frontend import Frontend, load_frontend
 from .request import EngineRequest, Guide, RequestOutput, RequestRejected, SamplingParams, TokenLogprob
@@ -18,4 +26,5 @@ from .tokenizer import Tokenizer
 
 __all__ = ["EngineConfig", "EngineConfigError", "EngineRequest", "EngineStats", "Frontend", "Guide", "LLMEngine",
            "RequestOutput", "RequestRejected", "SamplingParams", "TokenLogprob", "Tokenizer", "load_frontend",
-           "EmbeddingConfig", "EmbeddingEngine", "EmbeddingOutput", "EmbeddingRequest", "EmbeddingStats"]
+           "EmbeddingConfig", "EmbeddingEngine", "EmbeddingFrontend", "EmbeddingOutput", "EmbeddingRequest",
+           "EmbeddingStats", "load_embedding_frontend"]

@@ -97,23 +97,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- worker
 
 
-async def _worker(settings: Settings) -> None:
+async def _worker(settings: Settings, model: str | None) -> None:
     from gateway.worker.main import run_worker
 
-    await run_worker(settings, _stop_event())
+    await run_worker(settings, _stop_event(), model=model)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    """`--model` names a configured model (its id or an alias): the worker serves that model's queue.
+    Anything else is a chat model's path (.gguf or folder), served as the first chat model."""
     overrides: dict[str, Any] = {}
-    if args.model is not None:
-        overrides["model"] = {"path": args.model}
     if args.redis_url is not None:
         overrides["redis_url"] = args.redis_url
     settings = _settings(args, **overrides)
+    model = args.model
+    if model is not None and not any(model == e.id or model in e.aliases for e in settings.model_entries()):
+        settings = _settings(args, model={"path": model}, **overrides)
+        model = None
     if not settings.redis_url:
         print("sluice worker needs the Redis queue: --redis-url or SLUICE_REDIS_URL", file=sys.stderr)
         return 2
-    asyncio.run(_worker(settings))
+    asyncio.run(_worker(settings, model))
     return 0
 
 
@@ -286,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="run an engine that drains the Redis queue (one per GPU)")
     worker.add_argument("--redis-url", help="default: $SLUICE_REDIS_URL")
-    worker.add_argument("--model", help="model path (.gguf or HF folder); default: SmolLM2-135M-Instruct")
+    worker.add_argument("--model", help="a configured model's id or alias (its queue), or a chat model's path "
+                        "(.gguf or HF folder); default: the first chat model")
     worker.add_argument("--config", help="TOML config file (default: $SLUICE_CONFIG or config/sluice.toml)")
     worker.set_defaults(func=cmd_worker)
 

@@ -13,8 +13,9 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
-from engine import EngineRequest, RequestOutput, SamplingParams
+from engine import EmbeddingOutput, EmbeddingRequest, EngineRequest, RequestOutput, SamplingParams
 from gateway.errors import Failure
+from gateway.settings import ProviderSettings
 
 if TYPE_CHECKING:
     from gateway.openai.schema import ChatCompletionRequest, CompletionRequest
@@ -59,6 +60,41 @@ class GenerationRequest:
 
 
 @dataclass
+class EmbeddingJob:
+    """A validated `/v1/embeddings` request, as the embedding router takes it: tokenized here (target
+    LOCAL: `inputs`, the local engine may serve it) or to relay as the client sent it (RELAY: `body`)."""
+
+    request_id: str
+    model: str  # the served id (an alias resolved) of a local model, else the name the client sent
+    inputs: list[list[int]] = field(default_factory=list)
+    target: Target = Target.LOCAL
+    body: dict[str, Any] = field(default_factory=dict)  # the client's request (remote providers get it)
+    truncate: bool = False
+    dimensions: int | None = None
+    tier: str = "standard"
+    priority: int = 1
+    deadline: float | None = None  # wall-clock time after which a still-queued request is dropped (504)
+    key: str | None = None  # the API key's name (never the key), for limits and usage
+    size_bytes: int = 0  # the request body's size: bounds the prompt tokens a provider may count
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.inputs)
+
+
+@dataclass
+class EmbeddingResult:
+    """The answer to an `EmbeddingJob`: the vectors in input order (local) or the provider's body (remote,
+    already in the encoding the client asked for), with what the answer is accounted by."""
+
+    backend: str  # `local` or `remote:<provider>` (the x-sluice-backend header)
+    prompt_tokens: int
+    vectors: list[list[float]] | None = None  # local
+    body: dict[str, Any] | None = None  # remote: the provider's answer
+    provider: ProviderSettings | None = None  # remote: prices it
+
+
+@dataclass
 class ChoiceOutput:
     """One output tagged with the choice index it belongs to (0..n-1)."""
 
@@ -91,17 +127,27 @@ def is_failure(out: RequestOutput) -> bool:
     return out.finish_reason in ("error", "abort") or out.error is not None
 
 
-def output_to_dict(out: RequestOutput) -> dict[str, Any]:
+# What a queue carries back to the gateway: a chat engine's output (or an error ending any request), or
+# an embedding engine's vector.
+AnyOutput = RequestOutput | EmbeddingOutput
+
+
+def output_to_dict(out: AnyOutput) -> dict[str, Any]:
     d = asdict(out)
-    if isinstance(out, ErrorOutput):
+    if isinstance(out, EmbeddingOutput):
+        d["_kind"] = "embedding"
+    elif isinstance(out, ErrorOutput):
         d["_kind"] = "error"
         d["failure"] = out.failure.value
     return d
 
 
-def output_from_dict(d: dict[str, Any]) -> RequestOutput:
+def output_from_dict(d: dict[str, Any]) -> AnyOutput:
     d = dict(d)
-    if d.pop("_kind", "output") == "error":
+    kind = d.pop("_kind", "output")
+    if kind == "embedding":
+        return EmbeddingOutput.from_dict(d)
+    if kind == "error":
         d["failure"] = Failure(d.get("failure", Failure.ENGINE.value))
         return ErrorOutput(**d)
     return RequestOutput(**d)
@@ -120,6 +166,10 @@ class WorkerStats:
     step_errors: int = 0
     busy_seconds: float | None = None  # seconds spent inside engine steps (the busy ratio)
     kv_usage: float | None = None  # the share of the engine's KV pool that running requests hold
+    # Embedding engines: tokens of the inputs not yet embedded, by priority ("0": pro's), and tokens
+    # embedded so far (with busy_seconds: the throughput); what the embedding router's wait estimate reads.
+    pending_tokens: dict[str, int] | None = None
+    tokens: int | None = None
     draining: bool = False
     worker_id: str | None = None  # set by the Redis queue on heartbeats
 
@@ -138,9 +188,10 @@ class WorkerStats:
 
 @dataclass
 class QueueItem:
-    """One engine request waiting in (or pulled from) a queue, with what the queue needs to order it."""
+    """One engine request waiting in (or pulled from) a queue, with what the queue needs to order it: a
+    chat engine's request, or an embedding engine's (each model has its own queue)."""
 
-    request: EngineRequest
+    request: EngineRequest | EmbeddingRequest
     tier: str
     enqueued_at: float = field(default_factory=time.time)
     deadline: float | None = None  # wall-clock time after which the request is no longer wanted
@@ -154,12 +205,16 @@ class QueueItem:
         return self.request.priority
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request": self.request.to_dict(), "tier": self.tier, "enqueued_at": self.enqueued_at,
-                "deadline": self.deadline}
+        d = {"request": self.request.to_dict(), "tier": self.tier, "enqueued_at": self.enqueued_at,
+             "deadline": self.deadline}
+        if isinstance(self.request, EmbeddingRequest):
+            d["kind"] = "embedding"
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QueueItem:
-        return cls(request=EngineRequest.from_dict(d["request"]), tier=d["tier"],
+        kind = EmbeddingRequest if d.get("kind") == "embedding" else EngineRequest
+        return cls(request=kind.from_dict(d["request"]), tier=d["tier"],
                    enqueued_at=d["enqueued_at"], deadline=d.get("deadline"))
 
 
@@ -179,6 +234,6 @@ class AbortRequest:
 
 InboxMessage = AddRequest | AbortRequest
 
-__all__ = ["LOCAL", "AbortRequest", "AddRequest", "ChoiceOutput", "ErrorOutput", "GenerationRequest",
-           "InboxMessage", "QueueItem", "Target", "WorkerStats", "error_output", "is_failure", "output_from_dict",
-           "output_to_dict", "queue_timeout_output"]
+__all__ = ["LOCAL", "AbortRequest", "AddRequest", "AnyOutput", "ChoiceOutput", "EmbeddingJob", "EmbeddingResult",
+           "ErrorOutput", "GenerationRequest", "InboxMessage", "QueueItem", "Target", "WorkerStats", "error_output",
+           "is_failure", "output_from_dict", "output_to_dict", "queue_timeout_output"]

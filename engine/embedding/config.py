@@ -34,6 +34,9 @@ class EmbeddingConfig:
     # A request that has waited this long since it last got a step (or since it arrived) gets the next
     # one, ahead of any priority: bulk work advances under a stream of higher-priority queries.
     priority_aging_s: float = 10.0
+    # Requests the engine holds at once (its scheduler orders them; a worker pulls no more than this
+    # from its queue, so what waits beyond it waits in the queue, where tiers and depth limits apply).
+    max_running_requests: int = 256
 
     def validate_basic(self) -> None:
         """Checks that need no model; the engine checks max_seq_length and the budget against the model."""
@@ -43,5 +46,7 @@ class EmbeddingConfig:
             raise EngineConfigError(f"max_batch_tokens must be at least 1, got {self.max_batch_tokens}")
         if self.max_seq_length is not None and self.max_seq_length < 2:
             raise EngineConfigError(f"max_seq_length must be at least 2, got {self.max_seq_length}")
+        if self.max_running_requests < 1:
+            raise EngineConfigError(f"max_running_requests must be at least 1, got {self.max_running_requests}")
         if self.priority_aging_s <= 0:
             raise EngineConfigError("priority_aging_s must be positive")

@@ -107,6 +107,27 @@ class EmbeddingEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_pending()
 
+    # -- what a worker reports (the chat engine's names, so one worker drives either engine) ------------
+    @property
+    def num_running(self) -> int:
+        """Requests with inputs still to embed."""
+        return len(self.scheduler.pending)
+
+    @property
+    def num_waiting(self) -> int:
+        return 0  # nothing waits for memory: a request's inputs are embedded as steps reach them
+
+    def kv_usage(self) -> float:
+        return 0.0  # no KV cache
+
+    def pending_tokens(self) -> dict[int, int]:
+        """Tokens of the inputs not yet embedded, by priority: the work ahead of a new request (a step
+        serves one priority, the best first)."""
+        out: dict[int, int] = {}
+        for p in self.scheduler.pending.values():
+            out[p.priority] = out.get(p.priority, 0) + sum(len(p.inputs[i]) for i in p.order[p.taken:])
+        return out
+
     def step(self) -> list[EmbeddingOutput]:
         """Embed the next step's inputs; one output per input, the request's last one `finished`."""
         step = self.scheduler.schedule(time.monotonic())

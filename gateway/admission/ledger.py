@@ -71,7 +71,7 @@ class UsageRow:
     cached_tokens: int
     completion_tokens: int
     cost: float
-    equivalent_cost: float  # the same tokens at the remote prices (see Accountant.equivalent_cost)
+    equivalent_cost: float  # the same tokens at the remote prices (see Accountant.record_usage)
 
 
 ROW_FIELDS = tuple(f.name for f in fields(UsageRow))

@@ -1,4 +1,4 @@
-"""LocalBackend: the engine behind the request queue.
+"""LocalBackend: the chat engine behind the request queue; LocalEmbeddings: an embedding engine behind its.
 
 `n > 1` fans out into n engine requests (`{id}-{i}`, seed `seed + i` when a seed is given) whose
 outputs are merged as choices. Subscriptions are opened before the items are queued so no output is
@@ -12,9 +12,9 @@ import asyncio
 import dataclasses
 import time
 
-from engine import EngineRequest
+from engine import EmbeddingOutput, EmbeddingRequest, EngineRequest, RequestOutput
 from gateway.backends.base import Backend, ChoiceStream
-from gateway.messages import ChoiceOutput, GenerationRequest, QueueItem
+from gateway.messages import LOCAL, ChoiceOutput, EmbeddingJob, EmbeddingResult, GenerationRequest, QueueItem
 from gateway.queue.base import RequestQueue, Subscription
 
 
@@ -39,6 +39,7 @@ class _LocalStream(ChoiceStream):
         try:
             while True:
                 out = await sub.get()
+                assert isinstance(out, RequestOutput)  # a chat model's queue carries chat outputs
                 self._merged.put_nowait(ChoiceOutput(index, out))
                 if out.finished:
                     return
@@ -116,3 +117,64 @@ class LocalBackend(Backend):
                     await asyncio.shield(_cancel_requests(self.queue, queued))
                 for s in subs:
                     await s.close()
+
+
+class EmbeddingFailed(Exception):
+    """The local engine ended an embedding request without its vectors: `output` says why (an engine
+    refusal, a failed step, a queue timeout, a shutdown); the router may retry it remotely."""
+
+    def __init__(self, output: RequestOutput | EmbeddingOutput):
+        super().__init__(output.error or "embedding failed")
+        self.output = output
+
+
+class LocalEmbeddings:
+    """An embedding model's queue: one queue item per request (the engine slices a big one into steps
+    and puts queries first); the vectors come back one output per input, in any order."""
+
+    name = "local"
+
+    def __init__(self, queue: RequestQueue):
+        self.queue = queue
+
+    async def embed(self, job: EmbeddingJob) -> EmbeddingResult:
+        """Queue the request and wait for every vector (QueueFull when its tier is at max_depth; on
+        cancellation the request leaves the queue or the engine)."""
+        rid = job.request_id
+        sub = await self.queue.subscribe(rid)
+        done = False
+        expiry: asyncio.Task | None = None
+        try:
+            req = EmbeddingRequest(rid, job.inputs, priority=job.priority, truncate=job.truncate,
+                                   dimensions=job.dimensions)
+            await self.queue.put(QueueItem(request=req, tier=job.tier, deadline=job.deadline))
+            if job.deadline is not None:
+                expiry = asyncio.create_task(self._expire_at(rid, job.deadline))
+            vectors: list[list[float] | None] = [None] * len(job.inputs)
+            tokens = 0
+            while True:
+                out = await sub.get()
+                if isinstance(out, EmbeddingOutput) and out.error is None:
+                    vectors[out.index] = out.embedding
+                    tokens += out.prompt_tokens
+                    if out.finished:
+                        break
+                    continue
+                done = out.finished
+                raise EmbeddingFailed(out)
+            done = True
+            if any(v is None for v in vectors):  # the engine finished without a vector: never silently
+                raise EmbeddingFailed(RequestOutput(request_id=rid, finished=True, finish_reason="error",
+                                                    error="the engine finished without every vector"))
+            return EmbeddingResult(backend=LOCAL, prompt_tokens=tokens,
+                                   vectors=[v for v in vectors if v is not None])
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+            if not done:
+                await asyncio.shield(self.queue.cancel(rid))
+            await sub.close()
+
+    async def _expire_at(self, request_id: str, deadline: float) -> None:
+        await asyncio.sleep(max(0.0, deadline - time.time()))
+        await self.queue.expire_if_queued(request_id)

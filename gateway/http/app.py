@@ -10,6 +10,7 @@ aiohttp application. Reading it top to bottom shows the path of a request:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -19,33 +20,38 @@ from gateway.admission.ledger import LedgerOptions, make_ledger
 from gateway.admission.limits import make_limiter
 from gateway.admission.spill import Spill
 from gateway.admission.usage import UsageStore
-from gateway.backends.local import LocalBackend
+from gateway.backends.local import LocalBackend, LocalEmbeddings
 from gateway.backends.remote.backend import RemoteBackend
-from gateway.http import dashboard, routes
+from gateway.http import dashboard, embeddings, routes
 from gateway.http.errors import error_middleware
 from gateway.http.lifecycle import engine_lifecycle, services, usage_ledger
 from gateway.http.middleware import access_log, body_timeout, on_response_prepare
 from gateway.http.offload import OFFLOAD, Offloader, RequestLimits
 from gateway.observability.metrics import Metrics, make_key_label
 from gateway.queue.base import RequestQueue
+from gateway.queue.memory import MemoryQueue
 from gateway.routing.accounting import Accountant
+from gateway.routing.embeddings import EmbeddingRouter
 from gateway.routing.estimate import WaitEstimator
 from gateway.routing.router import Router
 from gateway.routing.sampler import MetricsSampler
-from gateway.settings import Settings
+from gateway.settings import ModelEntry, Settings
 from gateway.state import STATE, GatewayState
 from gateway.worker.factory import ModelFrontend, make_queue
+from gateway.worker.pool import ModelPool
 
 
 def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue: RequestQueue | None = None,
-               keys: KeyStore | None = None, no_engine: bool = False) -> web.Application:
-    """The gateway app. `engine`: an already-built engine (tests); None loads one from settings.
-    `no_engine`: gateway only; engine workers (`sluice worker`) drain the Redis queue elsewhere, and
-    `engine` (if given) only supplies the tokenizer, model name and context length."""
+               keys: KeyStore | None = None, no_engine: bool = False,
+               engines: dict[str, Any] | None = None) -> web.Application:
+    """The gateway app, serving `settings.model_entries()` (one pool each). `engine`: an already-built chat
+    engine (tests) for the first chat model; with `models` unset it is then the only model. `engines`:
+    already-built engines of other models, by their configured id (tests). `queue`: the first chat model's
+    queue (tests). `no_engine`: gateway only; engine workers (`sluice worker`) drain the Redis queues
+    elsewhere, and `engine` (if given) only supplies the tokenizer, model name and context."""
     if no_engine and not settings.redis_url and queue is None:
         raise ValueError("a gateway without an engine needs the Redis queue (set redis_url / SLUICE_REDIS_URL)")
     keys = keys or KeyStore(settings.auth.keys_file)
-    queue = queue or make_queue(settings)
     metrics = Metrics(key_label=make_key_label(keys, settings.metrics.key_labels))
     limiter = make_limiter(settings.limits, settings.redis_url)
     usage_redis = settings.limits.redis_url or settings.redis_url
@@ -61,15 +67,56 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
         spill_path=str(spill_dir / spill_name), max_spill_bytes=max_spill,
         max_pending_rows=settings.usage.max_pending_rows, ballast_bytes=int(settings.usage.ballast_mb * 1e6)))
     remote = RemoteBackend(settings.providers, settings.routing, metrics) if settings.providers else None
-    state = GatewayState(settings=settings, keys=keys, queue=queue, metrics=metrics, limiter=limiter, usage=usage,
-                         remote=remote, engine=engine, no_engine=no_engine)
-    estimator = WaitEstimator(state, queue, settings.tiers, settings.routing)
-    accountant = Accountant(metrics, usage, limiter, estimator, settings.routing.local_price,
-                            providers=settings.providers, ledger=ledger,
-                            reserve_completion_tokens=settings.limits.reserve_completion_tokens)
-    state.router = Router(local=LocalBackend(queue), remote=remote, side=state, estimator=estimator,
-                          accountant=accountant, routing=settings.routing, metrics=metrics)
-    sampler = MetricsSampler(metrics, queue, settings.tiers, estimator, remote)
+    state = GatewayState(settings=settings, keys=keys, metrics=metrics, limiter=limiter, usage=usage,
+                         remote=remote, no_engine=no_engine)
+
+    entries = settings.model_entries()
+    if engine is not None and settings.models is None:
+        entries = [e for e in entries if e.kind == "chat"]  # a given engine is the whole local side
+    first_chat = next((e for e in entries if e.kind == "chat"), None)
+    for entry in entries:
+        first = entry is first_chat
+        pool = ModelPool(entry=entry, queue=(queue if first and queue is not None else
+                                             make_queue(settings, entry, first_chat=first)),
+                         no_engine=no_engine,
+                         engine=engine if first and engine is not None else (engines or {}).get(entry.id or ""),
+                         is_draining=lambda: state.draining)
+        state.pools.append(pool)
+
+    def accountant_for(estimator: WaitEstimator, price: dict[str, float] | None) -> Accountant:
+        return Accountant(metrics, usage, limiter, estimator,
+                          price if price is not None else settings.routing.local_price,
+                          providers=settings.providers, ledger=ledger,
+                          reserve_completion_tokens=settings.limits.reserve_completion_tokens)
+
+    sampler: MetricsSampler | None = None
+    for pool in state.pools:
+        estimator = WaitEstimator(pool, pool.queue, settings.tiers, settings.routing)
+        accountant = accountant_for(estimator, pool.entry.price)
+        if pool.kind == "embedding":
+            pool.router = EmbeddingRouter(local=LocalEmbeddings(pool.queue), remote=remote, side=pool,
+                                          accountant=accountant, routing=settings.routing, metrics=metrics,
+                                          tiers=settings.tiers)
+            continue
+        pool.router = Router(local=LocalBackend(pool.queue), remote=remote, side=pool, estimator=estimator,
+                             accountant=accountant, routing=settings.routing, metrics=metrics)
+        if sampler is None:  # the queue gauges describe the first chat model
+            sampler = MetricsSampler(metrics, pool.queue, settings.tiers, estimator, remote)
+    chat = state.chat
+    if chat is not None:
+        state.router = chat.router
+    else:  # only remote models are chat models here: a router whose local side is never ready
+        idle = ModelPool(entry=ModelEntry(id="-", kind="chat"), queue=MemoryQueue(), is_draining=lambda: True)
+        estimator = WaitEstimator(idle, idle.queue, settings.tiers, settings.routing)
+        state.router = Router(local=LocalBackend(idle.queue), remote=remote, side=idle, estimator=estimator,
+                              accountant=accountant_for(estimator, None), routing=settings.routing, metrics=metrics)
+        sampler = MetricsSampler(metrics, idle.queue, settings.tiers, estimator, remote)
+    assert sampler is not None
+    idle_embed = ModelPool(entry=ModelEntry(id="-", kind="embedding"), queue=MemoryQueue(), is_draining=lambda: True)
+    state.embedding_router = EmbeddingRouter(
+        local=LocalEmbeddings(idle_embed.queue), remote=remote, side=idle_embed,
+        accountant=accountant_for(WaitEstimator(idle_embed, idle_embed.queue, settings.tiers, settings.routing),
+                                  None), routing=settings.routing, metrics=metrics, tiers=settings.tiers)
 
     app = web.Application(client_max_size=settings.server.max_body_bytes)
     app[STATE] = state
@@ -82,6 +129,7 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
     app.middlewares.append(body_timeout(settings.server.body_timeout_s))
     app.on_response_prepare.append(on_response_prepare)
     routes.setup(app)
+    embeddings.setup(app)  # /v1/embeddings
     dashboard.setup(app)  # /dashboard and /dashboard/data (admin-only once keys exist)
 
     app.cleanup_ctx.append(usage_ledger(usage, ledger))

@@ -3,10 +3,10 @@ this order (aiohttp stops them in reverse):
 
   1. `usage_ledger`: spend is recorded before the engine starts and after it stops, so the last answers
      are written too;
-  2. `engine_lifecycle`: the engine side of the process: the embedded engine and its worker (loaded in
-     the background so /health answers at once and /ready turns 200 when they run), or, with
-     `--no-engine`, the model's frontend plus a watch on the live `sluice worker`s behind the Redis
-     queue; then the queue and the request-preparation helper;
+  2. `engine_lifecycle`: the engine side of the process: each model's embedded engine and worker
+     (loaded in the background, one model after another, so /health answers at once and /ready turns 200
+     when they all run), or, with `--no-engine`, each model's frontend plus a watch on the live
+     `sluice worker`s behind its Redis queue; then the queues and the request-preparation helper;
   3. `services`: the metrics sampler, the remote providers' connection pools and the limiter.
 """
 
@@ -26,8 +26,8 @@ from gateway.http.offload import OFFLOAD
 from gateway.routing.sampler import MetricsSampler
 from gateway.state import STATE, GatewayState
 from gateway.tasks import cancel_and_wait, run_forever
-from gateway.worker.engine_api import ModelFrontend
 from gateway.worker.factory import load_engine, load_frontend
+from gateway.worker.pool import ModelPool
 from gateway.worker.worker import EngineWorker
 
 log = logging.getLogger("sluice.gateway")
@@ -54,55 +54,69 @@ def usage_ledger(usage: UsageStore, ledger: UsageLedger | None) -> CleanupContex
     return ctx
 
 
-async def _start(state: GatewayState) -> None:
+async def _start(state: GatewayState, pool: ModelPool) -> None:
+    """Load one model: its engine and worker, or (gateway only) its frontend. Models load one after
+    another (`_start_all`), so a small embedding model does not compete with the chat model for the CPU."""
+    entry, kind = pool.entry, pool.kind
     try:
-        if state.no_engine:
-            frontend: ModelFrontend = (state.engine if state.engine is not None
-                                       else await asyncio.to_thread(load_frontend, state.settings))
-            state.engine = frontend
-            state.model_name = state.settings.model.served_model_name or frontend.model_name
-            state.max_model_len = int(frontend.max_model_len)
-            log.info("gateway only (no local engine): model=%s max_model_len=%d", state.model_name,
-                     state.max_model_len)
+        if pool.no_engine:
+            frontend = (pool.engine if pool.engine is not None
+                        else await asyncio.to_thread(load_frontend, state.settings, entry))
+            pool.engine = frontend
+            pool.model_name = entry.id or frontend.model_name
+            pool.max_model_len = _context(frontend)
+            log.info("gateway only (no local engine): %s model=%s", kind, pool.model_name)
             return
-        engine: ModelFrontend = (state.engine if state.engine is not None
-                                 else await asyncio.to_thread(load_engine, state.settings))
-        state.engine = engine
-        state.model_name = state.settings.model.served_model_name or engine.model_name
-        state.max_model_len = int(engine.max_model_len)
+        engine = pool.engine if pool.engine is not None else await asyncio.to_thread(load_engine, state.settings, entry)
+        pool.engine = engine
+        pool.model_name = entry.id or engine.model_name
+        pool.max_model_len = _context(engine)
         q = state.settings.queue
-        worker = EngineWorker(engine, state.queue, max_batch=q.max_batch,  # type: ignore[arg-type]
-                              heartbeat_s=q.heartbeat_s, model_name=state.model_name,
-                              on_pulled=state.metrics.observe_queue_time)
+        worker = EngineWorker(engine, pool.queue, max_batch=q.max_batch, heartbeat_s=q.heartbeat_s,
+                              model_name=pool.model_name, on_pulled=state.metrics.observe_queue_time)
         await worker.start()
-        state.local_worker = worker
-        log.info("engine ready: model=%s max_model_len=%d max_running_requests=%d",
-                 state.model_name, state.max_model_len, worker.capacity)
+        pool.local_worker = worker
+        log.info("engine ready: %s model=%s %s=%d max_running_requests=%d", kind, pool.model_name,
+                 "max_model_len" if kind == "chat" else "max_input_tokens", pool.max_model_len, worker.capacity)
     except Exception as e:  # /ready reports it; /health stays up so operators can see why
-        state.load_error = f"{type(e).__name__}: {e}"
-        log.exception("engine failed to start")
+        pool.load_error = f"{type(e).__name__}: {e}"
+        log.exception("the %s model %s failed to start", kind, entry.id or "(default)")
 
 
-async def _watch_workers(state: GatewayState) -> None:
-    """Keeps `state.remote_workers` (live workers serving this model) fresh for /ready and routing."""
+def _context(engine: object) -> int:
+    """A chat model's context, or an embedding model's longest input."""
+    return int(getattr(engine, "max_model_len", 0) or getattr(engine, "max_input_tokens", 0))
+
+
+async def _start_all(state: GatewayState) -> None:
+    for pool in state.pools:
+        await _start(state, pool)
+
+
+async def _watch_workers(state: GatewayState, pool: ModelPool) -> None:
+    """Keeps `pool.remote_workers` (live workers of this model's queue) fresh for /ready and routing."""
     async def refresh() -> None:
-        workers = await state.queue.workers()
+        workers = await pool.queue.workers()
         if workers is not None:
-            state.remote_workers = [w for w in workers if state.model_name is None or w.model == state.model_name]
+            pool.remote_workers = [w for w in workers if pool.model_name is None or w.model in pool.names]
     await run_forever(refresh, every_s=state.settings.queue.heartbeat_s, log=log, what="listing workers")
 
 
 async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
-    state.queue.start_reaper()
-    tasks = [asyncio.create_task(_start(state), name="sluice-engine-start")]
+    for pool in state.pools:
+        pool.queue.start_reaper()
+    tasks = [asyncio.create_task(_start_all(state), name="sluice-engine-start")]
     if state.no_engine:
-        tasks.append(asyncio.create_task(_watch_workers(state), name="sluice-worker-watch"))
+        tasks += [asyncio.create_task(_watch_workers(state, pool), name="sluice-worker-watch")
+                  for pool in state.pools]
     yield
     await cancel_and_wait(tasks)  # re-cancels: redis-py can absorb a CancelledError mid-command
-    if state.local_worker is not None:
-        await state.local_worker.stop(grace_s=state.settings.server.shutdown_grace_s)
-    await state.queue.close()
+    for pool in state.pools:
+        if pool.local_worker is not None:
+            await pool.local_worker.stop(grace_s=state.settings.server.shutdown_grace_s)
+    for pool in state.pools:
+        await pool.queue.close()
     app[OFFLOAD].close()
 
 

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway import jsonio
 from gateway.admission.auth import KEY_NAME, TIER_KEY
 from gateway.backends.base import ChoiceStream
+from gateway.backends.local import LocalBackend
 from gateway.errors import APIError
 from gateway.http import prepare, prompt
 from gateway.http.middleware import END_USER, request_id
@@ -29,6 +30,7 @@ from gateway.openai.schema import ChatCompletionRequest, CompletionRequest, Mode
 from gateway.queue.base import QueueFull
 from gateway.routing.router import BACKEND_HEADER
 from gateway.state import STATE, GatewayState
+from gateway.worker.pool import ModelPool
 
 # ---------------------------------------------------------------- parse -> prepare -> submit -> answer
 
@@ -40,13 +42,13 @@ def _caller(request: web.Request, state: GatewayState) -> prepare.Caller:
 
 async def _submit(state: GatewayState, p: prepare.Prepared) -> ChoiceStream:
     gen = p.gen
-    limit = state.queue.depth_limit(gen.tier)
+    limit = p.router.local.queue.depth_limit(gen.tier) if isinstance(p.router.local, LocalBackend) \
+        else state.queue.depth_limit(gen.tier)
     if gen.n > limit:
         raise APIError(400, f"n={gen.n} choices cannot be queued: the {gen.tier} tier queues at most "
                             f"{limit} requests at once. Lower n.", param="n", code="invalid_value")
-    assert state.router is not None
     try:
-        return await state.router.submit(gen)
+        return await p.router.submit(gen)
     except QueueFull as e:
         raise APIError(503, f"The server is overloaded ({e.tier} queue full); retry shortly.",
                        type="overloaded_error", code="queue_full", retry_after=e.retry_after) from None
@@ -109,8 +111,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 def _served_models(state: GatewayState) -> list[str]:
-    """The local model (once ready) and every model a remote provider serves."""
-    local = [state.model_name] if state.ready and state.model_name else []
+    """Every local model that is ready (its id and aliases) and every model a remote provider serves."""
+    local = [n for p in state.pools if p.ready for n in p.names]
     remote = state.router.remote_models() if state.router is not None else []
     return local + [m for m in remote if m not in local]
 
@@ -128,8 +130,9 @@ async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     model = request.match_info["model"]
     if model not in _served_models(state):
-        prepare.require_ready(state)
-        prepare.check_model(state, model)
+        pool = state.pool_for(model)
+        prepare.require_ready(state, pool)
+        prepare.check_model(state, model, pool.kind if pool is not None else "chat")
     return web.json_response(ModelCard(id=model, created=state.created).model_dump())
 
 
@@ -140,14 +143,11 @@ async def health(request: web.Request) -> web.Response:  # noqa: ARG001 (a handl
 async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body: dict[str, Any] = {"status": "ready" if state.ready else "not_ready", "model": state.model_name}
-    if state.load_error:
-        body["error"] = state.load_error
-    if state.local_worker is not None:
-        body["worker"] = state.local_worker.stats().to_dict()
-    if state.remote_workers is not None:  # `sluice worker`s (Redis queue): how many and how busy
-        ws = state.remote_workers
-        body["workers"] = {"alive": len(ws), "capacity": sum(w.capacity for w in ws),
-                           "in_flight": sum(w.in_flight for w in ws), "draining": sum(1 for w in ws if w.draining)}
+    chat = state.chat
+    if chat is not None:  # the first chat model, at the top level as before several models
+        body.update(_pool_status(chat))
+    body["models"] = {p.model_name or p.entry.id or f"({p.kind})": {"kind": p.kind, "ready": p.ready,
+                                                                    **_pool_status(p)} for p in state.pools}
     if state.draining:
         body["draining"] = True
     body["queue_depth"] = {t: await state.queue.depth(t) for t in state.settings.tiers}
@@ -156,10 +156,27 @@ async def ready(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if state.ready else 503)
 
 
+def _pool_status(pool: ModelPool) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if pool.load_error:
+        body["error"] = pool.load_error
+    if pool.local_worker is not None:
+        body["worker"] = pool.local_worker.stats().to_dict()
+    if pool.remote_workers is not None:  # `sluice worker`s (Redis queue): how many and how busy
+        ws = pool.remote_workers
+        body["workers"] = {"alive": len(ws), "capacity": sum(w.capacity for w in ws),
+                           "in_flight": sum(w.in_flight for w in ws), "draining": sum(1 for w in ws if w.draining)}
+    return body
+
+
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.local_worker is not None:
         state.metrics.in_flight.set(state.local_worker.stats().in_flight)
+    for pool in state.pools:  # embedding engines' mean batch (inputs per step)
+        stats = getattr(pool.engine, "stats", None) if pool.kind == "embedding" and pool.local_worker else None
+        if stats is not None and stats.steps:
+            state.metrics.embedding_step_inputs.labels(pool.model_name or "").set(stats.inputs / stats.steps)
     resp = web.Response(body=generate_latest(state.metrics.registry))
     resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
     return resp

@@ -122,6 +122,15 @@ class Metrics:
             "sluice_usage_cost_total", "Cost in the configured currency", ["key", "model", "backend"],
             registry=r), self)
 
+        self.embedding_inputs = Family(Counter("sluice_embedding_inputs_total", "Inputs embedded, by model and "
+                                               "backend", ["model", "backend"], registry=r))
+        self.embedding_request_inputs = Family(Histogram(
+            "sluice_embedding_request_inputs", "Inputs per /v1/embeddings request", ["model"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), registry=r))
+        self.embedding_step_inputs = Family(Gauge(
+            "sluice_embedding_step_inputs", "Inputs per embedding engine step (the batch), mean since start",
+            ["model"], registry=r))
+
     def observe_queue_time(self, items: list[QueueItem]) -> None:
         """Called by the embedded worker with each batch it pulls."""
         now = time.time()

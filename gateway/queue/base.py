@@ -14,8 +14,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 
-from engine import RequestOutput
-from gateway.messages import QueueItem, WorkerStats
+from gateway.messages import AnyOutput, QueueItem, WorkerStats
 
 
 class QueueFull(Exception):
@@ -57,7 +56,7 @@ class Subscription(ABC):
     request_id: str
 
     @abstractmethod
-    async def get(self, timeout: float | None = None) -> RequestOutput:
+    async def get(self, timeout: float | None = None) -> AnyOutput:
         """The next output; raises TimeoutError after `timeout` seconds without one."""
 
     @abstractmethod
@@ -66,7 +65,7 @@ class Subscription(ABC):
     def __aiter__(self) -> Subscription:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> AnyOutput:
         return await self.get()
 
 
@@ -107,7 +106,7 @@ class RequestQueue(ABC):
     async def subscribe(self, request_id: str) -> Subscription: ...
 
     @abstractmethod
-    async def publish(self, output: RequestOutput) -> None: ...
+    async def publish(self, output: AnyOutput) -> None: ...
 
     @abstractmethod
     async def cancel(self, request_id: str) -> None:
@@ -128,7 +127,7 @@ class RequestQueue(ABC):
     lease_s: float | None = None  # None: no leases (nothing to renew)
     renew_interval_s: float | None = None
 
-    async def publish_batch(self, outputs: list[RequestOutput]) -> list[str]:
+    async def publish_batch(self, outputs: list[AnyOutput]) -> list[str]:
         """Publish one step's outputs; returns the ids this worker no longer owns (to abort locally)."""
         for out in outputs:
             await self.publish(out)

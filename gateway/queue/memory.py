@@ -7,8 +7,7 @@ import asyncio
 import time
 from collections import deque
 
-from engine import RequestOutput
-from gateway.messages import QueueItem, queue_timeout_output
+from gateway.messages import AnyOutput, QueueItem, queue_timeout_output
 from gateway.queue.base import CancellationInbox, QueueFull, RequestQueue, Subscription
 
 
@@ -16,9 +15,9 @@ class _MemorySubscription(Subscription):
     def __init__(self, owner: MemoryQueue, request_id: str):
         self._owner = owner
         self.request_id = request_id
-        self._q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._q: asyncio.Queue[AnyOutput] = asyncio.Queue()
 
-    async def get(self, timeout: float | None = None) -> RequestOutput:
+    async def get(self, timeout: float | None = None) -> AnyOutput:
         if timeout is None:
             return await self._q.get()
         return await asyncio.wait_for(self._q.get(), timeout)
@@ -102,7 +101,7 @@ class MemoryQueue(RequestQueue):
         self._subs[request_id] = sub
         return sub
 
-    async def publish(self, output: RequestOutput) -> None:
+    async def publish(self, output: AnyOutput) -> None:
         sub = self._subs.get(output.request_id)
         if sub is not None:
             sub._q.put_nowait(output)

@@ -42,8 +42,15 @@ import uuid
 from collections import deque
 from typing import Any
 
-from engine import RequestOutput
-from gateway.messages import QueueItem, WorkerStats, output_from_dict, output_to_dict, queue_timeout_output
+from engine import EngineRequest, RequestOutput
+from gateway.messages import (
+    AnyOutput,
+    QueueItem,
+    WorkerStats,
+    output_from_dict,
+    output_to_dict,
+    queue_timeout_output,
+)
 from gateway.queue import redis_scripts as lua
 from gateway.queue.base import CancellationInbox, QueueFull, RequestQueue, Subscription
 from gateway.tasks import cancel_and_wait, cancel_requested
@@ -83,7 +90,7 @@ class _RedisSubscription(Subscription):
         self._last_id = "0-0"
         self._last_seq = -1
         self._finished = False
-        self._buf: deque[RequestOutput] = deque()
+        self._buf: deque[AnyOutput] = deque()
         self.duplicates_dropped = 0
 
     def _accept(self, fields: dict[str, str]) -> None:
@@ -94,14 +101,14 @@ class _RedisSubscription(Subscription):
             self.duplicates_dropped += 1
             return
         if "err" in fields:
-            out: RequestOutput = queue_timeout_output(self.request_id)
+            out: AnyOutput = queue_timeout_output(self.request_id)
         else:
             out = output_from_dict(json.loads(fields["data"]))
         self._last_seq = max(self._last_seq, seq)
         self._finished = fin
         self._buf.append(out)
 
-    async def get(self, timeout: float | None = None) -> RequestOutput:
+    async def get(self, timeout: float | None = None) -> AnyOutput:
         deadline = None if timeout is None else time.monotonic() + timeout
         r = self._owner._r
         while not self._buf:
@@ -225,9 +232,10 @@ class RedisQueue(RequestQueue):
             # Server times -> this machine's clock, so local deadline checks and engine aging hold.
             if enq:
                 item.enqueued_at = local_now - (server_now - float(enq))
-                item.request.arrival_time = item.enqueued_at
+                if isinstance(item.request, EngineRequest):
+                    item.request.arrival_time = item.enqueued_at
             item.deadline = None if not deadline else local_now + (float(deadline) - server_now)
-            if resume:
+            if resume and isinstance(item.request, EngineRequest):
                 item.request.resume_token_ids = [int(t) for t in resume.split(",")]
             items.append(item)
         return total, items
@@ -274,17 +282,20 @@ class RedisQueue(RequestQueue):
     async def subscribe(self, request_id: str) -> Subscription:
         return _RedisSubscription(self, request_id)
 
-    def _publish_args(self, outputs: list[RequestOutput]) -> list[Any]:
+    def _publish_args(self, outputs: list[AnyOutput]) -> list[Any]:
         args: list[Any] = []
         for out in outputs:
-            args += [out.request_id, int(out.completion_tokens), "1" if out.finished else "0",
-                     ",".join(str(t) for t in out.token_ids), json.dumps(output_to_dict(out))]
+            # An embedding output carries no tokens: sequence 0 (not numbered), nothing to resume from.
+            tokens = out.token_ids if isinstance(out, RequestOutput) else []
+            seq = out.completion_tokens if isinstance(out, RequestOutput) else 0
+            args += [out.request_id, int(seq), "1" if out.finished else "0",
+                     ",".join(str(t) for t in tokens), json.dumps(output_to_dict(out))]
         return args
 
-    async def publish(self, output: RequestOutput) -> None:
+    async def publish(self, output: AnyOutput) -> None:
         await self.publish_batch([output], fenced=False)
 
-    async def publish_batch(self, outputs: list[RequestOutput], *, fenced: bool = True) -> list[str]:
+    async def publish_batch(self, outputs: list[AnyOutput], *, fenced: bool = True) -> list[str]:
         """One round trip for a step's outputs. Fenced: only requests this worker still owns."""
         if not outputs:
             return []

@@ -62,22 +62,6 @@ class Accountant:
             for model in p.models:
                 self._first_provider.setdefault(model, p)
 
-    def cost(self, stream: ChoiceStream, prompt: int, cached: int, completion: int) -> float:
-        """A remote answer at its provider's prices; a local one at `routing.local_price` (else free)."""
-        if stream.provider_settings is not None:
-            return stream.provider_settings.cost(prompt, cached, completion)
-        price = self.local_price
-        return (prompt * price.get("input_per_m", 0.0) + completion * price.get("output_per_m", 0.0)) / 1e6
-
-    def equivalent_cost(self, stream: ChoiceStream, model: str, prompt: int, cached: int, completion: int,
-                        cost: float) -> float:
-        """What the same tokens would have cost remotely: a remote answer its own cost; a local one at the
-        prices of the first provider serving the model; the cost itself when no provider serves it."""
-        if stream.provider_settings is not None:
-            return cost
-        first = self._first_provider.get(model)
-        return first.cost(prompt, cached, completion) if first is not None else cost
-
     # ------------------------------------------------------------ budget holds
 
     def worst_cost(self, gen: GenerationRequest, *, local: bool, providers: Sequence[ProviderSettings]) -> float:
@@ -107,50 +91,75 @@ class Accountant:
     async def reserve(self, gen: GenerationRequest, *, local: bool, providers: Sequence[ProviderSettings]) -> None:
         """Hold the request's worst-case cost against its key's budget; raises the 429 (budget spent or
         held) or the 503 (spend cannot be checked). No budget: nothing to hold."""
-        budget = self.limiter.limits_for(gen.key, gen.tier).budget
+        if self.limiter.limits_for(gen.key, gen.tier).budget is None:
+            return
+        await self.hold(gen.key, gen.tier, gen.request_id, self.worst_cost(gen, local=local, providers=providers))
+
+    async def hold(self, key: str | None, tier: str, request_id: str, amount: float) -> None:
+        """Hold `amount` against the key's budget for this request (nothing when it has no budget)."""
+        budget = self.limiter.limits_for(key, tier).budget
         if budget is None:
             return
-        amount = self.worst_cost(gen, local=local, providers=providers)
         try:
-            hold = await self.usage.reserve(gen.key, budget, gen.request_id, amount)
+            hold = await self.usage.reserve(key, budget, request_id, amount)
         except SpendUnavailable:
             raise usage_unavailable() from None
         if not hold.ok:
-            self.metrics.rate_limited.labels(gen.key or ANON, "budget").inc()
+            self.metrics.rate_limited.labels(key or ANON, "budget").inc()
             raise budget_spent(budget, hold.held)
 
     async def release(self, gen: GenerationRequest) -> None:
         """The request ended with nothing to record: drop its hold."""
         await self.usage.release(gen.request_id)
 
+    def costs(self, model: str, provider: ProviderSettings | None, prompt: int, cached: int,
+              completion: int) -> tuple[float, float]:
+        """(cost, remote equivalent): a remote answer at its provider's prices (its own equivalent); a local
+        one at the local price (else free), its equivalent at the prices of the first provider serving
+        the model (the cost itself when no provider serves it)."""
+        if provider is not None:
+            cost = provider.cost(prompt, cached, completion)
+            return cost, cost
+        cost = self.local_cost(prompt, completion)
+        first = self._first_provider.get(model)
+        return cost, first.cost(prompt, cached, completion) if first is not None else cost
+
+    def local_cost(self, prompt: int, completion: int) -> float:
+        price = self.local_price
+        return (prompt * price.get("input_per_m", 0.0) + completion * price.get("output_per_m", 0.0)) / 1e6
+
     # ------------------------------------------------------------ recording
 
     async def record(self, gen: GenerationRequest, stream: ChoiceStream, prompt: int, cached: int,
                      completion: int) -> None:
-        backend = stream.backend
-        if backend == LOCAL:
+        if stream.backend == LOCAL:
             self.estimator.completed_local(completion)
-        cost = self.cost(stream, prompt, cached, completion)
-        key = gen.key or ANON  # the metrics' label
+        await self.record_usage(gen.key, gen.tier, gen.model, gen.request_id, stream.backend,
+                                stream.provider_settings, prompt, cached, completion)
+
+    async def record_usage(self, key: str | None, tier: str, model: str, request_id: str, backend: str,
+                           provider: ProviderSettings | None, prompt: int, cached: int, completion: int) -> None:
+        """One answered request (chat or embeddings): metrics, ledger row, totals, token limits; settles
+        the request's budget hold."""
+        cost, equivalent = self.costs(model, provider, prompt, cached, completion)
+        label = key or ANON  # the metrics' label
         m = self.metrics
-        m.usage_requests.labels(key, gen.model, backend).inc()
-        m.usage_tokens.labels(key, gen.model, backend, "prompt").inc(prompt)
-        m.usage_tokens.labels(key, gen.model, backend, "cached").inc(cached)
-        m.usage_tokens.labels(key, gen.model, backend, "completion").inc(completion)
+        m.usage_requests.labels(label, model, backend).inc()
+        m.usage_tokens.labels(label, model, backend, "prompt").inc(prompt)
+        m.usage_tokens.labels(label, model, backend, "cached").inc(cached)
+        m.usage_tokens.labels(label, model, backend, "completion").inc(completion)
         if cost:
-            m.usage_cost.labels(key, gen.model, backend).inc(cost)
+            m.usage_cost.labels(label, model, backend).inc(cost)
         if self.ledger is not None:
-            self.ledger.append(UsageRow(
-                time.time(), gen.key, gen.tier, gen.model, backend, prompt, cached, completion, cost,
-                self.equivalent_cost(stream, gen.model, prompt, cached, completion, cost)))
+            self.ledger.append(UsageRow(time.time(), key, tier, model, backend, prompt, cached, completion, cost,
+                                        equivalent))
         try:
-            await self.usage.record(gen.key, gen.model, backend, prompt, cached, completion, cost,
-                                    request_id=gen.request_id)
-            await self.limiter.charge_tokens(gen.key, gen.tier, prompt + completion)
+            await self.usage.record(key, model, backend, prompt, cached, completion, cost, request_id=request_id)
+            await self.limiter.charge_tokens(key, tier, prompt + completion)
         except Exception:  # the answer went out; a store outage must not turn it into an error
-            log.exception("usage accounting failed for %s", gen.request_id)
+            log.exception("usage accounting failed for %s", request_id)
         finally:
-            await self.usage.release(gen.request_id)  # settled by record; this only covers its failure
+            await self.usage.release(request_id)  # settled by record; this only covers its failure
 
     def wrap(self, stream: ChoiceStream, gen: GenerationRequest, t0: float) -> AccountedStream:
         return AccountedStream(self, gen, stream, t0)

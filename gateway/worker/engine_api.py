@@ -1,6 +1,7 @@
-"""What a worker needs from an engine, as a Protocol: `engine.LLMEngine` satisfies it, and so does the
-tests' fake engine, which keeps the fake honest. Everything the gateway reads of an engine is declared
-here, so what it reports (`WorkerStats`) is the same for an embedded engine and a remote worker's."""
+"""What a worker needs from an engine, as Protocols: `engine.LLMEngine` satisfies `Engine` (and so does
+the tests' fake engine, which keeps the fake honest), `engine.EmbeddingEngine` its loop part,
+`StepEngine`. Everything the gateway reads of an engine is declared here, so what it reports
+(`WorkerStats`) is the same for an embedded engine and a remote worker's."""
 
 from __future__ import annotations
 
@@ -30,8 +31,12 @@ class EngineCounters(Protocol):
     def busy_seconds(self) -> float: ...
 
 
-@runtime_checkable  # the tests check that their fake engine has every member
-class Engine(ModelFrontend, Protocol):
+@runtime_checkable
+class StepEngine(Protocol):
+    """What `EngineWorker` drives: the loop API and the counters it reports. `LLMEngine` and
+    `EmbeddingEngine` both satisfy it (a request and its outputs are the engine's own kinds)."""
+
+    model_name: str
     config: Any  # the engine's config: only max_running_requests is read
 
     @property
@@ -41,11 +46,11 @@ class Engine(ModelFrontend, Protocol):
         """The share of the KV pool's blocks that running sequences hold."""
         ...
 
-    def add_request(self, req: EngineRequest) -> None: ...
+    def add_request(self, req: Any) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
 
-    def step(self) -> list[RequestOutput]: ...
+    def step(self) -> list[Any]: ...
 
     def has_unfinished(self) -> bool: ...
 
@@ -54,3 +59,24 @@ class Engine(ModelFrontend, Protocol):
 
     @property
     def num_waiting(self) -> int: ...
+
+
+@runtime_checkable  # the tests check that their fake engine has every member
+class Engine(ModelFrontend, StepEngine, Protocol):
+    """A chat engine: the model's frontend and the loop (`engine.LLMEngine`)."""
+
+    def add_request(self, req: EngineRequest) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+
+class EmbeddingModel(Protocol):
+    """What the HTTP layer needs of an embedding model: `engine.EmbeddingEngine`, or
+    `engine.EmbeddingFrontend` when engines run elsewhere."""
+
+    model_name: str
+    max_input_tokens: int
+    dimensions: int
+    supports_dimensions: bool
+
+    def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]: ...

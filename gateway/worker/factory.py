@@ -8,40 +8,60 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from gateway.queue.base import RequestQueue
-from gateway.settings import Settings
-from gateway.worker.engine_api import Engine, ModelFrontend
+from gateway.settings import ModelEntry, Settings, queue_prefix
+from gateway.worker.engine_api import ModelFrontend, StepEngine
 
 if TYPE_CHECKING:
-    from engine import EngineConfig
+    from engine import EmbeddingConfig, EngineConfig
 
 __all__ = ["ModelFrontend", "freeze_long_lived_objects", "load_engine", "load_frontend", "make_queue"]
 
 log = logging.getLogger("sluice.worker")
 
 
-def _engine_config(settings: Settings) -> EngineConfig:
+def _engine_config(settings: Settings, entry: ModelEntry | None = None) -> EngineConfig:
     from pydantic import TypeAdapter
 
     from engine import EngineConfig
 
-    return TypeAdapter(EngineConfig).validate_python(settings.engine_kwargs())
+    kw = settings.engine_kwargs() if entry is None else settings.chat_engine_kwargs(entry)
+    return TypeAdapter(EngineConfig).validate_python(kw)
 
 
-def load_engine(settings: Settings) -> Engine:
-    """Build the engine from settings (slow: loads weights). Imports torch, so callers set OMP first."""
-    from engine import LLMEngine
+def _embedding_config(entry: ModelEntry) -> EmbeddingConfig:
+    from pydantic import TypeAdapter
 
-    engine = LLMEngine(_engine_config(settings))
+    from engine import EmbeddingConfig
+
+    kw = {**entry.engine}
+    kw.setdefault("model", entry.path)
+    if entry.id is not None:
+        kw.setdefault("served_model_name", entry.id)
+    return TypeAdapter(EmbeddingConfig).validate_python(kw)
+
+
+def load_engine(settings: Settings, entry: ModelEntry | None = None) -> StepEngine:
+    """Build one model's engine from settings (slow: loads weights): the chat engine of `entry` (default:
+    the first chat model), or its embedding engine. Imports torch, so callers set OMP first."""
+    from engine import EmbeddingEngine, LLMEngine
+
+    built: StepEngine
+    if entry is not None and entry.kind == "embedding":
+        built = EmbeddingEngine(_embedding_config(entry))
+    else:
+        built = LLMEngine(_engine_config(settings, entry))
     freeze_long_lived_objects()
-    return engine
+    return built
 
 
-def load_frontend(settings: Settings) -> ModelFrontend:
-    """The model's tokenizer, name, context and output caps without its weights (gateway only,
-    `--no-engine`): `engine.load_frontend` with the engines' configuration."""
+def load_frontend(settings: Settings, entry: ModelEntry | None = None) -> Any:
+    """One model's tokenizer, name and limits without its weights (gateway only, `--no-engine`):
+    `engine.load_frontend` (chat) or `engine.load_embedding_frontend` with the engines' configuration."""
+    from engine import load_embedding_frontend
     from engine import load_frontend as load
 
-    frontend = load(_engine_config(settings))
+    frontend: Any = (load_embedding_frontend(_embedding_config(entry)) if entry is not None
+                     and entry.kind == "embedding" else load(_engine_config(settings, entry)))
     freeze_long_lived_objects()
     return frontend
 
@@ -54,16 +74,19 @@ def freeze_long_lived_objects() -> None:
     gc.freeze()
 
 
-def make_queue(settings: Settings) -> RequestQueue:
-    """The Redis queue when `redis_url` is set, else the in-process one."""
+def make_queue(settings: Settings, entry: ModelEntry | None = None, *, first_chat: bool = True) -> RequestQueue:
+    """One model's queue: the Redis queue when `redis_url` is set (the first chat model's under the
+    deployment's key prefix, every other model's beneath it: settings.queue_prefix), else in-process."""
     from gateway.queue.memory import MemoryQueue
 
     q = settings.queue
-    kw: dict[str, Any] = dict(max_depth=dict(q.max_depth), fill_target=q.fill_target, max_wait_ms=q.max_wait_ms,
+    max_depth = dict(entry.max_depth) if entry is not None and entry.max_depth is not None else dict(q.max_depth)
+    kw: dict[str, Any] = dict(max_depth=max_depth, fill_target=q.fill_target, max_wait_ms=q.max_wait_ms,
                               aging_s=q.aging_s)
     if settings.redis_url:
         from gateway.queue.redis import RedisQueue
 
-        return RedisQueue(settings.redis_url, prefix=q.key_prefix, lease_s=q.lease_s, result_ttl_s=q.result_ttl_s,
+        prefix = q.key_prefix if entry is None else queue_prefix(q.key_prefix, entry, first_chat)
+        return RedisQueue(settings.redis_url, prefix=prefix, lease_s=q.lease_s, result_ttl_s=q.result_ttl_s,
                           heartbeat_ttl_s=5 * q.heartbeat_s, **kw)
     return MemoryQueue(**kw)

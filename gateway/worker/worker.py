@@ -29,6 +29,7 @@ from engine import RequestOutput, RequestRejected
 from gateway.messages import (
     AbortRequest,
     AddRequest,
+    AnyOutput,
     Failure,
     InboxMessage,
     QueueItem,
@@ -38,13 +39,13 @@ from gateway.messages import (
 )
 from gateway.queue.base import RequestQueue
 from gateway.tasks import cancel_and_wait, cancel_requested, run_forever
-from gateway.worker.engine_api import Engine
+from gateway.worker.engine_api import StepEngine
 
 log = logging.getLogger("sluice.worker")
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, queue: RequestQueue, *, max_batch: int = 128, poll_s: float = 0.5,
+    def __init__(self, engine: StepEngine, queue: RequestQueue, *, max_batch: int = 128, poll_s: float = 0.5,
                  idle_wait_s: float = 0.5, heartbeat_s: float = 1.0, model_name: str | None = None,
                  on_pulled: Callable[[list[QueueItem]], None] | None = None):
         self.engine = engine
@@ -63,7 +64,7 @@ class EngineWorker:
         self._stop_thread = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox: asyncio.Queue[list[RequestOutput]] | None = None
+        self._outbox: asyncio.Queue[list[AnyOutput]] | None = None
         self._tasks: list[asyncio.Task] = []
         self._room: asyncio.Event | None = None
         self._stopping = False
@@ -83,11 +84,19 @@ class EngineWorker:
 
     def stats(self) -> WorkerStats:
         """Racy reads of the engine's counters from the loop thread: fine for monitoring and routing."""
-        return WorkerStats(model=self.model_name, capacity=self.capacity, in_flight=len(self._in_flight),
-                           running=int(self.engine.num_running), waiting=int(self.engine.num_waiting),
-                           steps=self.steps, step_errors=self.step_errors,
-                           busy_seconds=float(self.engine.stats.busy_seconds), kv_usage=float(self.engine.kv_usage()),
-                           draining=self._stopping)
+        st = WorkerStats(model=self.model_name, capacity=self.capacity, in_flight=len(self._in_flight),
+                         running=int(self.engine.num_running), waiting=int(self.engine.num_waiting),
+                         steps=self.steps, step_errors=self.step_errors,
+                         busy_seconds=float(self.engine.stats.busy_seconds), kv_usage=float(self.engine.kv_usage()),
+                         draining=self._stopping)
+        pending = getattr(self.engine, "pending_tokens", None)  # an embedding engine
+        if pending is not None:
+            try:
+                st.pending_tokens = {str(p): int(n) for p, n in pending().items()}
+            except RuntimeError:  # the engine thread changed its dict meanwhile: report none this time
+                st.pending_tokens = None
+            st.tokens = int(getattr(self.engine.stats, "tokens", 0))
+        return st
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -193,11 +202,12 @@ class EngineWorker:
                 self._send(AbortRequest(rid))
         await run_forever(take, every_s=0, log=log, what="reading cancellations")
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+    def _on_outputs(self, outputs: list[AnyOutput]) -> None:
         """Runs on the loop (via call_soon_threadsafe)."""
         assert self._outbox is not None and self._room is not None
         if self._handing_back:
-            outputs = [o for o in outputs if not (o.request_id in self._handing_back and o.finish_reason == "abort")]
+            outputs = [o for o in outputs
+                       if not (o.request_id in self._handing_back and getattr(o, "finish_reason", None) == "abort")]
         for out in outputs:
             if out.finished:
                 self._in_flight.discard(out.request_id)
@@ -246,7 +256,7 @@ class EngineWorker:
 
     # ------------------------------------------------------------ engine thread
 
-    def _emit(self, outputs: list[RequestOutput]) -> None:
+    def _emit(self, outputs: list[AnyOutput]) -> None:
         if outputs and self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs)
@@ -254,7 +264,7 @@ class EngineWorker:
                 pass
 
     def _drain_inbox(self) -> None:
-        emitted: list[RequestOutput] = []
+        emitted: list[AnyOutput] = []
         while True:
             try:
                 msg = self._inbox.get_nowait()
@@ -266,7 +276,7 @@ class EngineWorker:
                 emitted.extend(self._abort(msg.request_id))
         self._emit(emitted)
 
-    def _add(self, item: QueueItem) -> list[RequestOutput]:
+    def _add(self, item: QueueItem) -> list[AnyOutput]:
         rid = item.request_id
         if rid in self._early_aborts:
             del self._early_aborts[rid]
@@ -281,7 +291,7 @@ class EngineWorker:
         self._thread_running.add(rid)
         return []
 
-    def _abort(self, rid: str) -> list[RequestOutput]:
+    def _abort(self, rid: str) -> list[AnyOutput]:
         if rid not in self._thread_running:
             self._early_aborts[rid] = None
             while len(self._early_aborts) > 10000:
@@ -300,7 +310,7 @@ class EngineWorker:
         except Exception as e:
             self.step_errors += 1
             log.exception("engine.step failed; failing %d in-flight requests", len(self._thread_running))
-            failed: list[RequestOutput] = []
+            failed: list[AnyOutput] = []
             for rid in list(self._thread_running):
                 self._abort_quietly(rid)
                 failed.append(error_output(rid, Failure.ENGINE, "engine_error",
@@ -325,7 +335,7 @@ class EngineWorker:
                 self._wake.clear()
         # Shutdown: abort whatever is left so the engine frees its slots.
         self._drain_inbox()
-        leftovers = [RequestOutput(request_id=rid, finished=True, finish_reason="abort")
+        leftovers: list[AnyOutput] = [RequestOutput(request_id=rid, finished=True, finish_reason="abort")
                      for rid in self._thread_running]
         for rid in list(self._thread_running):
             self._abort_quietly(rid)

@@ -1,5 +1,6 @@
 """The distributed path end to end: a real redis-server (AOF), two `sluice serve --no-engine` gateways
-and two `sluice worker` processes with the real engine (fp32, greedy: answers are comparable).
+and two `sluice worker` processes with the real engine (fp32, greedy: answers are comparable), plus one
+`sluice worker --model all-MiniLM-L6-v2` draining the embedding model's own queue.
 
 One cluster for the module, the scenarios in order: 200 concurrent requests; a worker SIGKILLed
 mid-stream; a cancelled stream; Redis restarted mid-run; a rolling restart of every process under load.
@@ -27,6 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.model]
 PROMPTS = [f"Write one sentence about {t}." for t in
            ("the sea", "a robot", "coffee", "trains", "owls", "bread", "rain", "chess")]
 MODEL = "SmolLM2-135M-Instruct"
+EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
 
 class Proc:
@@ -57,6 +59,7 @@ class Cluster:
         self.env.pop("SLUICE_CONFIG", None)
         self.gateways: list[tuple[Proc, int]] = []
         self.workers: list[Proc] = []
+        self.embedding_worker: Proc | None = None
         self.n = 0
 
     def _log(self, name: str) -> Path:
@@ -68,6 +71,10 @@ class Cluster:
         w = Proc(["worker"], env, self._log("worker"))
         self.workers.append(w)
         return w
+
+    def start_embedding_worker(self) -> Proc:
+        self.embedding_worker = Proc(["worker", "--model", EMBEDDING_MODEL], self.env, self._log("embedding-worker"))
+        return self.embedding_worker
 
     def start_gateway(self) -> tuple[Proc, int]:
         port = free_port()
@@ -118,7 +125,7 @@ class Cluster:
                 await asyncio.sleep(0.2)
 
     def stop(self) -> None:
-        for p in [g for g, _ in self.gateways] + self.workers:
+        for p in [g for g, _ in self.gateways] + self.workers + [w for w in [self.embedding_worker] if w]:
             p.signal(signal.SIGKILL)
             try:
                 p.wait(10)
@@ -132,6 +139,7 @@ def cluster(tmp_path_factory):
     if not _have_redis_server():
         pytest.skip("redis-server is not installed")
     c = Cluster(tmp_path_factory.mktemp("dist"))
+    c.start_embedding_worker()  # /ready needs every model's workers
     for _ in range(2):
         c.start_worker()
         c.start_gateway()
@@ -194,6 +202,34 @@ async def test_200_concurrent_across_two_gateways_and_two_workers(cluster, refer
     assert not wrong, wrong[:5]
     served = {w["worker_id"] for w in cluster.live_workers()}
     assert len(served) == 2
+
+
+async def test_embeddings_go_through_their_own_queue_to_their_worker(cluster):
+    """/v1/embeddings on either gateway is served by the embedding worker (its model's queue, not the chat
+    workers'), with the vectors the engine gives in-process, while chat requests run beside them."""
+    from engine import EmbeddingConfig, EmbeddingEngine
+
+    texts = ["a cat on a mat", "the sea at night", "trains leave at noon"]
+    async with aiohttp.ClientSession() as s:
+        async def embed(url: str) -> tuple[dict, str]:
+            async with s.post(url + "/v1/embeddings", json={"model": EMBEDDING_MODEL, "input": texts,
+                                                           "encoding_format": "float"}) as r:
+                assert r.status == 200, await r.text()
+                return await r.json(), r.headers["x-sluice-backend"]
+        results = await asyncio.gather(*(embed(u) for u in cluster.urls),
+                                       *(ask(s, u, PROMPTS[0], 6) for u in cluster.urls))
+    reference = EmbeddingEngine(EmbeddingConfig(dtype="float32")).embed(texts).tolist()
+    for body_, backend in results[:len(cluster.urls)]:  # type: ignore[misc]
+        assert backend == "local" and body_["model"] == EMBEDDING_MODEL
+        for got, want in zip(body_["data"], reference):
+            cos = sum(a * b for a, b in zip(got["embedding"], want))
+            assert cos > 0.999, cos
+    r = cluster.redis_client()
+    try:  # the embedding worker heartbeats under its model's queue, the chat workers under the deployment's
+        assert r.zcard(f"sluice:model:{EMBEDDING_MODEL}:workers") == 1
+        assert all(w["model"] == MODEL for w in cluster.live_workers())
+    finally:
+        r.close()
 
 
 async def test_worker_sigkill_mid_stream_every_client_completes(cluster, reference):

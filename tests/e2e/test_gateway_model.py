@@ -43,9 +43,11 @@ def model_id(sdk) -> str:
 
 
 def test_models(sdk):
+    """The default configuration serves the chat model and all-MiniLM-L6-v2, the chat model first."""
     ids = [m.id for m in sdk.models.list().data]
-    assert len(ids) == 1
+    assert ids == ["SmolLM2-135M-Instruct", "all-MiniLM-L6-v2"]
     assert sdk.models.retrieve(ids[0]).id == ids[0]
+    assert len(sdk.embeddings.create(model=ids[1], input="hello").data[0].embedding) == 384
     with pytest.raises(openai.NotFoundError):
         sdk.models.retrieve("no-such-model")
 

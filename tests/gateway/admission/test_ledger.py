@@ -8,7 +8,6 @@ import csv
 import io
 import sqlite3
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -151,21 +150,14 @@ def test_savings_to_the_cent_on_replayed_rows():
                               input_price_per_m=9.0, output_price_per_m=9.0, order=2)
     acc = Accountant(None, UsageStore(), None, None, {"input_per_m": 0.02, "output_per_m": 0.05},  # type: ignore[arg-type]
                      providers=[dearer, provider])
-    local = SimpleNamespace(provider_settings=None)
-    remote = SimpleNamespace(provider_settings=provider)
     rows = []
     for _ in range(1000):  # prompt 2000 (500 cached), completion 400
-        cost = acc.cost(local, 2000, 500, 400)  # type: ignore[arg-type]
-        rows.append(UsageRow(0, "k", "pro", "smol", "local", 2000, 500, 400, cost,
-                             acc.equivalent_cost(local, "smol", 2000, 500, 400, cost)))  # type: ignore[arg-type]
+        rows.append(UsageRow(0, "k", "pro", "smol", "local", 2000, 500, 400, *acc.costs("smol", None, 2000, 500, 400)))
     for _ in range(200):
-        cost = acc.cost(remote, 1000, 0, 100)  # type: ignore[arg-type]
-        rows.append(UsageRow(0, "k", "pro", "smol", "remote:p", 1000, 0, 100, cost,
-                             acc.equivalent_cost(remote, "smol", 1000, 0, 100, cost)))  # type: ignore[arg-type]
+        rows.append(UsageRow(0, "k", "pro", "smol", "remote:p", 1000, 0, 100,
+                             *acc.costs("smol", provider, 1000, 0, 100)))
     for _ in range(50):
-        cost = acc.cost(local, 1000, 0, 1000)  # type: ignore[arg-type]
-        rows.append(UsageRow(0, "k", "pro", "other", "local", 1000, 0, 1000, cost,
-                             acc.equivalent_cost(local, "other", 1000, 0, 1000, cost)))  # type: ignore[arg-type]
+        rows.append(UsageRow(0, "k", "pro", "other", "local", 1000, 0, 1000, *acc.costs("other", None, 1000, 0, 1000)))
     by_backend = {g["backend"]: g for g in group_report(rows, "backend")}
     # local: spend 1000 * (2000*0.02 + 400*0.05)/1e6 = 0.06; + other 50 * (0.02 + 0.05)/1e3 = 0.0035
     # equivalent 1000 * (1500*0.15 + 500*0.075 + 400*0.60)/1e6 = 0.5025; other: = its cost, 0.0035
