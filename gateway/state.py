@@ -16,6 +16,7 @@ from gateway.admission.limits import Limiter
 from gateway.admission.usage import UsageStore
 from gateway.backends.remote.backend import RemoteBackend
 from gateway.messages import WorkerStats
+from gateway.observability.dashboard import ModelView
 from gateway.observability.metrics import Metrics
 from gateway.queue.base import RequestQueue
 from gateway.routing.embeddings import EmbeddingRouter
@@ -83,6 +84,11 @@ class GatewayState:
     def ready(self) -> bool:
         """Every local model is ready (a gateway serving only remote models is ready unless draining)."""
         return not self.draining and all(p.ready for p in self.pools)
+
+    def model_views(self) -> list[ModelView]:
+        """Every local model, for the dashboard."""
+        return [ModelView(p.model_name or p.entry.id or f"({p.kind})", p.kind, p.ready, p.worker_stats())
+                for p in self.pools]
 
     def worker_stats(self) -> list[WorkerStats]:
         """The first chat model's engine workers (what the dashboard's engine panel shows)."""

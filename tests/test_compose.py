@@ -25,7 +25,7 @@ def test_compose_file_is_valid():
     base = [*compose, "-f", str(ROOT / "docker-compose.yml")]
     out = subprocess.run([*base, "config", "--services"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert {"redis", "gateway", "worker"} <= set(out.stdout.split())
+    assert {"redis", "gateway", "worker", "embedding-worker"} <= set(out.stdout.split())
     out = subprocess.run([*base, "--profile", "gpu", "config"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "worker-gpu" in out.stdout and "appendonly" in out.stdout and "nvidia" in out.stdout

@@ -23,6 +23,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Protocol
 
@@ -79,6 +80,18 @@ class GatewayView(Protocol):
     def remote(self) -> _Providers | None: ...
 
     def worker_stats(self) -> list[WorkerStats]: ...
+
+    def model_views(self) -> list[ModelView]: ...
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """One served model as the dashboard shows it (`GatewayState.model_views`)."""
+
+    id: str
+    kind: str  # chat | embedding
+    ready: bool
+    workers: list[WorkerStats]
 
 
 def _snapshot(state: GatewayView) -> Sample:
@@ -223,6 +236,18 @@ class DashboardData:
                                   "config_error": status.get("error"), "retry_after_s": status.get("retry_after_s"),
                                   "attempts": outcomes, "errors": sum(v for o, v in outcomes.items() if o != "ok"),
                                   "errors_per_s": err_rate if have_rates else None})
+        by_model = _sum_by(snap, "sluice_usage_requests_total", ("model",))
+        model_rates = _sum_by(rates, "sluice_usage_requests_total", ("model",)) if have_rates else {}
+        model_tokens = _sum_by(snap, "sluice_usage_tokens_total", ("model", "kind"))
+        inputs = _sum_by(snap, "sluice_embedding_inputs_total", ("model",))
+        models = [{"id": m.id, "kind": m.kind, "ready": m.ready, "workers": len(m.workers),
+                   "in_flight": sum(w.in_flight for w in m.workers),
+                   "requests": by_model.get((m.id,), 0.0),
+                   "per_s": model_rates.get((m.id,), 0.0) if have_rates else None,
+                   "prompt_tokens": model_tokens.get((m.id, "prompt"), 0.0),
+                   "completion_tokens": model_tokens.get((m.id, "completion"), 0.0),
+                   "inputs": inputs.get((m.id,), 0.0) if m.kind == "embedding" else None}
+                  for m in st.model_views()]
         spend = [{"key": k, "model": m, "cost": v}
                  for (k, m), v in sorted(_sum_by(snap, "sluice_usage_cost_total", ("key", "model")).items())]
         return {
@@ -238,6 +263,7 @@ class DashboardData:
             "engine": {"busy_ratio": gauge("sluice_engine_busy_ratio"), "kv_usage": self.kv_usage(),
                        "in_flight": gauge("sluice_in_flight")},
             "workers": workers,
+            "models": models,
             "providers": providers,
             "spend": spend,
             "savings": self._savings(snap),

@@ -268,3 +268,19 @@ async def test_usage_is_recorded_per_key_and_model(tmp_path, engine):
     assert by_model["cost"] == pytest.approx(tokens / 1e6)
     assert f'sluice_embedding_inputs_total{{backend="local",model="{EMB}"}} 3.0' in metrics
     assert 'sluice_embedding_request_inputs_count{model="all-MiniLM-L6-v2"} 2.0' in metrics
+
+
+async def test_the_dashboard_shows_each_model(tmp_path, engine):
+    import aiohttp
+
+    async with fake_gateway(tmp_path, models=MODELS, engines={EMB: engine}) as (base, _app, _):
+        c = sdk(base)
+        await c.embeddings.create(model=EMB, input=["one", "two", "three"])
+        await c.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(base + "/dashboard/data") as r:
+                data = await r.json()
+    models = {m["id"]: m for m in data["models"]}
+    assert models[EMB]["kind"] == "embedding" and models[EMB]["ready"] and models[EMB]["inputs"] == 3
+    assert models[EMB]["requests"] == 1 and models[EMB]["prompt_tokens"] > 3
+    assert models[CHAT]["kind"] == "chat" and models[CHAT]["requests"] == 1 and models[CHAT]["inputs"] is None

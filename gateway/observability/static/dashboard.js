@@ -160,6 +160,13 @@
       cell(tr, w.in_flight, "count"); cell(tr, w.capacity, "count"); cell(tr, w.running, "count");
       cell(tr, w.waiting, "count"); cell(tr, w.steps, "count"); cell(tr, w.step_errors, "count");
     });
+    fill("t-models", d.models || [], (tr, m) => {
+      cell(tr, m.id, "text"); cell(tr, m.kind, "text"); cell(tr, m.ready ? "yes" : "no", "text", `model/${m.id}/ready`);
+      cell(tr, m.workers, "count"); cell(tr, m.in_flight, "count");
+      cell(tr, m.requests, "count", `model/${m.id}/requests`); cell(tr, m.per_s, "rate", `model/${m.id}/per_s`);
+      cell(tr, m.prompt_tokens, "count", `model/${m.id}/prompt`); cell(tr, m.completion_tokens, "count");
+      cell(tr, m.inputs, m.inputs === null ? "text" : "count", `model/${m.id}/inputs`);
+    });
     fill("t-providers", d.providers, (tr, p) => {
       cell(tr, p.name, "text");
       const c = cell(tr, p.circuit + (p.config_error ? ` (${p.config_error})` : ""), "text", `provider/${p.name}/circuit`);

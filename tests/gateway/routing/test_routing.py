@@ -232,8 +232,9 @@ async def test_cost_at_the_providers_prices_or_the_local_price():
                      WaitEstimator(Side(), await _queue(), TIERS, RoutingSettings()),
                      {"input_per_m": 0.5, "output_per_m": 1.0})
     remote_stream = await remote.submit(_gen())
-    assert acc.cost(remote_stream, 1_000_000, 0, 1_000_000) == pytest.approx(3.0)
-    assert acc.cost(Stream([]), 1_000_000, 0, 2_000_000) == pytest.approx(2.5)
+    cost, equivalent = acc.costs("m", remote_stream.provider_settings, 1_000_000, 0, 1_000_000)
+    assert cost == equivalent == pytest.approx(3.0)
+    assert acc.costs("m", Stream([]).provider_settings, 1_000_000, 0, 2_000_000)[0] == pytest.approx(2.5)
 
 
 # ---------------------------------------------------------------- fallback
