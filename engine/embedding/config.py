@@ -27,6 +27,11 @@ class EmbeddingConfig:
     # query that arrives during a step waits for it, so the budget is the latency a bulk request can
     # add to a query. It must hold the longest input (max_seq_length).
     max_batch_tokens: int = 1024
+    # A step's budget while requests of a better priority than its own arrived in the last
+    # interactive_window_s (queries beside an ingest): a query waits at most a step this size (never more
+    # than max_batch_tokens). None: max_batch_tokens always. An input longer than it still gets a step.
+    interactive_batch_tokens: int | None = 256
+    interactive_window_s: float = 5.0
     max_seq_length: int | None = None  # None: the model's (sentence_bert_config.json); only lower is allowed
     # Shortened vectors (OpenAI's `dimensions`: the first d values, normalised again) make sense only for
     # models trained for them (Matryoshka); the folder does not say so, the operator does.
@@ -46,6 +51,10 @@ class EmbeddingConfig:
             raise EngineConfigError(f"max_batch_tokens must be at least 1, got {self.max_batch_tokens}")
         if self.max_seq_length is not None and self.max_seq_length < 2:
             raise EngineConfigError(f"max_seq_length must be at least 2, got {self.max_seq_length}")
+        if self.interactive_batch_tokens is not None and self.interactive_batch_tokens < 1:
+            raise EngineConfigError(f"interactive_batch_tokens must be at least 1, got {self.interactive_batch_tokens}")
+        if self.interactive_window_s < 0:
+            raise EngineConfigError("interactive_window_s must not be negative")
         if self.max_running_requests < 1:
             raise EngineConfigError(f"max_running_requests must be at least 1, got {self.max_running_requests}")
         if self.priority_aging_s <= 0:

@@ -57,7 +57,9 @@ class EmbeddingEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, loaded.args.hidden_size)
         self.model = Bert(loaded.args, loaded.weights, self.device, self.dtype, rows=config.max_batch_tokens)
         del loaded
-        self.scheduler = EmbeddingScheduler(config.max_batch_tokens, config.priority_aging_s)
+        self.scheduler = EmbeddingScheduler(config.max_batch_tokens, config.priority_aging_s,
+                                            interactive_batch_tokens=config.interactive_batch_tokens,
+                                            interactive_window_s=config.interactive_window_s)
         self.stats = EmbeddingStats()
         log.info("embedding engine: model %s on %s (%s%s), %d dimensions, %s pooling%s, max %d tokens an "
                  "input, %d a step, loaded in %.1fs", self.model_name, self.device,

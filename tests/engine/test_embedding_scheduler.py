@@ -92,3 +92,13 @@ def test_remove_drops_the_rest_of_a_request():
     s.schedule(now=0.0)
     s.remove("r")
     assert not s.has_pending() and s.schedule(now=0.0).rows == []
+
+
+def test_steps_are_short_while_better_priority_requests_keep_coming():
+    s = EmbeddingScheduler(1024, 10.0, interactive_batch_tokens=256, interactive_window_s=5.0)
+    s.add("bulk", [[1] * 100] * 50, priority=1, now=0.0)
+    assert s.schedule(0.0).num_tokens == 1000  # no query seen: the full budget
+    s.add("query", [[1] * 10], priority=0, now=1.0)
+    assert [p.request_id for p, _ in s.schedule(1.0).rows] == ["query"]
+    assert s.schedule(2.0).num_tokens == 200  # a query came 1 s ago: the bulk's steps are short
+    assert s.schedule(6.1).num_tokens == 1000  # none for more than the window: full steps again
