@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import pickle
 from array import array
 from concurrent.futures import ProcessPoolExecutor
@@ -81,8 +82,18 @@ def check_limits(req: Any, limits: RequestLimits) -> None:
 _TOKENIZER: Any = None
 
 
+CHILD_NICENESS = 10  # the helper's work is one large request's: it yields the CPU to the engine's steps
+
+
 def _init_child(tokenizer_bytes: bytes | None) -> None:
+    """Runs first in the helper process: lower its priority before it loads the tokenizer (which imports
+    the engine package, torch included: seconds of CPU) so neither that nor a long prompt's tokenization
+    takes the CPU from the engine thread that every running stream waits on."""
     global _TOKENIZER
+    try:
+        os.nice(CHILD_NICENESS)
+    except OSError:  # not allowed here: run at the normal priority
+        pass
     _TOKENIZER = pickle.loads(tokenizer_bytes) if tokenizer_bytes else None
 
 

@@ -89,3 +89,23 @@ async def test_size_bounds_are_400s_naming_the_field(tmp_path):
         assert e.value.body["param"] == "prompt" and e.value.body["code"] == "prompt_too_long"
         r = await c.chat.completions.create(model="fake-model", messages=MSG * 10, max_tokens=2)
         assert r.choices[0].finish_reason == "length"
+
+
+async def test_the_preparation_helper_runs_at_a_lower_priority():
+    """The helper does one large request's work: it must not take the CPU from the engine's steps."""
+    import os
+
+    from gateway.http.offload import CHILD_NICENESS, Offloader, RequestLimits
+    from gateway.openai.schema import CompletionRequest
+
+    off = Offloader(RequestLimits(), inline_body_bytes=16)
+    try:
+        body = json.dumps({"model": "m", "prompt": "x" * 1000}).encode()
+        req = await off.parse(body, CompletionRequest)  # larger than inline: parsed in the helper
+        assert req.prompt == "x" * 1000
+        pids = list(off._pool._processes)  # type: ignore[union-attr]
+        assert pids
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert all(os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + CHILD_NICENESS) for pid in pids)
+    finally:
+        off.close()

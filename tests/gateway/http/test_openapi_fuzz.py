@@ -105,7 +105,7 @@ def test_openai_spec(case, gateway_url):
 
 
 @unserved.parametrize()
-@settings(max_examples=max(5, EXAMPLES // 8), deadline=None, derandomize=True,
+@settings(max_examples=max(5, EXAMPLES // 24), deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 def test_unserved_operations_are_openai_404s(case, gateway_url):
     response = case.call(base_url=gateway_url, timeout=30)
