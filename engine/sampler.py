@@ -48,7 +48,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], guides: Guides | None, ke
         logits = apply_logits_controls(logits, controls)
     tokens = _sample_native(logits, seqs, kernels.threads) if native else _sample_device(logits, seqs)
     if checked:
-        tokens = _enforce_grammars(logits, seqs, tokens, sorted(checked), guides, kernels.threads)
+        tokens = _enforce_grammars(logits, seqs, tokens, sorted(checked), guides)
     rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
     if not rows:
         return [Sampled(t) for t in tokens.tolist()]
@@ -77,7 +77,7 @@ def _check_first(seq: Sequence) -> bool:
 
 
 def _enforce_grammars(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, rows: list[int],
-                      guides: Guides | None, threads: int) -> torch.Tensor:
+                      guides: Guides | None) -> torch.Tensor:
     """Rows sampled before their grammar mask: each token the grammar allows stands (a cheap check of one
     token instead of a mask over the vocabulary); the others are sampled again under their masks, with
     the same noise, so the result is exactly the masked sampler's."""
@@ -90,10 +90,11 @@ def _enforce_grammars(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.
     sub = [seqs[i] for i in rejected]
     masks = guides.fill_bitmask([s.guide for s in sub if s.guide is not None])
     idx = torch.tensor(rejected, dtype=torch.int64)
-    masked = apply_logits_controls(logits.index_select(0, idx), LogitsControls(
-        guided_rows=torch.arange(len(rejected), dtype=torch.int64), bitmask=masks))
     tokens = tokens.clone()
-    tokens[idx] = _sample_native(masked, sub, threads)
+    tokens[idx] = cpu_kernels.sample_masked(  # only the tokens each mask allows are raced
+        logits, idx, masks, torch.tensor([s.sampling.temperature for s in sub], dtype=torch.float32),
+        torch.tensor([s.noise_seed for s in sub], dtype=torch.int64),
+        torch.tensor([len(s.output_token_ids) for s in sub], dtype=torch.int64))
     return tokens
 
 

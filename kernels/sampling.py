@@ -55,7 +55,9 @@ def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> tor
     col = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     x = _mix32(key[:, None] ^ col[None, :])
     x = _mix32(x ^ 0x27D4EB2F)
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: (2^23 - 0.5) / 2^23 is a float32 below 1. With 24 bits the top value rounded to 1.0, whose
+    # -log is 0, and the race gave that token (however unlikely) an infinite score: 1 sample in ~340.
+    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -252,6 +252,29 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return out
 
 
+def sample_masked(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor, temperature: torch.Tensor,
+                  seeds: torch.Tensor, offsets: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """`sample` of logits[rows] with each row's forbidden tokens at -inf, for greedy or plain-temperature rows
+    (no top-k, no top-p): masks int32 [R, ceil(V / 32)] (bit t % 32 of word t // 32 = token t allowed);
+    temperature [R] fp32; rows, seeds, offsets [R] int64. The same tokens, without copying and masking the
+    rows: only the groups of tokens a mask allows are raced. Returns the tokens [R] int64."""
+    lib = _library(lib, "native CPU kernels")
+    b, v = logits.shape
+    r = rows.shape[0]
+    logits = logits.float().contiguous()
+    masks = masks.to(torch.int32).contiguous()
+    assert masks.shape == (r, (v + 31) // 32) and bool(((rows >= 0) & (rows < b)).all())
+    args = [rows.to(torch.int64).contiguous(), masks, temperature.float().contiguous(),
+            seeds.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous()]
+    assert all(a.shape[0] == r for a in args)
+    out = torch.empty(r, dtype=torch.int64)
+    rc = lib.sluice_sample_masked(ctypes.c_int(r), ctypes.c_int(v), ctypes.c_void_p(logits.data_ptr()),
+                                  *[ctypes.c_void_p(a.data_ptr()) for a in args], ctypes.c_void_p(out.data_ptr()))
+    if rc != 0:
+        raise ValueError("a grammar mask allows no token")
+    return out
+
+
 PHASES = ("matmuls", "attention", "waits at barriers", "step")
 
 

@@ -1661,9 +1661,9 @@ static inline uint32_t noise_key(int64_t seed, int64_t offset) {
     return mix32(key ^ (uint32_t)((uint64_t)offset >> 32) ^ 0x85EBCA6BU);
 }
 
-static inline float noise_uniform(uint32_t key, uint32_t col) { /* in (0, 1), as uniform_noise */
-    uint32_t x = mix32(mix32(key ^ col) ^ 0x27D4EB2FU);
-    return ((float)(x >> 8) + 0.5f) * (1.0f / 16777216.0f);
+static inline float noise_uniform(uint32_t key, uint32_t col) { /* in (0, 1), as uniform_noise: 23 bits, */
+    uint32_t x = mix32(mix32(key ^ col) ^ 0x27D4EB2FU);     /* so the largest value stays below 1.0 */
+    return ((float)(x >> 9) + 0.5f) * (1.0f / 8388608.0f);
 }
 
 #define SAMPLE_CANDIDATES 512 /* best tokens kept per row before falling back to all of them */
@@ -1783,8 +1783,8 @@ static int race_all(const float *work, int V, float mx, uint32_t key) {
         const __m512i col = _mm512_add_epi32(_mm512_set1_epi32(i), lanes);
         __m512i x = mix32x16(_mm512_xor_si512(mix32x16(_mm512_xor_si512(_mm512_set1_epi32((int)key), col)),
                                               _mm512_set1_epi32(0x27D4EB2F)));
-        __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 8)), _mm512_set1_ps(0.5f)),
-                                 _mm512_set1_ps(1.0f / 16777216.0f));
+        __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 9)), _mm512_set1_ps(0.5f)),
+                                 _mm512_set1_ps(1.0f / 8388608.0f));
         __m512 score = _mm512_div_ps(exp16(_mm512_sub_ps(_mm512_loadu_ps(work + i), mv)),
                                      _mm512_sub_ps(_mm512_setzero_ps(), log16(u)));
         const __mmask16 better = _mm512_cmp_ps_mask(score, top, _CMP_GT_OQ);
@@ -1953,6 +1953,77 @@ int sluice_sample(int B, int V, const float *logits, const float *temperature, c
     run_parallel(run_sample, &c, nthreads);
     free(work);
     pthread_mutex_unlock(&step_lock);
+    return 0;
+}
+
+/* One row sampled under its grammar's token mask (bit i % 32 of mask[i / 32] set: token i allowed), for
+ * rows that race every token (no top-k or top-p) or are greedy: exactly sample_row over the row with the
+ * forbidden tokens at -inf (the same maximum, the same scores lane for lane, the lowest index on equal
+ * scores), but only the 16-token groups holding an allowed token are computed. A mask is often a handful
+ * of tokens (the grammar forces the next bytes), so this skips copying, masking and racing the vocabulary.
+ * Returns -1 when the mask allows nothing. */
+static int64_t sample_row_masked(const float *logits, int V, float temperature, const uint32_t *mask, uint32_t key) {
+    const int groups = (V + 15) / 16;
+    const float inv_t = 1.0f / (temperature > 1e-5f ? temperature : 1e-5f);
+    float mx = -INFINITY;
+    int best = -1;
+    for (int g = 0; g < groups; g++) { /* greedy: the first maximum of the logits; else the scaled maximum */
+        uint32_t bits = (mask[g / 2] >> (16 * (g % 2))) & 0xFFFFU;
+        while (bits) {
+            const int i = 16 * g + __builtin_ctz(bits);
+            bits &= bits - 1;
+            if (i >= V) break;
+            const float w = temperature == 0 ? logits[i] : logits[i] * inv_t;
+            if (best < 0 || w > mx) mx = w, best = i;
+        }
+    }
+    if (temperature == 0 || best < 0) return best;
+    float best_score = -1;
+    best = -1;
+    for (int g = 0; g < groups; g++) {
+        uint32_t bits = (mask[g / 2] >> (16 * (g % 2))) & 0xFFFFU;
+        if (!bits) continue;
+        const int i0 = 16 * g;
+        float score[16];
+#if defined(__AVX512F__)
+        if (i0 + 16 <= V) { /* race_all's vector body, for these 16 tokens */
+            const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+            const __m512i col = _mm512_add_epi32(_mm512_set1_epi32(i0), lanes);
+            __m512i x = mix32x16(_mm512_xor_si512(mix32x16(_mm512_xor_si512(_mm512_set1_epi32((int)key), col)),
+                                                  _mm512_set1_epi32(0x27D4EB2F)));
+            __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 9)), _mm512_set1_ps(0.5f)),
+                                     _mm512_set1_ps(1.0f / 8388608.0f));
+            const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(logits + i0), _mm512_set1_ps(inv_t));
+            _mm512_storeu_ps(score, _mm512_div_ps(exp16(_mm512_sub_ps(w, _mm512_set1_ps(mx))),
+                                                  _mm512_sub_ps(_mm512_setzero_ps(), log16(u))));
+        } else
+#endif
+        {
+            for (int l = 0; l < 16 && i0 + l < V; l++)
+                score[l] = fast_exp(logits[i0 + l] * inv_t - mx) / -logf(noise_uniform(key, (uint32_t)(i0 + l)));
+        }
+        while (bits) {
+            const int l = __builtin_ctz(bits);
+            bits &= bits - 1;
+            if (i0 + l >= V) break;
+            if (score[l] > best_score) best_score = score[l], best = i0 + l;
+        }
+    }
+    return best;
+}
+
+/* out[r]: the token of logits row rows[r] under mask r (masks: [R, ceil(V / 32)] int32), as sluice_sample
+ * would sample that row with its forbidden tokens at -inf; top-k and top-p must be off (the caller's rows
+ * are greedy or plain temperature). On the calling thread: a step has a few such rows. Returns 0, or -1
+ * when a mask allows no token. */
+int sluice_sample_masked(int R, int V, const float *logits, const int64_t *rows, const int32_t *masks,
+                         const float *temperature, const int64_t *seeds, const int64_t *offsets, int64_t *out) {
+    const int words = (V + 31) / 32;
+    for (int r = 0; r < R; r++) {
+        out[r] = sample_row_masked(logits + (size_t)rows[r] * V, V, temperature[r],
+                                   (const uint32_t *)masks + (size_t)r * words, noise_key(seeds[r], offsets[r]));
+        if (out[r] < 0) return -1;
+    }
     return 0;
 }
 

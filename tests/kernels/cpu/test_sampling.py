@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kernels.cpu import build as cpu_build
-from kernels.cpu import sample
-from kernels.sampling import sample_tokens, uniform_noise
+from kernels.cpu import sample, sample_masked
+from kernels.sampling import sample_tokens, uniform_noise, unpack_bitmask
 
 from .test_forward import BUILDS, _library
 
@@ -82,3 +82,66 @@ def test_native_sampler_depends_on_seed_and_offset_only():
     draws = {sample(logits[:1], params[0][:1], params[1][:1], params[2][:1], torch.tensor([9]), torch.tensor([o]), 1,
                     lib=lib).item() for o in range(16)}
     assert len(draws) > 1  # the offset moves the stream
+
+
+# (seed, offset, token) whose noise hash has its top 24 bits set (found by scanning offsets of seed 7): the
+# noise's largest value. Drawn from 24 bits it rounded to 1.0 in float32, -log(1.0) = 0, and the race gave
+# that token an infinite score however unlikely it was (about one sample in 340 over 49,152 tokens).
+TOP_NOISE = (7, 309, 10981)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_the_largest_noise_stays_below_one_and_never_picks_an_unlikely_token(build):
+    seed, offset, token = TOP_NOISE
+    u = uniform_noise(torch.tensor([seed]), torch.tensor([offset]), VOCAB)[0]
+    assert u.max() < 1.0 and u[token] == u.max()
+    lib = _library(build)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, token] = -80.0  # e^-80 of the others' probability
+    got = sample(logits, torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.ones(1), torch.tensor([seed]),
+                 torch.tensor([offset]), 1, lib=lib)
+    assert got.item() != token
+    assert sample_tokens(logits, torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.ones(1),
+                         torch.tensor([seed]), torch.tensor([offset]), filter_top=False).item() != token
+
+
+def _masked(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """logits with every token its mask forbids at -inf (the torch path's bitmask application)."""
+    return logits.masked_fill(~unpack_bitmask(masks, logits.shape[1]), float("-inf"))
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("vocab", [VOCAB, 1000 + 7])  # a whole number of 16-token groups, and a ragged tail
+def test_sampling_under_a_mask_gives_the_masked_rows_tokens(build, vocab):
+    """sample_masked(rows, masks) == sample(logits with forbidden tokens at -inf)[rows], token for token:
+    masks of one token, a few scattered ones, a block, most of the vocabulary, the tail's last tokens."""
+    lib = _library(build)
+    g = torch.Generator().manual_seed(vocab)
+    b, words = 9, (vocab + 31) // 32
+    logits = 3 * torch.randn(b, vocab, generator=g)
+    allowed = torch.zeros(b, vocab, dtype=torch.bool)
+    allowed[0, 5] = True
+    allowed[1, torch.randint(0, vocab, (12,), generator=g)] = True
+    allowed[2, 100:400] = True
+    allowed[3] = torch.rand(vocab, generator=g) < 0.9
+    allowed[4, vocab - 3:] = True
+    allowed[5, [3, 700]] = True
+    logits[5, 3] = logits[5, 700] = logits.max() + 1  # a tie among the allowed: the lower index wins
+    allowed[6] = True
+    allowed[7, torch.randint(0, vocab, (40,), generator=g)] = True
+    allowed[8, 16:32] = True
+    bits = (allowed.to(torch.int64).view(b, -1)
+            if vocab % 32 == 0 else torch.nn.functional.pad(allowed.to(torch.int64), (0, 32 * words - vocab)))
+    masks = (bits.view(b, words, 32) << torch.arange(32)).sum(-1).to(torch.int64)
+    masks = torch.where(masks >= 2**31, masks - 2**32, masks).to(torch.int32)  # llguidance's int32 words
+    rows = torch.tensor([8, 0, 3, 1, 5, 2, 4, 7, 6])
+    for temp in (0.0, 0.7, 1.3):
+        seeds, offsets = torch.randint(0, 2**62, (b,), generator=g), torch.randint(0, 10_000, (b,), generator=g)
+        want = sample(_masked(logits, masks)[rows], torch.full((b,), temp), torch.zeros(b, dtype=torch.int64),
+                      torch.ones(b), seeds, offsets, 1, lib=lib)
+        got = sample_masked(logits, rows, masks[rows], torch.full((b,), temp), seeds, offsets, lib=lib)
+        assert got.tolist() == want.tolist(), temp
+        assert all(bool(allowed[r, t]) for r, t in zip(rows.tolist(), got.tolist()))
+    with pytest.raises(ValueError, match="allows no token"):
+        sample_masked(logits, rows[:1], torch.zeros(1, words, dtype=torch.int32), torch.ones(1),
+                      seeds[:1], offsets[:1], lib=lib)
