@@ -175,6 +175,14 @@ class UsageSettings(BaseModel):
     ballast_mb: float = Field(4.0, ge=0)
 
 
+class ResponsesSettings(BaseModel):
+    """The Responses API's store (gateway/store/responses.py): every stored response, per API key, in SQLite
+    beside the usage ledger by default. Bounded by age and by size (oldest first past the cap)."""
+    store_path: str | None = None  # None: responses.sqlite3 beside auth.keys_file (var/responses.sqlite3)
+    ttl_days: float = Field(30.0, gt=0)
+    max_mb: float = Field(1024.0, gt=0)  # stored JSON beyond this: the oldest responses are dropped
+
+
 # ---------------------------------------------------------------- the gateway itself
 
 
@@ -294,6 +302,7 @@ class Settings(BaseSettings):
     auth: AuthSettings = Field(default_factory=AuthSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     tiers: dict[str, TierSettings] = Field(default_factory=_default_tiers)
+    responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
     # None: the in-process queue (one process). Set (env SLUICE_REDIS_URL): the Redis queue, shared by
     # every gateway and `sluice worker` of a deployment.
     redis_url: str | None = None
@@ -353,6 +362,10 @@ class Settings(BaseSettings):
         if not self.usage.enabled:
             return None
         return self.usage.ledger_path or str(Path(self.auth.keys_file).parent / "usage.sqlite3")
+
+    def responses_store_path(self) -> str:
+        """The SQLite file of stored responses."""
+        return self.responses.store_path or str(Path(self.auth.keys_file).parent / "responses.sqlite3")
 
     def spill_dir(self) -> Path:
         """Where spend that cannot be written goes (admission/spill.py)."""

@@ -20,8 +20,8 @@ GATEWAY_FLOORS: tuple[tuple[str, ...], ...] = (
     ("gateway.errors", "gateway.messages", "gateway.settings", "gateway.openai", "gateway.jsonio", "gateway.tasks",
      "gateway.omp"),
     # 1: who may ask and how much; the queue between gateways and engine workers; metrics, logs and the
-    # dashboard's data (which reads the running gateway through a protocol)
-    ("gateway.admission", "gateway.queue", "gateway.observability"),
+    # dashboard's data (which reads the running gateway through a protocol); stored objects (responses)
+    ("gateway.admission", "gateway.queue", "gateway.observability", "gateway.store"),
     ("gateway.backends",),  # 2: where a request is served: the local queue or the remote provider chain
     ("gateway.routing",),  # 3: which backend, the wait estimate, accounting, fallback, the sampler
     ("gateway.worker",),  # 4: drives an engine from the queue

@@ -35,12 +35,12 @@ from gateway.worker.pool import ModelPool
 # ---------------------------------------------------------------- parse -> prepare -> submit -> answer
 
 
-def _caller(request: web.Request, state: GatewayState) -> prepare.Caller:
+def caller(request: web.Request, state: GatewayState) -> prepare.Caller:
     return prepare.Caller(tier=request.get(TIER_KEY, state.settings.auth.anonymous_tier), key=request.get(KEY_NAME),
                           timeout=request.headers.get(prompt.DEADLINE_HEADER))
 
 
-async def _submit(state: GatewayState, p: prepare.Prepared) -> ChoiceStream:
+async def submit(state: GatewayState, p: prepare.Prepared) -> ChoiceStream:
     gen = p.gen
     limit = p.router.local.queue.depth_limit(gen.tier) if isinstance(p.router.local, LocalBackend) \
         else state.queue.depth_limit(gen.tier)
@@ -84,13 +84,13 @@ async def _answer(request: web.Request, state: GatewayState, p: prepare.Prepared
 async def _generate(request: web.Request, state: GatewayState, p: prepare.Prepared) -> web.StreamResponse:
     if p.end_user:
         request[END_USER] = p.end_user
-    return await _answer(request, state, p, await _submit(state, p))
+    return await _answer(request, state, p, await submit(state, p))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, offload = request.app[STATE], request.app[OFFLOAD]
     req = await offload.parse(await request.read(), ChatCompletionRequest)
-    p = await prepare.chat(state, offload, req, _caller(request, state))
+    p = await prepare.chat(state, offload, req, caller(request, state))
     try:
         return await _generate(request, state, p)
     except APIError as e:
@@ -103,7 +103,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     state, offload = request.app[STATE], request.app[OFFLOAD]
     req = await offload.parse(await request.read(), CompletionRequest)
-    p = await prepare.completion(state, offload, req, _caller(request, state))
+    p = await prepare.completion(state, offload, req, caller(request, state))
     return await _generate(request, state, p)
 
 

@@ -1,0 +1,1 @@
+"""Objects the gateway keeps for their owner: stored Responses (and, next, files and batches)."""
