@@ -4,7 +4,8 @@ API key in SQLite (beside the usage ledger by default), so `GET /v1/responses/{i
 
 Isolation is in the key of every row: a response is found only with the key (name) that made it, so
 another key gets the same "not found" as for an id that never existed. Bounded twice: rows older than
-`ttl_s` are dropped, and past `max_bytes` of stored JSON the oldest rows go first. The database runs in
+`ttl_s` are dropped, and past `max_bytes` of database (checked every 100 writes) the oldest rows go
+first, their pages given back to the disk. The database runs in
 WAL mode with `synchronous=NORMAL`: a committed row survives the process being killed; every call runs
 on one worker thread (SQLite's connection is not shared across threads), off the event loop.
 """
@@ -44,7 +45,6 @@ class ResponseStore:
         self.path, self.ttl_s, self.max_bytes = path, ttl_s, max_bytes
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="responses-store")
         self._db: sqlite3.Connection | None = None
-        self._bytes = 0  # stored JSON bytes, kept in step with the table (for the size cap)
         self._writes = 0
 
     # ------------------------------------------------------------------ the worker thread's side
@@ -56,6 +56,7 @@ class ResponseStore:
                 fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)  # owners' conversations: 0600 like keys
                 os.close(fd)
             db = sqlite3.connect(self.path, isolation_level=None)
+            db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # (on a new file) evicted rows' pages go back to the disk
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("""CREATE TABLE IF NOT EXISTS responses (
@@ -63,30 +64,32 @@ class ResponseStore:
                 response TEXT NOT NULL, input_items TEXT NOT NULL, bytes INTEGER NOT NULL)""")
             db.execute("CREATE INDEX IF NOT EXISTS responses_created ON responses (created)")
             self._db = db
-            self._bytes = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM responses").fetchone()[0]
             self._expire(db)
         return self._db
 
+    @staticmethod
+    def _used(db: sqlite3.Connection) -> int:
+        """Bytes of the database file in use (its pages less the free ones)."""
+        pages = db.execute("PRAGMA page_count").fetchone()[0] - db.execute("PRAGMA freelist_count").fetchone()[0]
+        return int(pages * db.execute("PRAGMA page_size").fetchone()[0])
+
     def _expire(self, db: sqlite3.Connection) -> None:
-        """Drops rows past their TTL, then the oldest until the stored JSON is within max_bytes."""
+        """Drops rows past their TTL, then the oldest while the database is over max_bytes; gives the
+        freed pages back to the disk."""
         cut = time.time() - self.ttl_s
-        gone = db.execute("SELECT COALESCE(SUM(bytes), 0), COUNT(*) FROM responses WHERE created < ?",
-                          (cut,)).fetchone()
-        if gone[1]:
-            db.execute("DELETE FROM responses WHERE created < ?", (cut,))
-            self._bytes -= gone[0]
-        while self._bytes > self.max_bytes:
-            rows = db.execute("SELECT id, bytes FROM responses ORDER BY created LIMIT 256").fetchall()
-            if not rows:
-                self._bytes = 0
+        gone = db.execute("DELETE FROM responses WHERE created < ?", (cut,)).rowcount
+        while self._used(db) > self.max_bytes:
+            ids = db.execute("SELECT id FROM responses ORDER BY created LIMIT 256").fetchall()
+            if not ids:
                 break
             db.execute("BEGIN")
-            for rid, n in rows:
-                db.execute("DELETE FROM responses WHERE id = ?", (rid,))
-                self._bytes -= n
-                if self._bytes <= self.max_bytes:
-                    break
+            db.executemany("DELETE FROM responses WHERE id = ?", ids)
             db.execute("COMMIT")
+            db.execute("PRAGMA incremental_vacuum")
+            gone += len(ids)
+        if gone:
+            db.execute("PRAGMA incremental_vacuum")
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def _put(self, owner: str, response: dict[str, Any], input_items: list[dict[str, Any]] | None,
              previous_id: str | None) -> None:
@@ -102,9 +105,8 @@ class ResponseStore:
         db.execute("INSERT OR REPLACE INTO responses (id, owner, created, previous_id, response, input_items, bytes) "
                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
                    (rid, owner, float(response.get("created_at") or time.time()), previous_id, body, items, n))
-        self._bytes += n - (old[0] if old is not None else 0)
         self._writes += 1
-        if self._bytes > self.max_bytes or self._writes % 1000 == 0:
+        if self._writes % 100 == 0:  # the size cap and the TTL, checked every 100 writes
             self._expire(db)
 
     def _get(self, owner: str, rid: str) -> StoredResponse | None:
@@ -121,11 +123,11 @@ class ResponseStore:
         if row is None:
             return False
         db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (rid, owner))
-        self._bytes -= row[0]
         return True
 
     def _stats(self) -> tuple[int, int]:
-        return self._conn().execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM responses").fetchone()
+        db = self._conn()
+        return db.execute("SELECT COUNT(*) FROM responses").fetchone()[0], self._used(db)
 
     def _close(self) -> None:
         if self._db is not None:
@@ -150,7 +152,7 @@ class ResponseStore:
         return await self._run(self._delete, owner or ANONYMOUS, rid)
 
     async def stats(self) -> tuple[int, int]:
-        """(rows, bytes of stored JSON)."""
+        """(rows, bytes of the database in use)."""
         return await self._run(self._stats)
 
     async def close(self) -> None:
