@@ -225,3 +225,27 @@ async def test_truncation_disabled_refuses_and_auto_drops_the_oldest_turns(tmp_p
         r = await c.responses.create(model="fake-model", input="last", previous_response_id=prev,
                                      max_output_tokens=200, truncation="auto")
         assert r.status in ("completed", "incomplete") and "turn 0" not in r.output_text
+
+
+async def test_a_chain_moves_to_a_provider_and_back_keeping_the_conversation(tmp_path, providers):
+    """Turn 2's local step fails, so the router sends it to the provider (bridged to chat); the store is
+    Sluice's, so turn 2 carries turn 1 to the provider and turn 3, local again, carries both."""
+    from tests.fixtures.providers import LOCAL_MODEL, gateway, provider_cfg
+    a, _ = providers
+    engine = FakeEngine(max_model_len=4096)
+    async with gateway(tmp_path, [provider_cfg(a)], engine=engine, keys={"alice": "pro"}) as (base, _, _, keys):
+        c = _client(base, keys["alice"])
+        raw = await c.responses.with_raw_response.create(model=LOCAL_MODEL, input="turn one", max_output_tokens=30)
+        first = raw.parse()
+        assert raw.headers["x-sluice-backend"] == "local"
+        engine.fail_next_step = True
+        raw = await c.responses.with_raw_response.create(model=LOCAL_MODEL, input="turn two", max_output_tokens=4,
+                                                         previous_response_id=first.id)
+        second = raw.parse()
+        assert raw.headers["x-sluice-backend"] == "remote:a" and second.output_text == "w0 w1 w2 w3"
+        sent = a.requests[-1]["messages"]
+        assert [m["content"] for m in sent] == ["turn one", first.output_text, "turn two"]
+        third = await c.responses.create(model=LOCAL_MODEL, input="turn three", previous_response_id=second.id,
+                                         max_output_tokens=400)
+        assert "turn one" in third.output_text and "w0 w1 w2 w3" in third.output_text
+        assert "turn three" in third.output_text
