@@ -64,14 +64,22 @@ def access_log(metrics: Metrics) -> web.middleware:  # type: ignore[valid-type]
         finally:
             if request.path.startswith("/v1/"):
                 elapsed = time.monotonic() - start
-                metrics.requests.labels(request.path, str(status)).inc()
-                metrics.request_seconds.labels(request.path).observe(elapsed)
+                route = _route_label(request)
+                metrics.requests.labels(route, str(status)).inc()
+                metrics.request_seconds.labels(route).observe(elapsed)
                 end_user = request.get(END_USER)
                 log.info("%s %s %d %.3fs request_id=%s tier=%s%s", request.method, request.path, status, elapsed,
                          request_id(request), request.get(TIER_KEY, "-"),
                          "" if end_user is None else f" user={end_user!r}")
 
     return access_log_middleware
+
+
+def _route_label(request: web.Request) -> str:
+    """The metrics label of a request's path: its route's template (`/v1/responses/{response_id}`), so ids
+    in paths cannot grow the label set without bound; paths no route serves share one label."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
 
 
 def body_timeout(timeout_s: float) -> web.middleware:  # type: ignore[valid-type]

@@ -249,3 +249,25 @@ async def test_a_chain_moves_to_a_provider_and_back_keeping_the_conversation(tmp
                                          max_output_tokens=400)
         assert "turn one" in third.output_text and "w0 w1 w2 w3" in third.output_text
         assert "turn three" in third.output_text
+
+
+async def test_metrics_label_responses_by_route_not_by_id(tmp_path):
+    alice, _ = _keys(tmp_path)
+    async with fake_gateway(tmp_path, FakeEngine(max_model_len=512)) as (base, _, _):
+        c = _client(base, alice)
+        ids = [(await c.responses.create(model="fake-model", input=f"n{i}", max_output_tokens=3)).id for i in range(3)]
+        for rid in ids + ["resp_missing"]:
+            try:
+                await c.responses.retrieve(rid)
+            except openai.NotFoundError:
+                pass
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {alice}"}) as s:
+            await s.get(base + "/v1/no/such/path")
+        admin = KeyStore(str(tmp_path / "keys.json")).create("ops", "pro", admin=True)
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {admin}"}) as s:
+            text = await (await s.get(base + "/metrics")).text()
+        lines = [ln for ln in text.splitlines() if ln.startswith("sluice_requests_total{")]
+        assert not any("resp_" in ln for ln in lines), lines
+        assert any('endpoint="/v1/responses/{response_id}"' in ln and 'status="200"' in ln and ln.endswith(" 3.0")
+                   for ln in lines), lines
+        assert any('endpoint="unmatched"' in ln for ln in lines), lines
