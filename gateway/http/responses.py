@@ -36,11 +36,11 @@ from gateway.openai.endpoints import CHAT
 from gateway.openai.schema import ChatCompletionRequest
 from gateway.routing.router import BACKEND_HEADER
 from gateway.state import STATE, GatewayState
-from gateway.store.responses import ResponseStore
+from gateway.store.responses import AnyResponseStore, RedisResponseStore, ResponseStore
 
 log = logging.getLogger("sluice.gateway")
 
-STORE = web.AppKey("responses_store", ResponseStore)
+STORE: web.AppKey[AnyResponseStore] = web.AppKey("responses_store")
 RUNS = web.AppKey("responses_background", dict)  # response id -> its background task
 MAX_CHAIN = 10_000  # turns read back through previous_response_id
 
@@ -57,7 +57,7 @@ def _not_found(rid: str, param: str | None = None) -> APIError:
 # ---------------------------------------------------------------- the chain and the chat request
 
 
-async def _history(store: ResponseStore, owner: str | None, previous_id: str) -> list[dict[str, Any]]:
+async def _history(store: AnyResponseStore, owner: str | None, previous_id: str) -> list[dict[str, Any]]:
     """Every item of the chain that ends at `previous_id`, oldest first (each turn's input, then its output)."""
     turns: list[list[dict[str, Any]]] = []
     rid: str | None = previous_id
@@ -404,9 +404,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def setup(app: web.Application, state: GatewayState) -> None:
-    s = state.settings.responses
-    app[STORE] = ResponseStore(state.settings.responses_store_path(), ttl_s=s.ttl_days * 86400,
-                               max_bytes=int(s.max_mb * 1e6))
+    settings = state.settings
+    s = settings.responses
+    shared = settings.limits.redis_url or settings.redis_url  # gateways sharing Redis share their responses
+    app[STORE] = RedisResponseStore(shared, prefix=settings.queue.key_prefix, ttl_s=s.ttl_days * 86400,
+                                    max_bytes=int(s.max_mb * 1e6)) if shared and s.store_path is None else \
+        ResponseStore(settings.responses_store_path(), ttl_s=s.ttl_days * 86400, max_bytes=int(s.max_mb * 1e6))
     app[RUNS] = {}
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{response_id}", retrieve)

@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger("sluice.store")
 
@@ -96,11 +96,14 @@ class ResponseStore:
         db = self._conn()
         body = json.dumps(response, separators=(",", ":"))
         rid = response["id"]
-        old = db.execute("SELECT bytes, input_items, owner FROM responses WHERE id = ?", (rid,)).fetchone()
+        old = db.execute("SELECT bytes, input_items, owner, previous_id FROM responses WHERE id = ?",
+                         (rid,)).fetchone()
         if old is not None and old[2] != owner:
             raise KeyError(rid)  # ids are random: never overwrite another owner's row
         items = json.dumps(input_items, separators=(",", ":")) if input_items is not None else (
             old[1] if old is not None else "[]")
+        if previous_id is None and old is not None:
+            previous_id = old[3]  # a rewrite (a background response finishing) keeps its place in the chain
         n = len(body) + len(items)
         db.execute("INSERT OR REPLACE INTO responses (id, owner, created, previous_id, response, input_items, bytes) "
                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -141,7 +144,8 @@ class ResponseStore:
 
     async def put(self, owner: str | None, response: dict[str, Any], input_items: list[dict[str, Any]] | None = None,
                   previous_id: str | None = None) -> None:
-        """Writes (or rewrites) `response` for `owner`; input_items None keeps the stored ones."""
+        """Writes (or rewrites) `response` for `owner`; on a rewrite, input_items and previous_id None keep
+        the stored ones."""
         await self._run(self._put, owner or ANONYMOUS, response, input_items, previous_id)
 
     async def get(self, owner: str | None, rid: str) -> StoredResponse | None:
@@ -158,3 +162,101 @@ class ResponseStore:
     async def close(self) -> None:
         await self._run(self._close)
         self._pool.shutdown(wait=True)
+
+
+class RedisResponseStore:
+    """The same store in Redis, for gateways that share one (a chain continues on any of them). A hash per
+    response (`<prefix>:resp:<id>`) that expires after `ttl_s`; a sorted set of ids by creation time and a
+    byte counter bound the total: past `max_bytes` the oldest go first."""
+
+    def __init__(self, url: str, *, prefix: str = "sluice", ttl_s: float = 30 * 86400, max_bytes: int = 1 << 30):
+        import redis.asyncio as aioredis
+
+        self.redis: Any = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                            decode_responses=True)
+        self.prefix, self.ttl_s, self.max_bytes = prefix, ttl_s, max_bytes
+        self._puts = 1  # every 1,000th write also sweeps ids past their TTL
+        # ids by creation time, the bytes of each (kept after its hash expires) and their total
+        self._index, self._sizes, self._size = f"{prefix}:resp-index", f"{prefix}:resp-sizes", f"{prefix}:resp-bytes"
+
+    def _key(self, rid: str) -> str:
+        return f"{self.prefix}:resp:{rid}"
+
+    async def put(self, owner: str | None, response: dict[str, Any], input_items: list[dict[str, Any]] | None = None,
+                  previous_id: str | None = None) -> None:
+        owner = owner or ANONYMOUS
+        rid, key = response["id"], self._key(response["id"])
+        old = await self.redis.hmget(key, "owner", "bytes", "input_items", "previous_id")
+        if old[0] is not None and old[0] != owner:
+            raise KeyError(rid)
+        body = json.dumps(response, separators=(",", ":"))
+        items = json.dumps(input_items, separators=(",", ":")) if input_items is not None else (
+            old[2] if old[2] is not None else "[]")
+        prev = previous_id if previous_id is not None or old[3] is None else (old[3] or None)
+        n = len(body) + len(items)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping={"owner": owner, "response": body, "input_items": items, "previous_id": prev or "",
+                                "bytes": n})
+        pipe.expire(key, int(self.ttl_s))
+        pipe.zadd(self._index, {rid: float(response.get("created_at") or time.time())}, nx=True)
+        pipe.hset(self._sizes, rid, n)
+        pipe.incrby(self._size, n - (int(old[1]) if old[1] is not None else 0))
+        *_, total = await pipe.execute()
+        if total > self.max_bytes or not self._puts % 1000:
+            await self._evict()
+        self._puts += 1
+
+    async def _drop(self, ids: list[str]) -> None:
+        if not ids:
+            return
+        sizes = await self.redis.hmget(self._sizes, ids)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(*[self._key(rid) for rid in ids])
+        pipe.zrem(self._index, *ids)
+        pipe.hdel(self._sizes, *ids)
+        pipe.decrby(self._size, sum(int(n or 0) for n in sizes))
+        await pipe.execute()
+
+    async def _evict(self) -> None:
+        """Ids past their TTL (their hash already expired), then the oldest until the total is within the cap."""
+        await self._drop(await self.redis.zrangebyscore(self._index, "-inf", time.time() - self.ttl_s))
+        while int(await self.redis.get(self._size) or 0) > self.max_bytes:
+            oldest = await self.redis.zrange(self._index, 0, 63)
+            if not oldest:
+                await self.redis.set(self._size, 0)
+                return
+            await self._drop(oldest)
+
+    async def get(self, owner: str | None, rid: str) -> StoredResponse | None:
+        row = await self.redis.hmget(self._key(rid), "owner", "response", "input_items", "previous_id")
+        if row[0] is None or row[0] != (owner or ANONYMOUS):
+            return None
+        return StoredResponse(json.loads(row[1]), json.loads(row[2]), row[3] or None)
+
+    async def delete(self, owner: str | None, rid: str) -> bool:
+        row = await self.redis.hmget(self._key(rid), "owner", "bytes")
+        if row[0] is None or row[0] != (owner or ANONYMOUS):
+            return False
+        await self._drop([rid])
+        return True
+
+    async def stats(self) -> tuple[int, int]:
+        return int(await self.redis.zcard(self._index)), int(await self.redis.get(self._size) or 0)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+class AnyResponseStore(Protocol):
+    """What the Responses routes need of a store (SQLite or Redis)."""
+
+    async def put(self, owner: str | None, response: dict[str, Any], input_items: list[dict[str, Any]] | None = None,
+                  previous_id: str | None = None) -> None: ...
+
+    async def get(self, owner: str | None, rid: str) -> StoredResponse | None: ...
+
+    async def delete(self, owner: str | None, rid: str) -> bool: ...
+
+    async def stats(self) -> tuple[int, int]: ...
+
+    async def close(self) -> None: ...

@@ -271,3 +271,19 @@ async def test_metrics_label_responses_by_route_not_by_id(tmp_path):
         assert any('endpoint="/v1/responses/{response_id}"' in ln and 'status="200"' in ln and ln.endswith(" 3.0")
                    for ln in lines), lines
         assert any('endpoint="unmatched"' in ln for ln in lines), lines
+
+
+async def test_gateways_sharing_redis_continue_each_others_chains(tmp_path, redis_server):
+    alice, bob = _keys(tmp_path)
+    prefix = {"queue": {"key_prefix": f"resp{id(tmp_path)}"}}
+    async with fake_gateway(tmp_path / "a", FakeEngine(max_model_len=2048), redis_url=redis_server.url,
+                            auth={"keys_file": str(tmp_path / "keys.json")}, **prefix) as (base_a, _, _), \
+            fake_gateway(tmp_path / "b", FakeEngine(max_model_len=2048), redis_url=redis_server.url,
+                         auth={"keys_file": str(tmp_path / "keys.json")}, **prefix) as (base_b, _, _):
+        first = await _client(base_a, alice).responses.create(model="fake-model", input="on a", max_output_tokens=20)
+        second = await _client(base_b, alice).responses.create(model="fake-model", input="on b", max_output_tokens=200,
+                                                               previous_response_id=first.id)
+        assert second.output_text.startswith(f"user: on a\nassistant: {first.output_text}\nuser: on b\n")
+        assert (await _client(base_b, alice).responses.retrieve(first.id)).id == first.id
+        with pytest.raises(openai.NotFoundError):
+            await _client(base_b, bob).responses.retrieve(first.id)
