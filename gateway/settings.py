@@ -54,6 +54,10 @@ class ProviderSettings(BaseModel):
     cached_input_price_per_m: float | None = Field(None, ge=0)  # None: cached tokens cost the input price
     timeout_s: float = Field(30.0, gt=0)  # per attempt: connect, and each read of the answer or stream
     max_concurrent: int = Field(256, ge=1)  # beyond this the provider is skipped (never queued behind)
+    # The provider serves OpenAI's `/v1/responses`: Responses requests for models only providers serve go
+    # to it natively (the chain's items sent as `input`, `store: false`: the store stays Sluice's); else
+    # they are bridged to its chat completions.
+    responses: bool = False
     order: int = 0  # lower is tried first (ties broken by weight, then name)
     weight: float = Field(1.0, gt=0)  # among equal `order`: higher is tried first more often
 

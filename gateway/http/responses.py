@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from gateway import jsonio
 from gateway.backends.base import ChoiceStream
 from gateway.errors import APIError
-from gateway.http import prepare, routes
+from gateway.http import prepare, prompt, routes
 from gateway.http.errors import error_for_output, validation_error
 from gateway.http.middleware import END_USER
 from gateway.http.offload import OFFLOAD
@@ -240,6 +240,78 @@ def _sse(events: list[dict[str, Any]]) -> bytes:
     return b"".join(b"event: " + e["type"].encode() + b"\n" + sse_event(e) for e in events)
 
 
+# ---------------------------------------------------------------- providers that serve Responses natively
+
+_NATIVE_FIELDS = ("instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
+                  "parallel_tool_calls", "text", "truncation", "user", "safety_identifier")
+
+
+def _native(state: GatewayState, req: rs.ResponsesRequest) -> bool:
+    """A model only providers serve, and one of them serves `/v1/responses` itself: ask it natively.
+    A local model's requests take the chat path (overflow and fallback to providers included)."""
+    return state.pool_for(req.model) is None and state.remote is not None \
+        and bool(state.remote.responses_chain(req.model))
+
+
+async def _ask_natively(request: web.Request, req: rs.ResponsesRequest, history: list[dict[str, Any]],
+                        items: list[dict[str, Any]], response: dict[str, Any]) -> str:
+    """`response` completed by a provider's own `/v1/responses` (the whole chain sent as `input`, nothing
+    stored there), accounted as chat is: the worst case held against the key's budget, the provider's
+    usage recorded. Returns the backend (`remote:<name>`)."""
+    state = request.app[STATE]
+    assert state.remote is not None and state.router is not None
+    who = routes.caller(request, state)
+    body: dict[str, Any] = {"input": history + items, "store": False}
+    for name in _NATIVE_FIELDS:
+        v = getattr(req, name)
+        if v is not None:
+            body[name] = v.model_dump(exclude_none=True, by_alias=True) if hasattr(v, "model_dump") else v
+    accountant = state.router.accountant
+    bound = len(jsonio.dumps(body))  # a provider counts with its own tokenizer: bytes bound its tokens
+    completion = req.max_output_tokens or accountant.reserve_completion_tokens
+    worst = max((bound * max(p.settings.input_price_per_m, p.settings.cached_input_price_per_m or 0.0)
+                 + completion * p.settings.output_price_per_m) / 1e6 for p in state.remote.responses_chain(req.model))
+    rid = response["id"]
+    await accountant.hold(who.key, who.tier, rid, worst)
+    try:
+        answer = await state.remote.responses(rid, req.model, body,
+                                              prompt.deadline(state.settings.tiers, who.timeout, who.tier))
+    except BaseException:
+        await accountant.usage.release(rid)
+        raise
+    up = answer.body
+    u: dict[str, Any] = up["usage"] if isinstance(up.get("usage"), dict) else {}
+    n_in, n_out = int(u.get("input_tokens") or 0), int(u.get("output_tokens") or 0)
+    cached = int((u.get("input_tokens_details") or {}).get("cached_tokens") or 0)
+    await accountant.record_usage(who.key, who.tier, req.model, rid, answer.backend, answer.provider, n_in, cached,
+                                  n_out)
+    status = up.get("status") if up.get("status") in ("completed", "incomplete", "failed") else "completed"
+    response.update(output=up["output"], status=status, incomplete_details=up.get("incomplete_details"),
+                    error=up.get("error"), usage=rs.usage(n_in, n_out, cached),
+                    completed_at=int(time.time()) if status == "completed" else None)
+    return answer.backend
+
+
+def _replayed(response: dict[str, Any], ev: rs.Events) -> list[dict[str, Any]]:
+    """A finished response as the events that would have streamed it (a native answer is read whole)."""
+    out = [ev.snapshot("response.created"), ev.snapshot("response.in_progress")]
+    items = _Items(ev)
+    for i, item in enumerate(response["output"]):
+        if item.get("type") == "message":
+            text = "".join(p.get("text", "") for p in item.get("content") or [] if isinstance(p, dict))
+            items._text = None
+            out += items.text(text)
+        elif item.get("type") == "function_call":
+            out += items.call(tools.CallDelta(i, item["call_id"], item["name"], ""))
+            out += items.call(tools.CallDelta(i, None, None, item["arguments"]))
+    status = response["status"]
+    out += items.close("incomplete" if status == "incomplete" else "completed")
+    response["output"] = items.output
+    out.append(ev.snapshot({"incomplete": "response.incomplete", "failed": "response.failed"}.get(
+        status, "response.completed")))
+    return out
+
+
 # ---------------------------------------------------------------- the routes
 
 
@@ -258,6 +330,23 @@ async def create(request: web.Request) -> web.StreamResponse:
     if not items:
         raise APIError(400, "`input` is empty.", param="input", code="invalid_value")
     rid = rs.new_id("resp")
+    if _native(request.app[STATE], req) and not req.background:
+        response = rs.skeleton(rid, req, "in_progress")
+        try:
+            backend = await _ask_natively(request, req, history, items, response)
+        except APIError as e:
+            if req.store is not False:
+                await store.put(owner, rs.failed(response, e.code or "server_error", e.message), items,
+                                req.previous_response_id)
+            raise
+        events = _replayed(response, rs.Events(response)) if req.stream else []  # (its items get our ids)
+        if req.store is not False:
+            await store.put(owner, response, items, req.previous_response_id)
+        if not req.stream:
+            return web.Response(body=jsonio.dumps(response), content_type="application/json",
+                                headers={BACKEND_HEADER: backend})
+        return web.Response(body=_sse(events), content_type="text/event-stream",
+                            headers={BACKEND_HEADER: backend, "Cache-Control": "no-cache"})
     if req.background:
         response = rs.skeleton(rid, req, "queued")
         await store.put(owner, response, items, req.previous_response_id)

@@ -490,6 +490,33 @@ class RemoteBackend(Backend):
         answer["model"] = model
         return RemoteAnswer(answer, p.settings)
 
+    def responses_chain(self, model: str) -> list[Provider]:
+        """The providers of `model` that serve `/v1/responses` natively (`responses = true`)."""
+        return [p for p in self.chain(model) if p.settings.responses]
+
+    async def responses(self, request_id: str, model: str, body: dict[str, Any],
+                        deadline: float | None = None) -> RemoteAnswer:
+        """`POST /v1/responses` (JSON) through the providers of `model` that serve it natively, tried,
+        retried and failed over as embeddings are. `body` is sent as is but for `model` (each provider's
+        name); the answer's `model` is set back to Sluice's."""
+        chain = self.responses_chain(model)
+        if not chain:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+        async def attempt(p: Provider, until: float) -> dict[str, Any]:
+            timeout = max(0.05, min(p.settings.timeout_s, until - time.monotonic()))
+            resp = await p.post("responses", jsonio.dumps({**body, "model": p.settings.models[model]}), timeout)
+            content = await p.read(resp)
+            return _json_body(resp.status, resp.headers.get("content-type", ""), content, key="output")
+
+        tries: TryChain[dict[str, Any]] = TryChain(self, request_id, model, deadline, chain)
+        try:
+            p, answer = await tries.run(attempt)
+        finally:
+            tries.release()
+        answer["model"] = model
+        return RemoteAnswer(answer, p.settings)
+
     async def close(self) -> None:
         for p in self.providers:
             try:

@@ -34,7 +34,8 @@ log = logging.getLogger("sluice.remote")
 
 CLIENT_FAULT_STATUS = frozenset({400, 413, 422})
 # By GenerationRequest.endpoint, and "embeddings" (RemoteBackend.embeddings).
-PATHS = {"chat": "/chat/completions", "completion": "/completions", "embeddings": "/embeddings"}
+PATHS = {"chat": "/chat/completions", "completion": "/completions", "embeddings": "/embeddings",
+         "responses": "/responses"}
 KEEPALIVE_S = 5.0  # an idle upstream connection is closed after this (httpx's default, as before)
 
 try:
@@ -133,7 +134,7 @@ class Provider:
         return self._session
 
     async def post(self, endpoint: str, body: bytes, timeout: float | None = None) -> aiohttp.ClientResponse:
-        """POST `body` (JSON) to the endpoint ("chat", "completion" or "embeddings"); the response once
+        """POST `body` (JSON) to the endpoint (a key of PATHS); the response once
         it answered 2xx, its body unread (the caller releases it). A status >= 400 raises the SDK's
         exception for it; a failure to connect or to get the answer's head raises `openai.APIConnectionError`
         (`APITimeoutError` for a timeout) chained to the aiohttp error. `timeout` (default the

@@ -287,3 +287,37 @@ async def test_gateways_sharing_redis_continue_each_others_chains(tmp_path, redi
         assert (await _client(base_b, alice).responses.retrieve(first.id)).id == first.id
         with pytest.raises(openai.NotFoundError):
             await _client(base_b, bob).responses.retrieve(first.id)
+
+
+async def test_a_provider_that_serves_responses_gets_them_natively_with_the_chain(tmp_path, providers):
+    """A remote-only model on a provider marked `responses`: POST /v1/responses reaches its /v1/responses
+    with the whole chain as `input` and `store: false`; the store, the ids and the usage are Sluice's."""
+    from tests.fixtures.providers import REMOTE_MODEL, gateway, provider_cfg
+    a, _ = providers
+    async with gateway(tmp_path, [provider_cfg(a, responses=True)], keys={"alice": "pro", "bob": "pro"}) as (
+            base, app, _, keys):
+        c = _client(base, keys["alice"])
+        raw = await c.responses.with_raw_response.create(model=REMOTE_MODEL, input="one two", instructions="hi",
+                                                         max_output_tokens=3)
+        first = raw.parse()
+        assert raw.headers["x-sluice-backend"] == "remote:a" and first.output_text == "w0 w1 w2"
+        assert a.requests[-1]["_path"] == "/v1/responses" and a.requests[-1]["store"] is False
+        assert first.id.startswith("resp_") and "mock" not in first.id and first.usage.input_tokens == 2
+        events = [e async for e in await c.responses.create(model=REMOTE_MODEL, input="three", stream=True,
+                                                             previous_response_id=first.id)]
+        sent = a.requests[-1]
+        assert [i.get("role") for i in sent["input"]] == ["user", "assistant", "user"]
+        assert sent["input"][1]["content"][0]["text"] == "w0 w1 w2" and "previous_response_id" not in sent
+        assert events[-1].type == "response.completed" and [e.sequence_number for e in events] == list(
+            range(len(events)))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text == events[-1].response.output_text == (await c.responses.retrieve(events[-1].response.id)
+                                                            ).output_text
+        with pytest.raises(openai.NotFoundError):
+            await _client(base, keys["bob"]).responses.retrieve(first.id)
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {keys['alice']}"}) as s:
+            usage = await (await s.get(base + "/v1/usage")).json()
+        # both answers accounted at the provider's prices: its usage (2 + 6 input words, 3 + 8 words out)
+        assert usage["by_backend"]["remote:a"]["requests"] == 2
+        assert usage["totals"]["prompt_tokens"] == 8 and usage["totals"]["completion_tokens"] == 11
+        assert usage["totals"]["cost"] == pytest.approx((8 * 1.0 + 11 * 2.0) / 1e6)
