@@ -187,6 +187,12 @@ class ResponsesSettings(BaseModel):
     max_mb: float = Field(1024.0, gt=0)  # stored JSON beyond this: the oldest responses are dropped
 
 
+class FilesSettings(BaseModel):
+    """Uploaded files (`/v1/files`, gateway/store/files.py): their bytes and a SQLite index in `dir`."""
+    dir: str | None = None  # None: files/ beside auth.keys_file (gateways of one deployment: a shared directory)
+    max_mb: float = Field(200.0, gt=0)  # the largest upload
+
+
 # ---------------------------------------------------------------- the gateway itself
 
 
@@ -307,6 +313,7 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     tiers: dict[str, TierSettings] = Field(default_factory=_default_tiers)
     responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
+    files: FilesSettings = Field(default_factory=FilesSettings)
     # None: the in-process queue (one process). Set (env SLUICE_REDIS_URL): the Redis queue, shared by
     # every gateway and `sluice worker` of a deployment.
     redis_url: str | None = None
@@ -370,6 +377,10 @@ class Settings(BaseSettings):
     def responses_store_path(self) -> str:
         """The SQLite file of stored responses."""
         return self.responses.store_path or str(Path(self.auth.keys_file).parent / "responses.sqlite3")
+
+    def files_dir(self) -> str:
+        """Where uploaded files live."""
+        return self.files.dir or str(Path(self.auth.keys_file).parent / "files")
 
     def spill_dir(self) -> Path:
         """Where spend that cannot be written goes (admission/spill.py)."""

@@ -22,7 +22,7 @@ from gateway.admission.spill import Spill
 from gateway.admission.usage import UsageStore
 from gateway.backends.local import LocalBackend, LocalEmbeddings
 from gateway.backends.remote.backend import RemoteBackend
-from gateway.http import dashboard, embeddings, responses, routes
+from gateway.http import dashboard, embeddings, files, responses, routes
 from gateway.http.errors import error_middleware
 from gateway.http.lifecycle import engine_lifecycle, services, usage_ledger
 from gateway.http.middleware import access_log, body_timeout, on_response_prepare
@@ -131,6 +131,7 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
     routes.setup(app)
     embeddings.setup(app)  # /v1/embeddings
     responses.setup(app, state)  # /v1/responses and its store
+    files.setup(app, state)  # /v1/files
     dashboard.setup(app)  # /dashboard and /dashboard/data (admin-only once keys exist)
 
     app.cleanup_ctx.append(usage_ledger(usage, ledger))

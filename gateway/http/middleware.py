@@ -86,7 +86,10 @@ def body_timeout(timeout_s: float) -> web.middleware:  # type: ignore[valid-type
     @web.middleware
     async def body_timeout_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         """Reads a request's body within `server.body_timeout_s` (handlers then get it from the cache)."""
-        if request.body_exists and request.method in ("POST", "PUT", "PATCH"):
+        # A file upload streams to disk in its handler (gateway/http/files.py), with this timeout between
+        # chunks and its own size limit, instead of being read whole into memory here.
+        upload = request.path == "/v1/files" and request.content_type.startswith("multipart/")
+        if request.body_exists and request.method in ("POST", "PUT", "PATCH") and not upload:
             try:
                 async with asyncio.timeout(timeout_s):
                     await request.read()  # 413 beyond client_max_size, as before
