@@ -193,6 +193,11 @@ class FilesSettings(BaseModel):
     max_mb: float = Field(200.0, gt=0)  # the largest upload
 
 
+class BatchSettings(BaseModel):
+    """The Batch API's lane (gateway/http/batches.py): lines run below every tier, on idle room."""
+    max_in_flight: int = Field(8, ge=1)  # batch lines being answered at once, across batches
+
+
 # ---------------------------------------------------------------- the gateway itself
 
 
@@ -314,6 +319,7 @@ class Settings(BaseSettings):
     tiers: dict[str, TierSettings] = Field(default_factory=_default_tiers)
     responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
     files: FilesSettings = Field(default_factory=FilesSettings)
+    batches: BatchSettings = Field(default_factory=BatchSettings)
     # None: the in-process queue (one process). Set (env SLUICE_REDIS_URL): the Redis queue, shared by
     # every gateway and `sluice worker` of a deployment.
     redis_url: str | None = None

@@ -22,7 +22,7 @@ from gateway.admission.spill import Spill
 from gateway.admission.usage import UsageStore
 from gateway.backends.local import LocalBackend, LocalEmbeddings
 from gateway.backends.remote.backend import RemoteBackend
-from gateway.http import dashboard, embeddings, files, responses, routes
+from gateway.http import batches, dashboard, embeddings, files, responses, routes
 from gateway.http.errors import error_middleware
 from gateway.http.lifecycle import engine_lifecycle, services, usage_ledger
 from gateway.http.middleware import access_log, body_timeout, on_response_prepare
@@ -132,9 +132,11 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
     embeddings.setup(app)  # /v1/embeddings
     responses.setup(app, state)  # /v1/responses and its store
     files.setup(app, state)  # /v1/files
+    batches.setup(app, state)  # /v1/batches and their runner
     dashboard.setup(app)  # /dashboard and /dashboard/data (admin-only once keys exist)
 
     app.cleanup_ctx.append(usage_ledger(usage, ledger))
     app.cleanup_ctx.append(engine_lifecycle)
     app.cleanup_ctx.append(services(sampler, remote, limiter))
+    app.cleanup_ctx.append(batches.lifecycle)  # last: its runner stops first at shutdown
     return app

@@ -96,7 +96,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
     tiers = state.settings.tiers
     job = EmbeddingJob(request_id=f"embd-{os.urandom(16).hex()}", model=req.model, body=req.relay_body(),
                        truncate=req.truncate, dimensions=req.dimensions, tier=tier,
-                       priority=prompt.tier_priority(tiers, tier),
+                       priority=request.get(prepare.PRIORITY, prompt.tier_priority(tiers, tier)),
                        deadline=prompt.deadline(tiers, request.headers.get(prompt.DEADLINE_HEADER), tier),
                        key=request.get(KEY_NAME), size_bytes=len(body))
     if _relayed(state, req, pool):

@@ -10,6 +10,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from aiohttp import web
+
 from engine import Guide, SamplingParams
 from gateway.errors import APIError
 from gateway.http import prompt
@@ -25,6 +27,8 @@ from gateway.settings import cache_salt
 from gateway.state import GatewayState
 from gateway.worker.pool import ModelPool
 
+PRIORITY = web.RequestKey("sluice_priority", int)  # on a request the gateway makes for itself (a batch line)
+
 
 @dataclass(frozen=True)
 class Caller:
@@ -33,6 +37,7 @@ class Caller:
     tier: str
     key: str | None  # the API key's name (None: anonymous)
     timeout: str | None  # the client's own timeout (the `x-request-timeout` header), as sent
+    priority: int | None = None  # None: the tier's; set for batch lines (below every tier)
 
 
 @dataclass(frozen=True)
@@ -215,9 +220,10 @@ def _generation(state: GatewayState, req: ChatCompletionRequest | CompletionRequ
                 endpoint: Endpoint, target: Target, ids: list[int], *, sampling: SamplingParams | None = None,
                 needs_remote: str | None = None, model: str | None = None) -> GenerationRequest:
     tiers = state.settings.tiers
+    priority = caller.priority if caller.priority is not None else prompt.tier_priority(tiers, caller.tier)
     return GenerationRequest(
         request_id=f"{endpoint.id_prefix}-{os.urandom(16).hex()}", prompt_token_ids=ids, target=target,
-        n=req.n or 1, tier=caller.tier, priority=prompt.tier_priority(tiers, caller.tier),
+        n=req.n or 1, tier=caller.tier, priority=priority,
         deadline=prompt.deadline(tiers, caller.timeout, caller.tier), model=model or req.model, api=req,
         endpoint=endpoint.name, key=caller.key,
         cache_salt=cache_salt(state.settings.auth.prefix_cache_scope, caller.key, caller.tier, req.cache_salt),

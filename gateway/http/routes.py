@@ -37,7 +37,7 @@ from gateway.worker.pool import ModelPool
 
 def caller(request: web.Request, state: GatewayState) -> prepare.Caller:
     return prepare.Caller(tier=request.get(TIER_KEY, state.settings.auth.anonymous_tier), key=request.get(KEY_NAME),
-                          timeout=request.headers.get(prompt.DEADLINE_HEADER))
+                          timeout=request.headers.get(prompt.DEADLINE_HEADER), priority=request.get(prepare.PRIORITY))
 
 
 async def submit(state: GatewayState, p: prepare.Prepared) -> ChoiceStream:

@@ -1,0 +1,362 @@
+"""`/v1/batches`: create, retrieve, list, cancel, and the runner that answers their lines.
+
+Each line is answered by the same handler its endpoint has (chat, completions, embeddings, responses),
+called in-process as the batch's owner, at a priority below every tier: the lane below standard. A line
+is admitted only while nothing waits in its model's queue, at most `[batches] max_in_flight` at once
+across batches (oldest batch first), so interactive requests go first and the engine's priority
+preemption takes batch sequences back when they come. A line's result is durable (BatchStore) before it
+counts; a restart resumes every batch with the lines that have none. At the end the results become an
+output file and an error file (purpose `batch_output`), one line per input line, in input order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from gateway import jsonio
+from gateway.admission.auth import KEY_NAME, TIER_KEY
+from gateway.errors import APIError
+from gateway.http import embeddings, files, prepare, responses, routes
+from gateway.http.offload import OFFLOAD
+from gateway.openai import batches as bp
+from gateway.state import STATE, GatewayState
+from gateway.store.batches import BatchStore
+from gateway.store.responses import ANONYMOUS
+
+log = logging.getLogger("sluice.batches")
+
+BATCHES = web.AppKey("batches_store", BatchStore)
+RUNNER: web.AppKey[Runner] = web.AppKey("batches_runner")
+
+RETRIES = 5  # tries again of a line that failed on the gateway's side (429, 5xx) before its failure is recorded
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+HANDLERS: dict[str, Handler] = {"/v1/chat/completions": routes.chat_completions, "/v1/completions": routes.completions,
+                                "/v1/embeddings": embeddings.create_embeddings, "/v1/responses": responses.create}
+
+
+def _owner(request: web.Request) -> str | None:
+    return routes.caller(request, request.app[STATE]).key
+
+
+def _not_found(batch_id: str) -> APIError:
+    return APIError(404, f"No batch with id '{batch_id}' found.", param="batch_id", code="not_found")
+
+
+# ---------------------------------------------------------------- routes
+
+
+async def create(request: web.Request) -> web.Response:
+    req = await request.app[OFFLOAD].parse(await request.read(), bp.CreateBatch)
+    owner = _owner(request)
+    f = await request.app[files.FILES].get(owner, req.input_file_id)
+    if f is None:
+        raise APIError(404, f"No file with id '{req.input_file_id}' found.", param="input_file_id", code="not_found")
+    if f.purpose != "batch":
+        raise APIError(400, f"The file '{f.id}' has purpose {f.purpose!r}; a batch reads a `batch` file.",
+                       param="input_file_id", code="invalid_value")
+    batch = bp.new_batch(f"batch_{os.urandom(12).hex()}", req)
+    tier = request.get(TIER_KEY, request.app[STATE].settings.auth.anonymous_tier)
+    await request.app[BATCHES].put(owner, tier, batch)
+    _runner(request.app).wake()
+    return web.json_response(bp.public(batch))
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    batch = await request.app[BATCHES].get(_owner(request), request.match_info["batch_id"])
+    if batch is None:
+        raise _not_found(request.match_info["batch_id"])
+    return web.json_response(bp.public(batch))
+
+
+async def list_batches(request: web.Request) -> web.Response:
+    q = request.query
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise APIError(400, "`limit` must be an integer from 1 to 100.", param="limit", code="invalid_value")
+    items = await request.app[BATCHES].list_for(_owner(request))
+    after = q.get("after")
+    if after is not None:
+        at = next((i for i, b in enumerate(items) if b["id"] == after), None)
+        if at is None:
+            raise APIError(400, f"`after`: no batch '{after}'.", param="after", code="invalid_value")
+        items = items[at + 1:]
+    page = items[:limit]
+    return web.json_response({"object": "list", "data": [bp.public(b) for b in page],
+                              "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
+                              "has_more": len(items) > limit})
+
+
+async def cancel(request: web.Request) -> web.Response:
+    store, owner, batch_id = request.app[BATCHES], _owner(request), request.match_info["batch_id"]
+    runner = _runner(request.app)
+    async with runner.lock:
+        batch = await store.get(owner, batch_id)
+        if batch is None:
+            raise _not_found(batch_id)
+        if batch["status"] in ("validating", "in_progress"):
+            batch.update(status="cancelling", cancelling_at=int(time.time()))
+            await store.update(batch)
+            runner.cancelled.add(batch_id)
+    runner.wake()
+    return web.json_response(bp.public(batch))
+
+
+# ---------------------------------------------------------------- the runner
+
+
+class Runner:
+    """Drives every active batch (all keys) to its end; one per gateway process."""
+
+    def __init__(self, app: web.Application):
+        self.app = app
+        self.store: BatchStore = app[BATCHES]
+        self.event = asyncio.Event()
+        self.lock = asyncio.Lock()  # batch rows are read-modify-written by the runner and by cancel
+        self.running: dict[str, asyncio.Task[None]] = {}
+        self.cancelled: set[str] = set()
+        self.slots = asyncio.Semaphore(app[STATE].settings.batches.max_in_flight)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        for bid, t in list(self.running.items()):
+            if t is task:
+                del self.running[bid]
+
+    def wake(self) -> None:
+        self.event.set()
+
+    async def run(self) -> None:
+        while True:
+            for owner, tier, batch in await self.store.active():
+                bid = batch["id"]
+                if bid not in self.running:
+                    task = asyncio.create_task(self._batch(owner, tier, bid))
+                    self.running[bid] = task
+                    task.add_done_callback(self._forget)
+            self.event.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self.event.wait()
+
+    async def _update(self, owner: str, bid: str, **fields: Any) -> dict[str, Any]:
+        async with self.lock:
+            batch = await self.store.get(None if owner == ANONYMOUS else owner, bid)
+            assert batch is not None
+            if fields.get("status") == "in_progress" and batch["status"] != "validating":
+                fields.pop("status")  # cancelled while validating
+            batch.update(fields)
+            await self.store.update(batch)
+            return batch
+
+    async def _lines(self, owner: str, batch: dict[str, Any]) -> list[Any] | None:
+        fs = self.app[files.FILES]
+        f = await fs.get(None if owner == ANONYMOUS else owner, batch["input_file_id"])
+        if f is None:
+            return None
+        text = await asyncio.to_thread(fs.path(f.id).read_text, "utf-8")
+        out: list[Any] = []
+        for raw in text.splitlines():
+            if raw.strip():
+                try:
+                    out.append(json.loads(raw))
+                except ValueError:
+                    out.append(ValueError(raw[:80]))
+        return out
+
+    async def _batch(self, owner: str, tier: str, bid: str) -> None:
+        try:
+            await self._drive(owner, tier, bid)
+        except Exception:
+            log.exception("batch %s failed", bid)
+            await self._update(owner, bid, status="failed", failed_at=int(time.time()),
+                               errors={"object": "list", "data": [bp.line_error(0, "server_error",
+                                                                                "the batch failed in the gateway")]})
+
+    async def _drive(self, owner: str, tier: str, bid: str) -> None:
+        batch = await self.store.get(None if owner == ANONYMOUS else owner, bid)
+        assert batch is not None
+        lines = await self._lines(owner, batch)
+        if batch["status"] == "validating":
+            errors = self._validate(batch, lines)
+            if errors:
+                await self._update(owner, bid, status="failed", failed_at=int(time.time()),
+                                   errors={"object": "list", "data": errors[:100]})
+                return
+            assert lines is not None
+            batch = await self._update(owner, bid, status="in_progress", in_progress_at=int(time.time()),
+                                       request_counts={"total": len(lines), "completed": 0, "failed": 0})
+        assert lines is not None
+        done = await self.store.results(bid)
+        pending: set[asyncio.Task[None]] = set()
+        for i, line in enumerate(lines):
+            if i in done:
+                continue
+            if bid in self.cancelled or batch["status"] == "cancelling" or time.time() > batch["expires_at"]:
+                break
+            await self._admit(line["body"]["model"])
+            if bid in self.cancelled:
+                self.slots.release()
+                break
+            task = asyncio.create_task(self._line(owner, tier, bid, i, line))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        if pending:
+            await asyncio.gather(*pending)
+        await self._finish(owner, bid, lines)
+
+    def _validate(self, batch: dict[str, Any], lines: list[Any] | None) -> list[dict[str, Any]]:
+        if lines is None:
+            return [bp.line_error(0, "invalid_file", "the input file is gone")]
+        if not lines:
+            return [bp.line_error(0, "empty_file", "the input file has no lines")]
+        state: GatewayState = self.app[STATE]
+        seen: set[str] = set()
+        errors = []
+        for n, obj in enumerate(lines, 1):
+            err = bp.line_error(n, "invalid_json_line", f"line {n} is not JSON") if isinstance(obj, ValueError) \
+                else bp.validate_line(n, obj, batch["endpoint"], seen)
+            if err is None and not self._served(state, obj["body"]["model"]):
+                err = bp.line_error(n, "model_not_found", f"line {n}: the model {obj['body']['model']!r} is not "
+                                                          "served here", "body.model")
+            if err is not None:
+                errors.append(err)
+        return errors
+
+    @staticmethod
+    def _served(state: GatewayState, model: str) -> bool:
+        if state.pool_for(model) is not None:
+            return True
+        return state.remote is not None and bool(state.remote.chain(model))
+
+    async def _admit(self, model: str) -> None:
+        """A slot, once nothing interactive waits in the model's queue (a batch line runs on idle room)."""
+        await self.slots.acquire()
+        pool = self.app[STATE].pool_for(model)
+        while pool is not None and await pool.queue.depth() > 0:
+            await asyncio.sleep(0.02)
+
+    async def _line(self, owner: str, tier: str, bid: str, i: int, line: dict[str, Any]) -> None:
+        """One line to its recorded result. A failure that is the gateway's and passes (429, 5xx: a queue
+        full, a shutdown, a provider down) is tried again after a backoff, not recorded: at most
+        RETRIES times while the gateway runs; a gateway going down leaves the line for the next start."""
+        try:
+            for attempt in range(RETRIES + 1):
+                status, body = await self._call(owner, tier, line)
+                if status != 429 and status < 500:
+                    break
+                if self.app[STATE].draining:
+                    return
+                if attempt < RETRIES:
+                    await asyncio.sleep(min(30.0, 0.5 * 2 ** attempt))
+        finally:
+            self.slots.release()
+        ok = status < 400
+        result = {"id": f"batch_req_{os.urandom(12).hex()}", "custom_id": line["custom_id"],
+                  "response": {"status_code": status, "request_id": f"req_{os.urandom(8).hex()}", "body": body},
+                  "error": None}
+        if await self.store.record(bid, i, ok, result):
+            await self._count(owner, bid)
+
+    async def _count(self, owner: str, bid: str) -> dict[str, Any]:
+        """request_counts from the recorded results (so a restart or a race cannot skew them)."""
+        answered, failed = await self.store.counts(bid)
+        async with self.lock:
+            batch = await self.store.get(None if owner == ANONYMOUS else owner, bid)
+            assert batch is not None
+            batch["request_counts"].update(completed=answered - failed, failed=failed)
+            await self.store.update(batch)
+            return batch
+
+    async def _call(self, owner: str, tier: str, line: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """The line answered by its endpoint's own handler, as its owner would be, at the batch priority."""
+        url = line["url"]
+        state: GatewayState = self.app[STATE]
+        req = make_mocked_request("POST", url, headers={"Content-Type": "application/json"}, app=self.app)
+        req._read_bytes = jsonio.dumps(line["body"])  # the handler's `await request.read()`
+        req[TIER_KEY] = tier
+        if owner != ANONYMOUS:
+            req[KEY_NAME] = owner
+        req[prepare.PRIORITY] = max(t.priority for t in state.settings.tiers.values()) + 1
+        try:
+            resp = await HANDLERS[url](req)
+        except APIError as e:
+            return e.status, e.body()
+        except Exception as e:
+            log.exception("batch line %s failed", line.get("custom_id"))
+            return 500, APIError(500, f"the line failed: {type(e).__name__}", type="server_error").body()
+        assert isinstance(resp, web.Response) and resp.body is not None
+        return resp.status, json.loads(resp.body)  # type: ignore[arg-type]
+
+    async def _finish(self, owner: str, bid: str, lines: list[Any]) -> None:
+        batch = await self._count(owner, bid)
+        cancelled = bid in self.cancelled or batch["status"] == "cancelling"
+        expired = not cancelled and time.time() > batch["expires_at"]
+        await self._update(owner, bid, status="finalizing", finalizing_at=int(time.time()))
+        results = await self.store.results(bid)
+        out = [json.dumps(r) for i in range(len(lines)) if i in results and results[i][0] for r in [results[i][1]]]
+        err = [json.dumps(r) for i in range(len(lines)) if i in results and not results[i][0] for r in [results[i][1]]]
+        if expired:
+            err += [json.dumps({"id": f"batch_req_{os.urandom(12).hex()}", "custom_id": lines[i]["custom_id"],
+                                "response": None, "error": {"code": "batch_expired",
+                                                            "message": "the batch's window ended first"}})
+                    for i in range(len(lines)) if i not in results]
+        fields: dict[str, Any] = {"output_file_id": await self._file(owner, bid, "output", out),
+                                  "error_file_id": await self._file(owner, bid, "error", err)}
+        now = int(time.time())
+        if cancelled:
+            fields.update(status="cancelled", cancelled_at=now)
+        elif expired:
+            fields.update(status="expired", expired_at=now)
+        else:
+            fields.update(status="completed", completed_at=now)
+        await self._update(owner, bid, **fields)
+        self.cancelled.discard(bid)
+
+    async def _file(self, owner: str, bid: str, kind: str, rows: list[str]) -> str | None:
+        if not rows:
+            return None
+        fs = self.app[files.FILES]
+        file_id = f"file-{os.urandom(12).hex()}"
+        data = ("\n".join(rows) + "\n").encode()
+        await asyncio.to_thread(fs.temp_path(file_id).write_bytes, data)
+        await fs.commit(None if owner == ANONYMOUS else owner, file_id, f"{bid}_{kind}.jsonl", "batch_output",
+                        len(data))
+        return file_id
+
+
+def _runner(app: web.Application) -> Runner:
+    return app[RUNNER]
+
+
+async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """The runner, from start to shutdown; registered last (app.py), so it stops before the engines do and
+    no line fails because the gateway is going down."""
+    runner = app[RUNNER]
+    task = asyncio.create_task(runner.run())
+    yield
+    task.cancel()
+    for t in list(runner.running.values()):
+        t.cancel()  # lines without a result run again at the next start
+    await asyncio.gather(task, *runner.running.values(), return_exceptions=True)
+    await app[BATCHES].close()
+
+
+def setup(app: web.Application, state: GatewayState) -> None:
+    app[BATCHES] = BatchStore(state.settings.files_dir())
+    app[RUNNER] = Runner(app)
+    app.router.add_post("/v1/batches", create)
+    app.router.add_get("/v1/batches", list_batches)
+    app.router.add_get("/v1/batches/{batch_id}", retrieve)
+    app.router.add_post("/v1/batches/{batch_id}/cancel", cancel)

@@ -1,0 +1,142 @@
+"""/v1/batches through the real `openai` SDK against a gateway on a free port (fake engine: it answers
+with its prompt's text): a chat batch from upload to output file, error lines, validation failures,
+cancel, another key's 404s, and a restart that finishes the lines without results exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from gateway.admission.keys import KeyStore
+from gateway.http.batches import BATCHES
+from tests.fixtures.fake_engine import FakeEngine
+from tests.fixtures.fake_gateway import fake_gateway
+
+
+def _line(i: int, url: str = "/v1/chat/completions", **body) -> dict:
+    return {"custom_id": f"r{i}", "method": "POST", "url": url,
+            "body": {"model": "fake-model", "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 4,
+                     **body}}
+
+
+def _jsonl(lines: list) -> bytes:
+    return "\n".join(json.dumps(x) for x in lines).encode() + b"\n"
+
+
+def _client(base: str, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+async def _until_done(c: openai.AsyncOpenAI, batch_id: str, timeout: float = 20.0):
+    for _ in range(int(timeout / 0.05)):
+        b = await c.batches.retrieve(batch_id)
+        if b.status in ("completed", "failed", "cancelled", "expired"):
+            return b
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"batch still {b.status}")
+
+
+async def test_a_chat_batch_runs_to_its_output_and_error_files(tmp_path):
+    store = KeyStore(str(tmp_path / "keys.json"))
+    alice, bob = store.create("alice", "pro"), store.create("bob", "pro")
+    async with fake_gateway(tmp_path, FakeEngine(max_model_len=256)) as (base, _, _):
+        c = _client(base, alice)
+        lines = [_line(i) for i in range(6)] + [_line(6, max_tokens=999_999)]  # the fake refuses that one
+        f = await c.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                   metadata={"job": "nightly"})
+        assert b.status == "validating" and b.metadata == {"job": "nightly"}
+        done = await _until_done(c, b.id)
+        assert done.status == "completed", done
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (7, 6, 1)
+        out = [json.loads(x) for x in (await c.files.content(done.output_file_id)).text.splitlines()]
+        assert [o["custom_id"] for o in out] == [f"r{i}" for i in range(6)]
+        for i, o in enumerate(out):
+            assert o["response"]["status_code"] == 200
+            assert o["response"]["body"]["choices"][0]["message"]["content"] == f"user: q{i}\nassistant: "[:4]
+        err = [json.loads(x) for x in (await c.files.content(done.error_file_id)).text.splitlines()]
+        assert [(e["custom_id"], e["response"]["status_code"]) for e in err] == [("r6", 400)]
+        assert [x.id for x in (await c.batches.list()).data] == [b.id]
+        other = _client(base, bob)
+        for call in (other.batches.retrieve(b.id), other.batches.cancel(b.id),
+                     other.files.content(done.output_file_id)):
+            with pytest.raises(openai.NotFoundError):
+                await call
+        assert (await other.batches.list()).data == []
+
+
+@pytest.mark.parametrize("lines,code", [
+    ([_line(0), _line(0)], "duplicate_custom_id"),
+    ([_line(0, url="/v1/completions")], "mismatched_endpoint"),
+    ([{**_line(0), "body": {**_line(0)["body"], "model": "nope"}}], "model_not_found"),
+    ([{**_line(0), "method": "GET"}], "invalid_method"),
+    ([_line(0, stream=True)], "invalid_value"),
+])
+async def test_invalid_input_files_fail_the_batch_naming_the_line(tmp_path, lines, code):
+    key = KeyStore(str(tmp_path / "keys.json")).create("alice", "pro")
+    async with fake_gateway(tmp_path, FakeEngine()) as (base, _, _):
+        c = _client(base, key)
+        f = await c.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+        b = await _until_done(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                         completion_window="24h")).id)
+        assert b.status == "failed" and b.errors.data[0].code == code and b.errors.data[0].line == len(lines)
+
+
+async def test_create_refuses_what_it_cannot_run(tmp_path):
+    key = KeyStore(str(tmp_path / "keys.json")).create("alice", "pro")
+    async with fake_gateway(tmp_path, FakeEngine()) as (base, _, _):
+        c = _client(base, key)
+        with pytest.raises(openai.NotFoundError) as e:
+            await c.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+        assert e.value.body["param"] == "input_file_id"
+        f = await c.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch")
+        for kw, param in (({"endpoint": "/v1/moderations"}, "endpoint"), ({"completion_window": "1h"},
+                                                                          "completion_window")):
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.batches.create(**{"input_file_id": f.id, "endpoint": "/v1/chat/completions",
+                                          "completion_window": "24h", **kw})
+            assert e.value.body["param"] == param
+
+
+async def test_cancel_stops_admitting_lines_and_keeps_what_finished(tmp_path):
+    key = KeyStore(str(tmp_path / "keys.json")).create("alice", "pro")
+    engine = FakeEngine(max_model_len=256, step_s=0.01)
+    async with fake_gateway(tmp_path, engine, batches={"max_in_flight": 1}) as (base, _, _):
+        c = _client(base, key)
+        f = await c.files.create(file=("in.jsonl", _jsonl([_line(i, max_tokens=30) for i in range(40)])),
+                                 purpose="batch")
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        for _ in range(400):
+            got = await c.batches.retrieve(b.id)
+            if got.request_counts.completed >= 2:
+                break
+            await asyncio.sleep(0.02)
+        assert (await c.batches.cancel(b.id)).status == "cancelling"
+        done = await _until_done(c, b.id)
+        assert done.status == "cancelled" and 2 <= done.request_counts.completed < 40
+        out = (await c.files.content(done.output_file_id)).text.splitlines()
+        assert len(out) == done.request_counts.completed
+
+
+async def test_a_restart_finishes_every_line_exactly_once(tmp_path):
+    key = KeyStore(str(tmp_path / "keys.json")).create("alice", "pro")
+    engine = FakeEngine(max_model_len=256, step_s=0.01)
+    async with fake_gateway(tmp_path, engine, batches={"max_in_flight": 2}) as (base, app, _):
+        c = _client(base, key)
+        f = await c.files.create(file=("in.jsonl", _jsonl([_line(i, max_tokens=20) for i in range(20)])),
+                                 purpose="batch")
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        for _ in range(400):
+            if len(await app[BATCHES].results(b.id)) >= 3:
+                break
+            await asyncio.sleep(0.02)
+    # the gateway stopped mid-batch (its runner cancelled): a new one on the same directory resumes it
+    async with fake_gateway(tmp_path, FakeEngine(max_model_len=256)) as (base, _, _):
+        c = _client(base, key)
+        done = await _until_done(c, b.id)
+        assert done.status == "completed" and done.request_counts.completed == 20
+        out = [json.loads(x)["custom_id"] for x in (await c.files.content(done.output_file_id)).text.splitlines()]
+        assert out == [f"r{i}" for i in range(20)]  # each line once, in input order
