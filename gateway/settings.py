@@ -195,7 +195,12 @@ class FilesSettings(BaseModel):
 
 class BatchSettings(BaseModel):
     """The Batch API's lane (gateway/http/batches.py): lines run below every tier, on idle room."""
-    max_in_flight: int = Field(8, ge=1)  # batch lines being answered at once, across batches
+    # batch lines being answered at once, across batches: an idle engine is filled
+    max_in_flight: int = Field(48, ge=1)  # (below the engine's 64: interactive requests find a free slot)
+    # While interactive requests ran in the last interactive_window_s, at most beside_interactive batch
+    # lines are admitted (those running finish; new ones wait).
+    beside_interactive: int = Field(2, ge=0)
+    interactive_window_s: float = Field(5.0, ge=0)
 
 
 # ---------------------------------------------------------------- the gateway itself

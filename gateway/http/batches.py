@@ -128,6 +128,8 @@ class Runner:
         self.running: dict[str, asyncio.Task[None]] = {}
         self.cancelled: set[str] = set()
         self.slots = asyncio.Semaphore(app[STATE].settings.batches.max_in_flight)
+        self.in_flight: dict[str, int] = {}  # batch lines being answered, per model
+        self.interactive_seen: dict[str, float] = {}  # per model: when other requests were last in flight
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         for bid, t in list(self.running.items()):
@@ -205,9 +207,12 @@ class Runner:
                 continue
             if bid in self.cancelled or batch["status"] == "cancelling" or time.time() > batch["expires_at"]:
                 break
-            await self._admit(line["body"]["model"])
+            model = line["body"]["model"]
+            await self._admit(model)
             if bid in self.cancelled:
                 self.slots.release()
+                if self.app[STATE].pool_for(model) is not None:
+                    self.in_flight[model] -= 1
                 break
             task = asyncio.create_task(self._line(owner, tier, bid, i, line))
             pending.add(task)
@@ -241,16 +246,32 @@ class Runner:
         return state.remote is not None and bool(state.remote.chain(model))
 
     async def _admit(self, model: str) -> None:
-        """A slot, once nothing interactive waits in the model's queue (a batch line runs on idle room)."""
+        """A slot, once the model's engine has room for a batch line: nothing waits in its queue, and while
+        interactive requests ran in the last `interactive_window_s`, at most `beside_interactive` batch
+        lines are in flight (each batch row in a step lengthens every interactive token's wait)."""
         await self.slots.acquire()
         pool = self.app[STATE].pool_for(model)
-        while pool is not None and await pool.queue.depth() > 0:
+        if pool is None:
+            return
+        conf = self.app[STATE].settings.batches
+        while True:
+            stats = pool.worker_stats()
+            in_flight = sum(w.in_flight for w in stats)
+            mine = self.in_flight.get(model, 0)
+            now = time.monotonic()
+            if in_flight > mine:  # someone else's requests: interactive ones
+                self.interactive_seen[model] = now
+            near = now - self.interactive_seen.get(model, -1e9) < conf.interactive_window_s
+            if await pool.queue.depth() == 0 and not (near and mine >= conf.beside_interactive):
+                self.in_flight[model] = mine + 1
+                return
             await asyncio.sleep(0.02)
 
     async def _line(self, owner: str, tier: str, bid: str, i: int, line: dict[str, Any]) -> None:
         """One line to its recorded result. A failure that is the gateway's and passes (429, 5xx: a queue
         full, a shutdown, a provider down) is tried again after a backoff, not recorded: at most
         RETRIES times while the gateway runs; a gateway going down leaves the line for the next start."""
+        model = line["body"]["model"]
         try:
             for attempt in range(RETRIES + 1):
                 status, body = await self._call(owner, tier, line)
@@ -262,6 +283,8 @@ class Runner:
                     await asyncio.sleep(min(30.0, 0.5 * 2 ** attempt))
         finally:
             self.slots.release()
+            if self.app[STATE].pool_for(model) is not None:
+                self.in_flight[model] -= 1
         ok = status < 400
         result = {"id": f"batch_req_{os.urandom(12).hex()}", "custom_id": line["custom_id"],
                   "response": {"status_code": status, "request_id": f"req_{os.urandom(8).hex()}", "body": body},
