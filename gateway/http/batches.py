@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -130,6 +131,10 @@ class Runner:
         self.slots = asyncio.Semaphore(app[STATE].settings.batches.max_in_flight)
         self.in_flight: dict[str, int] = {}  # batch lines being answered, per model
         self.interactive_seen: dict[str, float] = {}  # per model: when other requests were last in flight
+        self.calling: dict[str, list[asyncio.Task[None]]] = {}  # per model: line tasks, oldest first
+        self.taken_back: set[asyncio.Task[None]] = set()  # cancelled for interactive requests, not shutdown
+        self.lines_taken_back = 0
+        self.requeued: dict[str, deque[int]] = {}  # per batch: lines taken back, to run again first
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         for bid, t in list(self.running.items()):
@@ -201,24 +206,34 @@ class Runner:
                                        request_counts={"total": len(lines), "completed": 0, "failed": 0})
         assert lines is not None
         done = await self.store.results(bid)
-        pending: set[asyncio.Task[None]] = set()
-        for i, line in enumerate(lines):
-            if i in done:
-                continue
-            if bid in self.cancelled or batch["status"] == "cancelling" or time.time() > batch["expires_at"]:
-                break
-            model = line["body"]["model"]
-            await self._admit(model)
-            if bid in self.cancelled:
-                self.slots.release()
-                if self.app[STATE].pool_for(model) is not None:
-                    self.in_flight[model] -= 1
-                break
-            task = asyncio.create_task(self._line(owner, tier, bid, i, line))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-        if pending:
-            await asyncio.gather(*pending)
+        todo = deque(i for i in range(len(lines)) if i not in done)
+        again = self.requeued.setdefault(bid, deque())  # lines taken back for interactive requests: first
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while todo or again or tasks:
+                if bid in self.cancelled or batch["status"] == "cancelling" or time.time() > batch["expires_at"]:
+                    break
+                if not todo and not again:
+                    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                i = again.popleft() if again else todo.popleft()
+                line = lines[i]
+                model = line["body"]["model"]
+                await self._admit(model)
+                if bid in self.cancelled:
+                    self._release(model)
+                    break
+                task = asyncio.create_task(self._line(owner, tier, bid, i, line))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)
+        except asyncio.CancelledError:  # shutting down: the lines in flight stop with it (and run again later)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        self.requeued.pop(bid, None)
         await self._finish(owner, bid, lines)
 
     def _validate(self, batch: dict[str, Any], lines: list[Any] | None) -> list[dict[str, Any]]:
@@ -272,6 +287,9 @@ class Runner:
         full, a shutdown, a provider down) is tried again after a backoff, not recorded: at most
         RETRIES times while the gateway runs; a gateway going down leaves the line for the next start."""
         model = line["body"]["model"]
+        me = asyncio.current_task()
+        assert me is not None
+        self.calling.setdefault(model, []).append(me)
         try:
             for attempt in range(RETRIES + 1):
                 status, body = await self._call(owner, tier, line)
@@ -281,16 +299,48 @@ class Runner:
                     return
                 if attempt < RETRIES:
                     await asyncio.sleep(min(30.0, 0.5 * 2 ** attempt))
+        except asyncio.CancelledError:
+            if me not in self.taken_back:
+                raise  # shutting down: the line runs again at the next start
+            self.taken_back.discard(me)
+            me.uncancel()
+            self.requeued.setdefault(bid, deque()).append(i)  # its turn again once there is room
+            return
         finally:
-            self.slots.release()
-            if self.app[STATE].pool_for(model) is not None:
-                self.in_flight[model] -= 1
+            self.calling[model].remove(me)
+            self._release(model)
         ok = status < 400
         result = {"id": f"batch_req_{os.urandom(12).hex()}", "custom_id": line["custom_id"],
                   "response": {"status_code": status, "request_id": f"req_{os.urandom(8).hex()}", "body": body},
                   "error": None}
         if await self.store.record(bid, i, ok, result):
             await self._count(owner, bid)
+
+    def _release(self, model: str) -> None:
+        self.slots.release()
+        if self.app[STATE].pool_for(model) is not None:
+            self.in_flight[model] -= 1
+
+    async def watch(self) -> None:
+        """Takes batch lines back from an engine that interactive requests arrived at: beyond
+        `beside_interactive`, the newest lines still being answered are cancelled (their engine slots and
+        step share freed at once) and queued again at the front of their batch."""
+        conf = self.app[STATE].settings.batches
+        while True:
+            await asyncio.sleep(0.02)
+            for model, tasks in self.calling.items():
+                extra = len(tasks) - conf.beside_interactive
+                pool = self.app[STATE].pool_for(model)
+                if extra <= 0 or pool is None:
+                    continue
+                others = sum(w.in_flight for w in pool.worker_stats()) - self.in_flight.get(model, 0)
+                if others > 0 or await pool.queue.depth() > 0:
+                    self.interactive_seen[model] = time.monotonic()
+                    for t in tasks[-extra:]:
+                        if t not in self.taken_back:
+                            self.taken_back.add(t)
+                            self.lines_taken_back += 1
+                            t.cancel()
 
     async def _count(self, owner: str, bid: str) -> dict[str, Any]:
         """request_counts from the recorded results (so a restart or a race cannot skew them)."""
@@ -368,11 +418,13 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     no line fails because the gateway is going down."""
     runner = app[RUNNER]
     task = asyncio.create_task(runner.run())
+    watcher = asyncio.create_task(runner.watch())
     yield
+    watcher.cancel()
     task.cancel()
     for t in list(runner.running.values()):
         t.cancel()  # lines without a result run again at the next start
-    await asyncio.gather(task, *runner.running.values(), return_exceptions=True)
+    await asyncio.gather(task, watcher, *runner.running.values(), return_exceptions=True)
     await app[BATCHES].close()
 
 

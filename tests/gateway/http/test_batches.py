@@ -140,3 +140,31 @@ async def test_a_restart_finishes_every_line_exactly_once(tmp_path):
         assert done.status == "completed" and done.request_counts.completed == 20
         out = [json.loads(x)["custom_id"] for x in (await c.files.content(done.output_file_id)).text.splitlines()]
         assert out == [f"r{i}" for i in range(20)]  # each line once, in input order
+
+
+async def test_an_interactive_request_takes_engine_room_back_from_the_batch(tmp_path):
+    """Batch lines fill the engine; an interactive request arrives: the newest lines beyond
+    beside_interactive are cancelled and queued again, and the batch still answers every line once."""
+    from gateway.http.batches import RUNNER
+    key = KeyStore(str(tmp_path / "keys.json")).create("alice", "pro")
+    engine = FakeEngine(max_running_requests=4, max_model_len=256, step_s=0.01)
+    async with fake_gateway(tmp_path, engine, batches={"max_in_flight": 4, "beside_interactive": 1,
+                                                       "interactive_window_s": 0.2}) as (base, app, _):
+        c = _client(base, key)
+        f = await c.files.create(file=("in.jsonl", _jsonl([_line(i, max_tokens=40) for i in range(12)])),
+                                 purpose="batch")
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        runner = app[RUNNER]
+        for _ in range(400):
+            if len(runner.calling.get("fake-model", [])) == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert len(runner.calling["fake-model"]) == 4  # the batch fills the engine
+        answer = await c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "now"}],
+                                                 max_tokens=5)
+        assert answer.choices[0].message.content == "user:"
+        assert runner.lines_taken_back == 3  # down to beside_interactive = 1
+        done = await _until_done(c, b.id)
+        assert done.status == "completed" and done.request_counts.completed == 12
+        out = [json.loads(x)["custom_id"] for x in (await c.files.content(done.output_file_id)).text.splitlines()]
+        assert out == [f"r{i}" for i in range(12)]
