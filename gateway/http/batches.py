@@ -270,14 +270,13 @@ class Runner:
             return
         conf = self.app[STATE].settings.batches
         while True:
-            stats = pool.worker_stats()
-            in_flight = sum(w.in_flight for w in stats)
             mine = self.in_flight.get(model, 0)
+            others = await self._others(pool, model)
             now = time.monotonic()
-            if in_flight > mine:  # someone else's requests: interactive ones
+            if others > 0:
                 self.interactive_seen[model] = now
             near = now - self.interactive_seen.get(model, -1e9) < conf.interactive_window_s
-            if await pool.queue.depth() == 0 and not (near and mine >= conf.beside_interactive):
+            if others <= 0 and not (near and mine >= conf.beside_interactive):
                 self.in_flight[model] = mine + 1
                 return
             await asyncio.sleep(0.02)
@@ -321,6 +320,13 @@ class Runner:
         if self.app[STATE].pool_for(model) is not None:
             self.in_flight[model] -= 1
 
+    async def _others(self, pool: Any, model: str) -> int:
+        """Requests of the model's that are not batch lines (interactive ones), queued or in the engine:
+        everything queued or handed to its workers less this runner's lines (which it counts from their
+        admission to their answer, so this errs low, never high)."""
+        queued = await pool.queue.depth()
+        return queued + sum(w.in_flight for w in pool.worker_stats()) - self.in_flight.get(model, 0)
+
     async def watch(self) -> None:
         """Takes batch lines back from an engine that interactive requests arrived at: beyond
         `beside_interactive`, the newest lines still being answered are cancelled (their engine slots and
@@ -333,8 +339,7 @@ class Runner:
                 pool = self.app[STATE].pool_for(model)
                 if extra <= 0 or pool is None:
                     continue
-                others = sum(w.in_flight for w in pool.worker_stats()) - self.in_flight.get(model, 0)
-                if others > 0 or await pool.queue.depth() > 0:
+                if await self._others(pool, model) > 0:
                     self.interactive_seen[model] = time.monotonic()
                     for t in tasks[-extra:]:
                         if t not in self.taken_back:
