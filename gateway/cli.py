@@ -295,6 +295,18 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--config", help="TOML config file (default: $SLUICE_CONFIG or config/sluice.toml)")
     worker.set_defaults(func=cmd_worker)
 
+    batch = sub.add_parser("batch", help="run a JSONL file through /v1/batches: submit, watch, download")
+    batch.add_argument("file", nargs="?", help="the input JSONL (one request per line: custom_id, method, url, body)")
+    batch.add_argument("--id", help="watch and download an existing batch instead of submitting one")
+    batch.add_argument("--endpoint", default="/v1/chat/completions",
+                       choices=["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"])
+    batch.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1"))
+    batch.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"),
+                       help="default: $OPENAI_API_KEY")
+    batch.add_argument("--output", help="where the results go (default: <file or id>.out.jsonl; errors: .err.jsonl)")
+    batch.add_argument("--no-wait", action="store_true", help="submit and print the batch id only")
+    batch.set_defaults(func=cmd_batch)
+
     # Everything after `bench` is its own command line (loadgen/cli.py parses it): prefix_chars
     # that no argument uses makes argparse hand it over untouched, options and --help included.
     bench = sub.add_parser("bench", add_help=False, prefix_chars="\x00",
@@ -303,6 +315,52 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("argv", nargs="*")
     bench.set_defaults(func=cmd_bench)
     return p
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    """`sluice batch FILE`: upload, create the batch, a progress bar until it ends, then the output and
+    error files beside the input. Exit status 0 only when it completed with no failed line."""
+    import openai
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if not args.file and not args.id:
+        print("sluice batch: give an input FILE or --id", file=sys.stderr)
+        return 2
+    client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=2)
+    try:
+        if args.id:
+            b = client.batches.retrieve(args.id)
+        else:
+            with open(args.file, "rb") as fh:
+                f = client.files.create(file=(Path(args.file).name, fh), purpose="batch")
+            b = client.batches.create(input_file_id=f.id, endpoint=args.endpoint, completion_window="24h")
+        print(b.id)
+        if args.no_wait:
+            return 0
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      transient=False) as bar:
+            task = bar.add_task(b.status, total=None)
+            while b.status not in ("completed", "failed", "cancelled", "expired"):
+                time.sleep(0.5)
+                b = client.batches.retrieve(b.id)
+                counts = b.request_counts
+                if counts is not None:
+                    bar.update(task, description=b.status, total=counts.total or None,
+                               completed=counts.completed + counts.failed)
+            bar.update(task, description=b.status)
+    except openai.APIError as e:
+        print(f"sluice batch: {e}", file=sys.stderr)
+        return 1
+    base = args.output or f"{args.file or b.id}.out.jsonl"
+    for file_id, path in ((b.output_file_id, base), (b.error_file_id, base.replace(".out.jsonl", "") + ".err.jsonl")):
+        if file_id:
+            Path(path).write_bytes(client.files.content(file_id).content)
+            print(f"wrote {path}")
+    if b.status == "failed" and b.errors is not None:
+        for err in (b.errors.data or [])[:10]:
+            print(f"line {err.line}: {err.code}: {err.message}", file=sys.stderr)
+    counts = b.request_counts
+    return 0 if b.status == "completed" and (counts is None or counts.failed == 0) else 1
 
 
 def _bench_scripts() -> tuple[Path, list[str]]:

@@ -168,3 +168,23 @@ async def test_an_interactive_request_takes_engine_room_back_from_the_batch(tmp_
         assert done.status == "completed" and done.request_counts.completed == 12
         out = [json.loads(x)["custom_id"] for x in (await c.files.content(done.output_file_id)).text.splitlines()]
         assert out == [f"r{i}" for i in range(12)]
+
+
+async def test_sluice_batch_submits_watches_and_downloads(tmp_path):
+    """The `sluice batch` command line against a running gateway: exit 0, the output file beside the input."""
+    import sys
+
+    key = KeyStore(str(tmp_path / "keys.json")).create("alice", "pro")
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(_jsonl([_line(i) for i in range(5)] + [_line(5, max_tokens=999_999)]))
+    async with fake_gateway(tmp_path, FakeEngine(max_model_len=256)) as (base, _, _):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway.cli", "batch", str(src), "--base-url", base + "/v1", "--api-key", key,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 1, err.decode()[-500:]  # one line failed: not a clean run
+    assert out.decode().splitlines()[0].startswith("batch_")
+    lines = [json.loads(x) for x in (tmp_path / "in.jsonl.out.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in lines] == [f"r{i}" for i in range(5)]
+    errors = [json.loads(x) for x in (tmp_path / "in.jsonl.err.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in errors] == ["r5"]
