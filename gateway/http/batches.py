@@ -39,6 +39,7 @@ log = logging.getLogger("sluice.batches")
 BATCHES = web.AppKey("batches_store", BatchStore)
 RUNNER: web.AppKey[Runner] = web.AppKey("batches_runner")
 
+LEASE_S = 30.0  # a batch whose runner has not renewed its claim for this long is taken over
 RETRIES = 5  # tries again of a line that failed on the gateway's side (429, 5xx) before its failure is recorded
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 HANDLERS: dict[str, Handler] = {"/v1/chat/completions": routes.chat_completions, "/v1/completions": routes.completions,
@@ -129,6 +130,7 @@ class Runner:
         self.running: dict[str, asyncio.Task[None]] = {}
         self.cancelled: set[str] = set()
         self.slots = asyncio.Semaphore(app[STATE].settings.batches.max_in_flight)
+        self.id = os.urandom(8).hex()  # this gateway's runner, in the batches' leases
         self.in_flight: dict[str, int] = {}  # batch lines being answered, per model
         self.interactive_seen: dict[str, float] = {}  # per model: when other requests were last in flight
         self.calling: dict[str, list[asyncio.Task[None]]] = {}  # per model: line tasks, oldest first
@@ -148,7 +150,7 @@ class Runner:
         while True:
             for owner, tier, batch in await self.store.active():
                 bid = batch["id"]
-                if bid not in self.running:
+                if bid not in self.running and await self.store.claim(bid, self.id, LEASE_S):
                     task = asyncio.create_task(self._batch(owner, tier, bid))
                     self.running[bid] = task
                     task.add_done_callback(self._forget)
@@ -183,6 +185,7 @@ class Runner:
         return out
 
     async def _batch(self, owner: str, tier: str, bid: str) -> None:
+        renew = asyncio.create_task(self._renew(bid))
         try:
             await self._drive(owner, tier, bid)
         except Exception:
@@ -190,6 +193,16 @@ class Runner:
             await self._update(owner, bid, status="failed", failed_at=int(time.time()),
                                errors={"object": "list", "data": [bp.line_error(0, "server_error",
                                                                                 "the batch failed in the gateway")]})
+        finally:
+            renew.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await self.store.unclaim(bid, self.id)
+
+    async def _renew(self, bid: str) -> None:
+        """Keeps this runner's lease on the batch while it drives it."""
+        while True:
+            await asyncio.sleep(LEASE_S / 3)
+            await self.store.claim(bid, self.id, LEASE_S)
 
     async def _drive(self, owner: str, tier: str, bid: str) -> None:
         batch = await self.store.get(None if owner == ANONYMOUS else owner, bid)

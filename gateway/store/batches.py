@@ -2,7 +2,8 @@
 
 A line's result is committed (INSERT OR IGNORE on (batch, line)) before the line counts as done, so a
 gateway killed mid-batch resumes at its next start with exactly the lines that have no result, and no
-line is answered twice.
+line is recorded twice. Gateways sharing the directory run each batch on one of them at a time: a
+runner claims it with a lease it renews, and another takes it over once the lease runs out.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import json
 import os
 import sqlite3
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ class BatchStore:
             db = sqlite3.connect(path, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("""CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, owner TEXT NOT NULL,
-                tier TEXT NOT NULL, created_at INTEGER NOT NULL, batch TEXT NOT NULL)""")
+                tier TEXT NOT NULL, created_at INTEGER NOT NULL, batch TEXT NOT NULL, runner TEXT, lease REAL)""")
             db.execute("""CREATE TABLE IF NOT EXISTS results (batch_id TEXT NOT NULL, line INTEGER NOT NULL,
                 ok INTEGER NOT NULL, result TEXT NOT NULL, PRIMARY KEY (batch_id, line))""")
             self._db = db
@@ -43,7 +45,7 @@ class BatchStore:
 
     async def put(self, owner: str | None, tier: str, batch: dict[str, Any]) -> None:
         def put() -> None:
-            self._conn().execute("INSERT OR REPLACE INTO batches VALUES (?, ?, ?, ?, ?)",
+            self._conn().execute("INSERT OR REPLACE INTO batches VALUES (?, ?, ?, ?, ?, NULL, NULL)",
                                  (batch["id"], owner or ANONYMOUS, tier, batch["created_at"], json.dumps(batch)))
         await self._run(put)
 
@@ -75,6 +77,23 @@ class BatchStore:
             out = [(o, t, json.loads(b)) for o, t, b in rows]
             return [x for x in out if x[2]["status"] in ("validating", "in_progress", "finalizing", "cancelling")]
         return await self._run(active)
+
+    async def claim(self, batch_id: str, runner: str, lease_s: float) -> bool:
+        """Whether `runner` (one gateway's) holds the batch for the next lease_s: it held it already, or
+        nobody did, or the holder's lease ran out (a gateway that died). Gateways sharing the directory
+        so run each batch on one of them at a time."""
+        def claim() -> bool:
+            now = time.time()
+            return self._conn().execute(
+                "UPDATE batches SET runner = ?, lease = ? WHERE id = ? AND (runner IS NULL OR runner = ? "
+                "OR lease < ?)", (runner, now + lease_s, batch_id, runner, now)).rowcount == 1
+        return await self._run(claim)
+
+    async def unclaim(self, batch_id: str, runner: str) -> None:
+        def unclaim() -> None:
+            self._conn().execute("UPDATE batches SET runner = NULL, lease = NULL WHERE id = ? AND runner = ?",
+                                 (batch_id, runner))
+        await self._run(unclaim)
 
     async def record(self, batch_id: str, line: int, ok: bool, result: dict[str, Any]) -> bool:
         """The line's result, once: False when it was already recorded."""

@@ -188,3 +188,18 @@ async def test_sluice_batch_submits_watches_and_downloads(tmp_path):
     assert [x["custom_id"] for x in lines] == [f"r{i}" for i in range(5)]
     errors = [json.loads(x) for x in (tmp_path / "in.jsonl.err.jsonl").read_text().splitlines()]
     assert [x["custom_id"] for x in errors] == ["r5"]
+
+
+async def test_gateways_sharing_the_directory_run_each_batch_once(tmp_path):
+    key = KeyStore(str(tmp_path / "keys.json")).create("alice", "pro")
+    shared = {"files": {"dir": str(tmp_path / "shared")}, "auth": {"keys_file": str(tmp_path / "keys.json")}}
+    one, two = FakeEngine(max_model_len=256, step_s=0.005), FakeEngine(max_model_len=256, step_s=0.005)
+    async with fake_gateway(tmp_path / "a", one, **shared) as (base_a, _, _), \
+            fake_gateway(tmp_path / "b", two, **shared) as (base_b, _, _):
+        a = _client(base_a, key)
+        f = await a.files.create(file=("in.jsonl", _jsonl([_line(i, max_tokens=8) for i in range(10)])),
+                                 purpose="batch")
+        b = await a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        done = await _until_done(_client(base_b, key), b.id)  # visible on both
+        assert done.status == "completed" and done.request_counts.completed == 10
+        assert len(one.added) + len(two.added) == 10 and (not one.added or not two.added)  # one runner did it all
