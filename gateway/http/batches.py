@@ -27,7 +27,7 @@ from aiohttp.test_utils import make_mocked_request
 from gateway import jsonio
 from gateway.admission.auth import KEY_NAME, TIER_KEY
 from gateway.errors import APIError
-from gateway.http import embeddings, files, prepare, responses, routes
+from gateway.http import embeddings, files, pages, prepare, responses, routes
 from gateway.http.offload import OFFLOAD
 from gateway.openai import batches as bp
 from gateway.state import STATE, GatewayState
@@ -81,24 +81,8 @@ async def retrieve(request: web.Request) -> web.Response:
 
 
 async def list_batches(request: web.Request) -> web.Response:
-    q = request.query
-    try:
-        limit = int(q.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise APIError(400, "`limit` must be an integer from 1 to 100.", param="limit", code="invalid_value")
     items = await request.app[BATCHES].list_for(_owner(request))
-    after = q.get("after")
-    if after is not None:
-        at = next((i for i, b in enumerate(items) if b["id"] == after), None)
-        if at is None:
-            raise APIError(400, f"`after`: no batch '{after}'.", param="after", code="invalid_value")
-        items = items[at + 1:]
-    page = items[:limit]
-    return web.json_response({"object": "list", "data": [bp.public(b) for b in page],
-                              "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
-                              "has_more": len(items) > limit})
+    return web.json_response(pages.page([bp.public(b) for b in items], request.query, default=20, most=100))
 
 
 async def cancel(request: web.Request) -> web.Response:

@@ -16,7 +16,7 @@ from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.errors import APIError
-from gateway.http import routes
+from gateway.http import pages, routes
 from gateway.state import STATE, GatewayState
 from gateway.store.files import FileStore
 
@@ -129,23 +129,8 @@ async def list_files(request: web.Request) -> web.Response:
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
         raise APIError(400, "`order` must be asc or desc.", param="order", code="invalid_value")
-    try:
-        limit = int(q.get("limit", "10000"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 10_000:
-        raise APIError(400, "`limit` must be an integer from 1 to 10,000.", param="limit", code="invalid_value")
     files = await request.app[FILES].list(_owner(request), q.get("purpose"), order)
-    after = q.get("after")
-    if after is not None:
-        at = next((i for i, f in enumerate(files) if f.id == after), None)
-        if at is None:
-            raise APIError(400, f"`after`: no file '{after}'.", param="after", code="invalid_value")
-        files = files[at + 1:]
-    page = files[:limit]
-    return web.json_response({"object": "list", "data": [f.as_openai() for f in page],
-                              "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
-                              "has_more": len(files) > limit})
+    return web.json_response(pages.page([f.as_openai() for f in files], q, default=10_000, most=10_000))
 
 
 async def retrieve(request: web.Request) -> web.Response:

@@ -8,59 +8,45 @@ runner claims it with a lease it renews, and another takes it over once the leas
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import sqlite3
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from gateway.store.responses import ANONYMOUS
+from gateway.store.sqlite import SqliteFile
 
 
 class BatchStore:
     def __init__(self, directory: str):
-        self.dir = Path(directory)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="batches-store")
-        self._db: sqlite3.Connection | None = None
+        self.db = SqliteFile(Path(directory), "batches.sqlite3", (
+            """CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, owner TEXT NOT NULL, tier TEXT NOT NULL,
+               created_at INTEGER NOT NULL, batch TEXT NOT NULL, runner TEXT, lease REAL)""",
+            """CREATE TABLE IF NOT EXISTS results (batch_id TEXT NOT NULL, line INTEGER NOT NULL, ok INTEGER NOT NULL,
+               result TEXT NOT NULL, PRIMARY KEY (batch_id, line))"""))
 
     def _conn(self) -> sqlite3.Connection:
-        if self._db is None:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            path = self.dir / "batches.sqlite3"
-            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
-            db = sqlite3.connect(path, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("""CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, owner TEXT NOT NULL,
-                tier TEXT NOT NULL, created_at INTEGER NOT NULL, batch TEXT NOT NULL, runner TEXT, lease REAL)""")
-            db.execute("""CREATE TABLE IF NOT EXISTS results (batch_id TEXT NOT NULL, line INTEGER NOT NULL,
-                ok INTEGER NOT NULL, result TEXT NOT NULL, PRIMARY KEY (batch_id, line))""")
-            self._db = db
-        return self._db
-
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return self.db.conn()
 
     async def put(self, owner: str | None, tier: str, batch: dict[str, Any]) -> None:
         def put() -> None:
             self._conn().execute("INSERT OR REPLACE INTO batches VALUES (?, ?, ?, ?, ?, NULL, NULL)",
                                  (batch["id"], owner or ANONYMOUS, tier, batch["created_at"], json.dumps(batch)))
-        await self._run(put)
+        await self.db.run(put)
 
     async def update(self, batch: dict[str, Any]) -> None:
         """Rewrites a stored batch (its owner and tier stay)."""
         def update() -> None:
             self._conn().execute("UPDATE batches SET batch = ? WHERE id = ?", (json.dumps(batch), batch["id"]))
-        await self._run(update)
+        await self.db.run(update)
 
     async def get(self, owner: str | None, batch_id: str) -> dict[str, Any] | None:
         def get() -> dict[str, Any] | None:
             row = self._conn().execute("SELECT batch FROM batches WHERE id = ? AND owner = ?",
                                        (batch_id, owner or ANONYMOUS)).fetchone()
             return json.loads(row[0]) if row else None
-        return await self._run(get)
+        return await self.db.run(get)
 
     async def list_for(self, owner: str | None) -> list[dict[str, Any]]:
         """The owner's batches, newest first."""
@@ -68,7 +54,7 @@ class BatchStore:
             return [json.loads(r[0]) for r in self._conn().execute(
                 "SELECT batch FROM batches WHERE owner = ? ORDER BY created_at DESC, rowid DESC",
                 (owner or ANONYMOUS,))]
-        return await self._run(list_)
+        return await self.db.run(list_)
 
     async def active(self) -> list[tuple[str, str, dict[str, Any]]]:
         """(owner, tier, batch) of every batch still to run or finish, oldest first (all owners)."""
@@ -76,7 +62,7 @@ class BatchStore:
             rows = self._conn().execute("SELECT owner, tier, batch FROM batches ORDER BY created_at, rowid")
             out = [(o, t, json.loads(b)) for o, t, b in rows]
             return [x for x in out if x[2]["status"] in ("validating", "in_progress", "finalizing", "cancelling")]
-        return await self._run(active)
+        return await self.db.run(active)
 
     async def claim(self, batch_id: str, runner: str, lease_s: float) -> bool:
         """Whether `runner` (one gateway's) holds the batch for the next lease_s: it held it already, or
@@ -87,20 +73,20 @@ class BatchStore:
             return self._conn().execute(
                 "UPDATE batches SET runner = ?, lease = ? WHERE id = ? AND (runner IS NULL OR runner = ? "
                 "OR lease < ?)", (runner, now + lease_s, batch_id, runner, now)).rowcount == 1
-        return await self._run(claim)
+        return await self.db.run(claim)
 
     async def unclaim(self, batch_id: str, runner: str) -> None:
         def unclaim() -> None:
             self._conn().execute("UPDATE batches SET runner = NULL, lease = NULL WHERE id = ? AND runner = ?",
                                  (batch_id, runner))
-        await self._run(unclaim)
+        await self.db.run(unclaim)
 
     async def record(self, batch_id: str, line: int, ok: bool, result: dict[str, Any]) -> bool:
         """The line's result, once: False when it was already recorded."""
         def record() -> bool:
             return self._conn().execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?)",
                                         (batch_id, line, int(ok), json.dumps(result))).rowcount == 1
-        return await self._run(record)
+        return await self.db.run(record)
 
     async def counts(self, batch_id: str) -> tuple[int, int]:
         """(lines answered, lines that failed) of the batch, from its recorded results."""
@@ -108,18 +94,13 @@ class BatchStore:
             row = self._conn().execute("SELECT COUNT(*), COALESCE(SUM(1 - ok), 0) FROM results WHERE batch_id = ?",
                                        (batch_id,)).fetchone()
             return int(row[0]), int(row[1])
-        return await self._run(counts)
+        return await self.db.run(counts)
 
     async def results(self, batch_id: str) -> dict[int, tuple[bool, dict[str, Any]]]:
         def results() -> dict[int, tuple[bool, dict[str, Any]]]:
             return {line: (bool(ok), json.loads(r)) for line, ok, r in self._conn().execute(
                 "SELECT line, ok, result FROM results WHERE batch_id = ?", (batch_id,))}
-        return await self._run(results)
+        return await self.db.run(results)
 
     async def close(self) -> None:
-        def close() -> None:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-        await self._run(close)
-        self._pool.shutdown(wait=True)
+        await self.db.close()

@@ -8,16 +8,15 @@ uploaded it: another key gets the same "not found" as for an id that never exist
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sqlite3
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gateway.store.responses import ANONYMOUS
+from gateway.store.sqlite import SqliteFile
 
 
 @dataclass(frozen=True)
@@ -37,21 +36,13 @@ class StoredFile:
 class FileStore:
     def __init__(self, directory: str):
         self.dir = Path(directory)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="files-store")
-        self._db: sqlite3.Connection | None = None
+        self.db = SqliteFile(self.dir, "files.sqlite3", (
+            """CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, owner TEXT NOT NULL, filename TEXT NOT NULL,
+               purpose TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL)""",
+            "CREATE INDEX IF NOT EXISTS files_owner ON files (owner, created_at)"))
 
     def _conn(self) -> sqlite3.Connection:
-        if self._db is None:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            path = self.dir / "files.sqlite3"
-            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
-            db = sqlite3.connect(path, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("""CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, owner TEXT NOT NULL,
-                filename TEXT NOT NULL, purpose TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL)""")
-            db.execute("CREATE INDEX IF NOT EXISTS files_owner ON files (owner, created_at)")
-            self._db = db
-        return self._db
+        return self.db.conn()
 
     def path(self, file_id: str) -> Path:
         return self.dir / f"{file_id}.data"
@@ -85,28 +76,20 @@ class FileStore:
         self.path(file_id).unlink(missing_ok=True)
         return True
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
     async def commit(self, owner: str | None, file_id: str, filename: str, purpose: str, size: int) -> StoredFile:
         """The upload at temp_path(file_id) becomes the file `file_id` of `owner`."""
         f = StoredFile(file_id, owner or ANONYMOUS, filename, purpose, size, int(time.time()))
-        await self._run(self._commit, f)
+        await self.db.run(self._commit, f)
         return f
 
     async def get(self, owner: str | None, file_id: str) -> StoredFile | None:
-        return await self._run(self._get, owner or ANONYMOUS, file_id)
+        return await self.db.run(self._get, owner or ANONYMOUS, file_id)
 
     async def list(self, owner: str | None, purpose: str | None = None, order: str = "desc") -> list[StoredFile]:
-        return await self._run(self._list, owner or ANONYMOUS, purpose, order)
+        return await self.db.run(self._list, owner or ANONYMOUS, purpose, order)
 
     async def delete(self, owner: str | None, file_id: str) -> bool:
-        return await self._run(self._delete, owner or ANONYMOUS, file_id)
+        return await self.db.run(self._delete, owner or ANONYMOUS, file_id)
 
     async def close(self) -> None:
-        def close() -> None:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-        await self._run(close)
-        self._pool.shutdown(wait=True)
+        await self.db.close()
