@@ -225,7 +225,7 @@ class Runner:
                 task.add_done_callback(tasks.discard)
             if tasks:
                 await asyncio.gather(*tasks)
-        except asyncio.CancelledError:  # shutting down: the lines in flight stop with it (and run again later)
+        except asyncio.CancelledError:  # shutdown: lines in flight stop; a line without a result runs at the next start
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
