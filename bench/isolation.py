@@ -28,6 +28,7 @@ from bench.server import sluice_server_process
 
 MODEL = "SmolLM2-135M-Instruct"
 STREAMS = 4
+RUN = random.randrange(10**6)  # in prompts, so that a server already running serves no case from its prefix cache
 
 
 def _chat(schema: dict | None = None, **extra) -> dict:
@@ -61,10 +62,10 @@ class Case:
 
 CASES = [
     Case("long_prompt_8191", "/completions", lambda: {
-        "model": MODEL, "prompt": [random.Random(0).randrange(1000, 40000) for _ in range(8191)], "max_tokens": 1},
+        "model": MODEL, "prompt": [random.Random(RUN).randrange(1000, 40000) for _ in range(8191)], "max_tokens": 1},
         200),
     Case("tools_80", "/chat/completions", lambda: _chat(tools=[
-        {"type": "function", "function": {"name": f"tool_{i}", "description": "Looks things up in the catalogue.",
+        {"type": "function", "function": {"name": f"tool_{i}", "description": f"Looks things up in catalogue {RUN}.",
                                           "parameters": {"type": "object", "properties": {
                                               "query": {"type": "string", "description": "what to look up"},
                                               "limit": {"type": "integer"}}, "required": ["query"]}}}
@@ -95,11 +96,13 @@ class Background:
 
     stamps: list[list[float]] = field(default_factory=lambda: [[] for _ in range(STREAMS)])
     errors: list[str] = field(default_factory=list)
+    sent: list[list[float]] = field(default_factory=lambda: [[] for _ in range(STREAMS)])  # each request's start
 
     async def stream(self, s: aiohttp.ClientSession, url: str, i: int, stop: asyncio.Event) -> None:
         while not stop.is_set():
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count slowly from 1 to 500, story {i}."}],
                     "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+            self.sent[i].append(time.perf_counter())
             async with s.post(url + "/chat/completions", json=body) as r:
                 async for raw in r.content:
                     if not raw.startswith(b"data:"):
@@ -112,7 +115,13 @@ class Background:
 
     def window(self, t0: float, t1: float) -> tuple[float, float]:
         """(tok/s per stream inside [t0, t1], the longest gap between tokens overlapping it)."""
-        count, gap = 0, 0.0
+        rate, gap, _ = self.window_at(t0, t1)
+        return rate, gap
+
+    def window_at(self, t0: float, t1: float) -> tuple[float, float, str]:
+        """window(), and where its longest gap lies: seconds after t0, and whether a stream's next request
+        began inside it (then the gap holds that request's time to first token)."""
+        count, gap, where = 0, 0.0, ""
         for st in self.stamps:
             inside = [x for x in st if t0 <= x <= t1]
             count += len(inside)
@@ -123,15 +132,18 @@ class Background:
                 gap = max(gap, t1 - t0)
                 continue
             edges = ([t0] if not before else []) + pts + ([t1] if not after else [])
-            gap = max(gap, max((b - a for a, b in zip(edges, edges[1:])), default=0.0))
-        return count / max(1e-9, t1 - t0) / STREAMS, gap
+            for a, b in zip(edges, edges[1:]):
+                if b - a > gap:
+                    restart = any(a < x < b for x in self.sent[self.stamps.index(st)])
+                    gap, where = b - a, f"at +{a - t0:.1f}s{' (new request)' if restart else ''}"
+        return count / max(1e-9, t1 - t0) / STREAMS, gap, where
 
 
 async def run_case(s: aiohttp.ClientSession, url: str, bg: Background, case: Case, settle: float) -> dict:
     await asyncio.sleep(settle)
     base_t0 = time.perf_counter() - settle
     body = json.dumps(case.body())
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.strftime("%H:%M:%S")
     async with s.post(url + case.path, data=body, headers={"Content-Type": "application/json"},
                       timeout=aiohttp.ClientTimeout(total=600)) as r:
         status = r.status
@@ -142,7 +154,7 @@ async def run_case(s: aiohttp.ClientSession, url: str, bg: Background, case: Cas
     if case.path.endswith("completions") and status == 200 and '"error"' in text[:2000] and "data:" in text:
         status = 400 if '"invalid_grammar"' in text else 500  # a stream that ended with an error event
     base, _ = bg.window(base_t0, t0)
-    during, gap = bg.window(t0, t1)
+    during, gap, where = bg.window_at(t0, t1)
     code = ""
     if status >= 400:
         try:
@@ -153,7 +165,7 @@ async def run_case(s: aiohttp.ClientSession, url: str, bg: Background, case: Cas
     ok = status == case.expect and (case.max_s is None or done - t0 <= case.max_s) and gap <= 1.0 and \
         during >= 0.8 * base
     return {"case": case.name, "status": status, "code": code, "secs": done - t0, "bg_base": base, "bg_during": during,
-            "ratio": during / base if base else float("nan"), "max_gap": gap, "ok": ok}
+            "ratio": during / base if base else float("nan"), "max_gap": gap, "gap_at": where, "started": started, "ok": ok}
 
 
 async def bench(url: str, cases: list[Case], settle: float) -> list[dict]:
@@ -166,8 +178,8 @@ async def bench(url: str, cases: list[Case], settle: float) -> list[dict]:
         for case in cases:
             rows.append(await run_case(s, url, bg, case, settle))
             r = rows[-1]
-            print(f"  {r['case']:28s} {r['status']} {r['code'] or '':18s} {r['secs']:7.2f}s  bg {r['bg_base']:6.1f} -> "
-                  f"{r['bg_during']:6.1f} tok/s ({r['ratio']:.2f}x)  max gap {r['max_gap']:.2f}s  "
+            print(f"  {r['started']} {r['case']:28s} {r['status']} {r['code'] or '':18s} {r['secs']:7.2f}s  bg {r['bg_base']:6.1f} -> "
+                  f"{r['bg_during']:6.1f} tok/s ({r['ratio']:.2f}x)  max gap {r['max_gap']:.2f}s {r['gap_at']}  "
                   f"{'ok' if r['ok'] else 'MISS'}", flush=True)
         stop.set()
         for t in tasks:

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import os
 import random
 import time
 
@@ -27,7 +28,8 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-SLOW_STEP_S = 1.0  # a step longer than this is logged (the scheduler bounds steps well below it)
+# A step longer than this is logged (the scheduler bounds steps well below it; lower it to watch a bench).
+SLOW_STEP_S = float(os.environ.get("SLUICE_SLOW_STEP_S", "1.0"))
 COMPILE_POLL_S = 0.005  # how long an otherwise idle step waits for a grammar to finish compiling
 
 

@@ -13,7 +13,9 @@ pairs): a chunk deep in a long context is cut to what the step's cost cap allows
 While decodes run, prefill is fair (`fair_prefill`): a prefilling sequence spends a credit that grows
 each step by the cost one decode stream gets (processor sharing: with four streams running, a
 long prompt takes a fifth of the engine), starting with a burst of one full chunk at position 0 so
-that short prompts still join in one step. A chunk smaller than MIN_CHUNK waits for more credit.
+that short prompts still join in one step. A chunk smaller than MIN_CHUNK waits for more credit. In a
+step that admits new requests, running prefills take at most what the newcomers' first chunks cost, so a
+new stream's first token never waits out a full-cap chunk of someone else's long prompt.
 
 When blocks run out, the lowest-ranked running sequence is preempted (its blocks freed; its tokens
 recomputed later, mostly from the prefix cache). A waiting request may preempt running ones of a
@@ -51,6 +53,7 @@ class SchedulerOutput:
     cost: float = 0.0  # predicted cost of the scheduled rows (StepCost units, without the step's base)
     num_decodes: int = 0
     decode_cost: float = 0.0
+    admitted_cost: float = 0.0  # the first chunks of sequences admitted this step
     _costs: dict[Sequence, tuple[float, bool]] = field(default_factory=dict)  # seq -> (cost, is a decode)
 
     def add(self, seq: Sequence, n: int, cost: float = 0.0, decode: bool = False) -> None:
@@ -133,15 +136,21 @@ class Scheduler:
     def _budget(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - out.num_tokens
 
-    def _chunk(self, seq: Sequence, start: int, num_uncomputed: int, out: SchedulerOutput) -> int:
+    def _chunk(self, seq: Sequence, start: int, num_uncomputed: int, out: SchedulerOutput,
+               beside_new: bool = False) -> int:
         """Tokens to compute this step from position `start`: what is left, within the step's token budget,
-        the prefill chunk size, the step's cost cap and, while decodes run, the sequence's credit."""
+        the prefill chunk size, the step's cost cap and, while decodes run, the sequence's credit. A running
+        prefill `beside_new` requests admitted this step costs at most what their first chunks cost: a
+        newcomer's first token then waits for a step about twice its own, not for a full-cap chunk of
+        someone's long prompt (with no decodes running, that chunk would otherwise take the whole cap)."""
         n = min(num_uncomputed, self._budget(out))
         if self.config.chunked_prefill_size > 0:
             n = min(n, self.config.chunked_prefill_size)
         if n <= 1:
             return n
         allowance = self.step_cap - out.cost
+        if beside_new and out.admitted_cost > 0:
+            allowance = min(allowance, out.admitted_cost)
         fair = self._fair(out)
         credit = min(seq.prefill_credit, self.burst)
         if fair:
@@ -194,7 +203,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or seq in out.scheduled:
                 continue  # preempted earlier in this loop, or admitted in this step
             start = seq.num_computed_tokens
-            n = self._chunk(seq, start, seq.num_uncomputed, out)
+            n = self._chunk(seq, start, seq.num_uncomputed, out, beside_new=prefills)
             if n == 0:
                 continue
             while not self.bm.can_grow(seq, n):
@@ -248,7 +257,9 @@ class Scheduler:
         self.bm.grow(seq, n)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+        cost = out.cost
         self._schedule_prefill(seq, match.num_tokens, n, out)
+        out.admitted_cost += out.cost - cost
 
     # -- after the step ----------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, sampled: dict[Sequence, int]) -> None:

@@ -97,6 +97,10 @@ def _init_child(tokenizer_bytes: bytes | None) -> None:
     _TOKENIZER = pickle.loads(tokenizer_bytes) if tokenizer_bytes else None
 
 
+def _ready() -> bool:
+    return True
+
+
 def _error_tuple(e: APIError) -> tuple[str, int, str, str | None, str | None]:
     return ("error", e.status, e.message, e.param, e.code)
 
@@ -142,6 +146,7 @@ class Offloader:
         self._tokenizer_bytes: bytes | None = None
         self._pool: ProcessPoolExecutor | None = None
         self._slots = asyncio.Semaphore(max_pending)
+        self._starting = asyncio.Lock()
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         """The engine's tokenizer, once loaded. One that cannot be pickled is used on a thread instead."""
@@ -159,17 +164,26 @@ class Offloader:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def _get_pool(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init_child, initargs=(self._tokenizer_bytes,))
-        return self._pool
+    def _start_pool(self) -> ProcessPoolExecutor:
+        """A started helper (blocking: call it on a thread). Starting one writes the pickled tokenizer
+        into a pipe the new process reads only once its interpreter is up, which takes seconds on a
+        busy machine: done on the event loop, that write stalled every running stream for as long."""
+        pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_child, initargs=(self._tokenizer_bytes,))
+        pool.submit(_ready).result()
+        return pool
+
+    async def _get_pool(self) -> ProcessPoolExecutor:
+        async with self._starting:
+            if self._pool is None:
+                self._pool = await asyncio.to_thread(self._start_pool)
+            return self._pool
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         async with self._slots:
             loop = asyncio.get_running_loop()
             try:
-                return _unwrap(await loop.run_in_executor(self._get_pool(), fn, *args))
+                return _unwrap(await loop.run_in_executor(await self._get_pool(), fn, *args))
             except BrokenProcessPool:  # the helper died (killed, out of memory): start a new one next time
                 log.error("the request-preparation helper process died; restarting it")
                 self._restart_pool()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -290,3 +291,23 @@ def test_a_short_request_is_not_kept_waiting_behind_a_long_prefill():
     sched.add(short)
     out = run_step(sched)
     assert out.scheduled.get(short) == 3 and long.is_prefilling
+
+
+@pytest.mark.parametrize("decodes", [0, 4])
+def test_a_newcomers_step_is_not_filled_with_a_long_prefill(decodes):
+    """The step that admits new requests gives a running long prefill at most what the newcomers' first
+    chunks cost: their first token waits for a step about twice their own, not a full-cap chunk."""
+    sched, long, cost = _fair_setup(8000, decodes=decodes)
+    for _ in range(6):
+        run_step(sched)
+    new = [Sequence.from_request(EngineRequest(f"n{i}", list(range(13)), SamplingParams(max_tokens=4)), 4)
+           for i in range(4)]
+    for seq in new:
+        sched.add(seq)
+    out = run_step(sched)
+    assert all(out.scheduled.get(seq) == 13 for seq in new)
+    newcomers = sum(cost.chunk(13, 0) for _ in new)
+    long_cost = cost.chunk(out.scheduled.get(long, 0), long.num_computed_tokens - out.scheduled.get(long, 0))
+    assert long_cost <= newcomers + 1e-12
+    assert out.cost < sched.step_cap / 2
+    assert any(long in run_step(sched).scheduled for _ in range(100))  # then it takes its share again

@@ -109,3 +109,36 @@ async def test_the_preparation_helper_runs_at_a_lower_priority():
         assert all(os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + CHILD_NICENESS) for pid in pids)
     finally:
         off.close()
+
+
+async def test_starting_the_helper_does_not_stall_the_event_loop():
+    """The helper starts on first use with the pickled tokenizer (megabytes) written into a pipe that the
+    new process reads only once its interpreter is up. Written from the event loop, that stalled every
+    stream for the helper's start (3.2 s under load, measured); it must happen off the loop."""
+    from gateway.http.offload import Offloader, RequestLimits
+    from tests.fixtures.big_tokenizer import BigTokenizer
+
+    tok = BigTokenizer()
+    off = Offloader(RequestLimits(), inline_prompt_chars=10)
+    off.set_tokenizer(tok)
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    try:
+        ids = await off.encode(tok, "one three five seven " * 10)  # long: tokenized in the (new) helper
+        assert list(ids) == [3, 5, 4, 5] * 10
+    finally:
+        done.set()
+        await ticker
+        off.close()
+    assert len(gaps) > 5, "the helper started too fast to tell"
+    assert max(gaps) < 0.15, f"the event loop stalled {max(gaps):.2f}s while the helper started"
