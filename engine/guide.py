@@ -350,7 +350,7 @@ class Guides:
         return mask
 
 
-COMPILE_NICE = 10  # the compile thread's niceness: it takes CPU the engine's step leaves idle first
+COMPILE_NICE = 19  # the compile thread's niceness: it takes CPU the engine's step leaves idle first
 
 
 def _address(buf: bytearray) -> int:

@@ -10,14 +10,15 @@ matching and the user's text with it switched off.
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .loader import LoadedModel
+if TYPE_CHECKING:  # a type only: the request-preparation helper unpickles a Tokenizer without torch
+    from .loader import LoadedModel
 
 # llama.cpp's pre-tokenizer names for byte-level BPE vocabularies, mapped to their split regexes.
 _GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""

@@ -223,6 +223,9 @@ class ServerSettings(BaseModel):
     # One request's size: more messages or prompt characters than this is a 400 before any templating.
     max_messages: int = Field(2048, ge=1)
     max_prompt_chars: int = Field(1_000_000, ge=1)
+    # The helper process that parses and tokenizes large requests starts with the gateway (at a low
+    # priority), so the first large request does not wait for it. false: on first use.
+    prepare_helper_at_start: bool = True
     # `sluice serve`'s event loop: "auto" is uvloop when it is installed (a Linux dependency), else asyncio's.
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
 

@@ -22,7 +22,7 @@ from gateway.admission.ledger import UsageLedger
 from gateway.admission.limits import Limiter
 from gateway.admission.usage import UsageStore
 from gateway.backends.remote.backend import RemoteBackend
-from gateway.http.offload import OFFLOAD
+from gateway.http.offload import OFFLOAD, Offloader
 from gateway.routing.sampler import MetricsSampler
 from gateway.state import STATE, GatewayState
 from gateway.tasks import cancel_and_wait, run_forever
@@ -88,9 +88,14 @@ def _context(engine: object) -> int:
     return int(getattr(engine, "max_model_len", 0) or getattr(engine, "max_input_tokens", 0))
 
 
-async def _start_all(state: GatewayState) -> None:
+async def _start_all(state: GatewayState, offload: Offloader) -> None:
     for pool in state.pools:
         await _start(state, pool)
+    chat = next((p for p in state.pools if p.kind == "chat" and p.engine is not None), None)
+    if chat is not None and getattr(chat.engine, "tokenizer", None) is not None and \
+            state.settings.server.prepare_helper_at_start:
+        offload.set_tokenizer(chat.engine.tokenizer)
+        offload.warm()  # the first large request does not wait for the helper's start
 
 
 async def _watch_workers(state: GatewayState, pool: ModelPool) -> None:
@@ -106,7 +111,7 @@ async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     for pool in state.pools:
         pool.queue.start_reaper()
-    tasks = [asyncio.create_task(_start_all(state), name="sluice-engine-start")]
+    tasks = [asyncio.create_task(_start_all(state, app[OFFLOAD]), name="sluice-engine-start")]
     if state.no_engine:
         tasks += [asyncio.create_task(_watch_workers(state, pool), name="sluice-worker-watch")
                   for pool in state.pools]

@@ -11,10 +11,12 @@ token ids packed as `array('i')` bytes (a million ids unpickle as one memcpy, no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
 import pickle
+import threading
 from array import array
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -85,13 +87,14 @@ _TOKENIZER: Any = None
 CHILD_NICENESS = 10  # the helper's work is one large request's: it yields the CPU to the engine's steps
 
 
-def _init_child(tokenizer_bytes: bytes | None) -> None:
-    """Runs first in the helper process: lower its priority before it loads the tokenizer (which imports
-    the engine package, torch included: seconds of CPU) so neither that nor a long prompt's tokenization
-    takes the CPU from the engine thread that every running stream waits on."""
+def _init_child(tokenizer_bytes: bytes | None, niceness: int) -> None:
+    """Runs first in the helper process: it already runs at `niceness` (inherited from the thread that
+    started it, so its interpreter's start yields the CPU too); made sure of here before it loads the
+    tokenizer, so neither that nor a long prompt's tokenization takes the CPU from the engine's steps."""
     global _TOKENIZER
     try:
-        os.nice(CHILD_NICENESS)
+        if os.getpriority(os.PRIO_PROCESS, 0) < niceness:
+            os.setpriority(os.PRIO_PROCESS, 0, niceness)
     except OSError:  # not allowed here: run at the normal priority
         pass
     _TOKENIZER = pickle.loads(tokenizer_bytes) if tokenizer_bytes else None
@@ -147,6 +150,8 @@ class Offloader:
         self._pool: ProcessPoolExecutor | None = None
         self._slots = asyncio.Semaphore(max_pending)
         self._starting = asyncio.Lock()
+        self._warming: asyncio.Task[Any] | None = None
+        self._closed = False
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         """The engine's tokenizer, once loaded. One that cannot be pickled is used on a thread instead."""
@@ -164,19 +169,54 @@ class Offloader:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def _start_pool(self) -> ProcessPoolExecutor:
-        """A started helper (blocking: call it on a thread). Starting one writes the pickled tokenizer
-        into a pipe the new process reads only once its interpreter is up, which takes seconds on a
-        busy machine: done on the event loop, that write stalled every running stream for as long."""
+    def _start_pool(self, niceness: int) -> ProcessPoolExecutor:
+        """A started helper (blocking: runs on its own thread, reniced first so that the new process
+        inherits the lower priority from its first instruction). Starting one writes the pickled
+        tokenizer into a pipe the new process reads only once its interpreter is up, which takes
+        seconds on a busy machine: done on the event loop, that write stalled every running stream."""
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
         pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_child, initargs=(self._tokenizer_bytes,))
+                                   initializer=_init_child, initargs=(self._tokenizer_bytes, niceness))
         pool.submit(_ready).result()
         return pool
 
     async def _get_pool(self) -> ProcessPoolExecutor:
         async with self._starting:
             if self._pool is None:
-                self._pool = await asyncio.to_thread(self._start_pool)
+                loop = asyncio.get_running_loop()
+                started: asyncio.Future[ProcessPoolExecutor] = loop.create_future()
+                niceness = min(19, os.getpriority(os.PRIO_PROCESS, 0) + CHILD_NICENESS)
+
+                def settle(pool: ProcessPoolExecutor | None, error: BaseException | None) -> None:
+                    # On the loop; kept even when the request that started it went away meanwhile.
+                    if pool is not None and self._pool is None and not self._closed:
+                        self._pool = pool
+                    elif pool is not None:
+                        pool.shutdown(wait=False)
+                    if started.done():
+                        return
+                    if self._pool is not None:
+                        started.set_result(self._pool)
+                    else:
+                        started.set_exception(error or RuntimeError("the helper did not start"))
+
+                def start() -> None:
+                    pool: ProcessPoolExecutor | None = None
+                    error: BaseException | None = None
+                    try:
+                        pool = self._start_pool(niceness)
+                    except BaseException as e:
+                        error = e
+                    try:
+                        loop.call_soon_threadsafe(settle, pool, error)
+                    except RuntimeError:  # the loop has closed meanwhile (the gateway stopped)
+                        if pool is not None:
+                            pool.shutdown(wait=False)
+
+                threading.Thread(target=start, name="sluice-helper-start", daemon=True).start()
+                await asyncio.shield(started)
+            assert self._pool is not None
             return self._pool
 
     async def _run(self, fn: Any, *args: Any) -> Any:
@@ -218,7 +258,19 @@ class Offloader:
         ids.frombytes(await self._run(_child_tokenize, kind, payload))
         return ids
 
+    def warm(self) -> None:
+        """Starts the helper now, in the background (at a lower priority), instead of on first use."""
+        async def start() -> None:
+            try:
+                await self._get_pool()
+            except Exception as e:  # first use tries again and answers 503 if it cannot
+                log.warning("the request-preparation helper did not start: %s", e)
+        self._warming = asyncio.create_task(start(), name="sluice-helper-warm")
+
     def close(self) -> None:
+        self._closed = True
+        if self._warming is not None:
+            self._warming.cancel()
         self._restart_pool()
 
 
