@@ -137,7 +137,8 @@ class Offloader:
     """Prepares requests inline when they are small and in one helper process when they are large.
 
     At most `max_pending` large requests are in the helper at once; more wait (without using CPU) for a
-    turn. The process starts on first use, so gateways that never see a large request never pay for it.
+    turn. The process starts on first use, or with the gateway when it calls `warm()` (`[server]
+    prepare_helper_at_start`), so the first large request does not wait for it.
     """
 
     def __init__(self, limits: RequestLimits, *, inline_body_bytes: int = 64 * 1024,
