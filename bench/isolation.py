@@ -28,6 +28,7 @@ from bench.server import sluice_server_process
 
 MODEL = "SmolLM2-135M-Instruct"
 STREAMS = 4
+STREAM_TOKENS = 1500  # each background request's length (greedy, ignore_eos)
 RUN = random.randrange(10**6)  # in prompts, so that a server already running serves no case from its prefix cache
 
 
@@ -99,9 +100,15 @@ class Background:
     sent: list[list[float]] = field(default_factory=lambda: [[] for _ in range(STREAMS)])  # each request's start
 
     async def stream(self, s: aiohttp.ClientSession, url: str, i: int, stop: asyncio.Event) -> None:
+        """Stream i's first request is i/STREAMS of the others' length, so the streams restart out of phase:
+        a decode's cost grows with its context, and streams that all restart together make the total rate
+        swing by a third over each cycle (a few seconds' baseline then lands anywhere on that swing)."""
+        first = True
         while not stop.is_set():
+            n = max(STREAM_TOKENS * i // STREAMS, 16) if first else STREAM_TOKENS
+            first = False
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count slowly from 1 to 500, story {i}."}],
-                    "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+                    "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
             self.sent[i].append(time.perf_counter())
             async with s.post(url + "/chat/completions", json=body) as r:
                 async for raw in r.content:
@@ -194,7 +201,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="an already running server's /v1 URL (default: start a fresh sluice serve)")
     ap.add_argument("--cases", help="comma-separated case names (default: all)")
-    ap.add_argument("--settle", type=float, default=3.0, help="seconds of baseline before each case")
+    ap.add_argument("--settle", type=float, default=5.0, help="seconds of baseline before each case")
     args = ap.parse_args()
     cases = [c for c in CASES if not args.cases or c.name in args.cases.split(",")]
     print(subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split("Flags")[0].strip())

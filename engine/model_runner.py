@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # The step cost model's timing at start: a chunk of this many tokens at position 0 and from position DEEP.
 STEP_COST_CHUNK = 64
-STEP_COST_DEEP = 1024
+STEP_COST_DEEP = 2048
 STEP_COST_REPEATS = 3
 STEP_COST_MIN_DEEP = 256
 
@@ -220,26 +220,25 @@ class ModelRunner:
 
     def measure_step_cost(self, max_model_len: int, chunk: int = STEP_COST_CHUNK,
                           deep: int = STEP_COST_DEEP) -> StepCost:
-        """The scheduler's cost model, timed here on synthetic steps (the best of a few runs each): a
-        one-row decode, a chunk at position 0 and the same chunk deep in a context. The default model
-        (token counts) where the context or the pool is too small to hold a deep chunk."""
+        """The scheduler's cost model, timed here on synthetic steps (`StepCost.measure`: a one-row decode,
+        a chunk at position 0 and the same chunk deep in a context, in turns; a term near 0, as the best
+        of separate runs sometimes gave, lets a long prompt's deep chunks take most of every step). The
+        default model (token counts) where the context or the pool is too small to hold a deep chunk."""
         deep = min(deep, max_model_len - chunk, self.num_blocks * self.block_size - chunk)
         if deep < STEP_COST_MIN_DEEP:
             return StepCost()
 
-        def best(query_lens: list[int], starts: list[int]) -> float:
-            step = self._synthetic_step(query_lens, starts)
-            times = []
-            for _ in range(STEP_COST_REPEATS):
-                t = time.perf_counter()
-                self.model.logits(self.model.hidden(*step))
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                times.append(time.perf_counter() - t)
-            return min(times)
+        steps = {"one": self._synthetic_step([1], [15]), "zero": self._synthetic_step([chunk], [0]),
+                 "deep": self._synthetic_step([chunk], [deep])}
 
-        one = best([1], [15])
-        cost = StepCost.fit(one, best([chunk], [0]), best([chunk], [deep]), chunk, deep, one_row_context=16)
+        def timed(kind: str) -> float:
+            t = time.perf_counter()
+            self.model.logits(self.model.hidden(*steps[kind]))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return time.perf_counter() - t
+
+        cost = StepCost.measure(timed, chunk, deep, STEP_COST_REPEATS)
         log.info("step cost model (scheduler): %s", cost.describe())
         return cost
 

@@ -11,11 +11,12 @@ Steps are bounded by their cost, not only by their tokens (`StepCost`: rows and 
 pairs): a chunk deep in a long context is cut to what the step's cost cap allows (the cost of
 `max_num_batched_tokens` rows at position 0), so no prompt length can make one step take seconds.
 While decodes run, prefill is fair (`fair_prefill`): a prefilling sequence spends a credit that grows
-each step by the cost one decode stream gets (processor sharing: with four streams running, a
-long prompt takes a fifth of the engine), starting with a burst of one full chunk at position 0 so
-that short prompts still join in one step. A chunk smaller than MIN_CHUNK waits for more credit. In a
-step that admits new requests, running prefills take at most what the newcomers' first chunks cost, so a
-new stream's first token never waits out a full-cap chunk of someone else's long prompt.
+each step by `prefill_share` (default 1) times the cost one decode stream gets (processor sharing:
+with four streams running, a long prompt takes a fifth of the engine), starting with a burst of one
+full chunk at position 0 so that short prompts still join in one step. A chunk smaller than MIN_CHUNK
+waits for more credit. In a step that admits new requests, running prefills take at most what the
+newcomers' first chunks cost, so a new stream's first token never waits out a full-cap chunk of someone
+else's long prompt.
 
 When blocks run out, the lowest-ranked running sequence is preempted (its blocks freed; its tokens
 recomputed later, mostly from the prefix cache). A waiting request may preempt running ones of a
@@ -188,10 +189,11 @@ class Scheduler:
         return out
 
     def _earn_credit(self, out: SchedulerOutput) -> None:
-        """Each prefilling sequence earns what one decode stream got this step (no decodes: a full burst)."""
+        """Each prefilling sequence earns `prefill_share` times what one decode stream got this step (no
+        decodes: a full burst)."""
         if not self.config.fair_prefill:
             return
-        share = out.decode_cost / out.num_decodes if out.num_decodes else 0.0
+        share = self.config.prefill_share * out.decode_cost / out.num_decodes if out.num_decodes else 0.0
         for seq in self.running:
             if seq.is_prefilling:
                 seq.prefill_credit = min(self.burst, seq.prefill_credit + share) if out.num_decodes else self.burst

@@ -15,6 +15,8 @@ token-count behaviour where nothing was measured.
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -63,6 +65,24 @@ class StepCost:
         per_row = max(1e-9, (chunk_at_zero - one_row - per_pair * (pairs0 - one_row_context)) / (n - 1))
         base = max(0.0, one_row - per_row - per_pair * one_row_context)
         return cls(base=base, per_row=per_row, per_pair=per_pair)
+
+    @classmethod
+    def measure(cls, timed: Callable[[str], float], n: int, deep_start: int, repeats: int,
+                one_row_context: int = 16) -> StepCost:
+        """`fit` from timings taken by `timed(kind)` (kind: "one", "zero" or "deep", the steps `fit` names).
+        The chunks run in turns after a warm-up run of each, and the attention term comes from the median
+        of their paired differences: contention that comes and goes (at start the other engines and the
+        request helper load beside this) then slows both sides of a difference or only one round, where
+        the best of a few separate runs of each put the term anywhere from 0 to 7x its value."""
+        timed("zero"), timed("deep")
+        ones, zeros, extra = [], [], []
+        for _ in range(repeats):
+            ones.append(timed("one"))
+            zeros.append(timed("zero"))
+            extra.append(timed("deep") - zeros[-1])
+        zero = statistics.median(zeros)
+        return cls.fit(statistics.median(ones), zero, zero + statistics.median(extra), n, deep_start,
+                       one_row_context)
 
     def describe(self) -> str:
         return (f"{self.base * 1e3:.2f} ms + {self.per_row * 1e3:.3f} ms/row + "
