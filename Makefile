@@ -65,8 +65,12 @@ lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# Two workers: what runs a real model stays on one of them, in order (tests/conftest.py), the rest spreads over
+# both; then the tests that measure token rates or stalls run alone (-m serial). `pytest` alone runs it all
+# in one process.
 test: lint redis-server chromium
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup -m "not serial" --durations=25
+	$(BIN)/python -m pytest -q -ra -m serial --durations=5
 
 bench: install
 	$(BIN)/sluice bench --list

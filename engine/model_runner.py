@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # The step cost model's timing at start: a chunk of this many tokens at position 0 and from position DEEP.
 STEP_COST_CHUNK = 64
-STEP_COST_DEEP = 2048
+STEP_COST_DEEP = 1024
 STEP_COST_REPEATS = 3
 STEP_COST_MIN_DEEP = 256
 

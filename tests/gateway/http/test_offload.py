@@ -42,6 +42,7 @@ def _p99(xs: list[float]) -> float:
 
 @pytest.mark.model
 @pytest.mark.slow
+@pytest.mark.serial
 async def test_huge_requests_leave_health_fast(real_gateway):
     gw = real_gateway
     headers = {"Authorization": f"Bearer {gw.key}", "Content-Type": "application/json"}
@@ -111,6 +112,7 @@ async def test_the_preparation_helper_runs_at_a_lower_priority():
         off.close()
 
 
+@pytest.mark.serial
 async def test_starting_the_helper_does_not_stall_the_event_loop():
     """The helper starts on first use with the pickled tokenizer (megabytes) written into a pipe that the
     new process reads only once its interpreter is up. Written from the event loop, that stalled every
