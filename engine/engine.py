@@ -202,6 +202,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, apply the sampled tokens (scheduler), then turn them into text."""
         outputs: list[RequestOutput] = []
+        started = time.perf_counter()
         if self._compiling:
             self._take_compiled(outputs)
         sched = self.scheduler.schedule()
@@ -234,6 +235,8 @@ class LLMEngine:
                 del self._outputs[seq.request_id]
             if out is not None:
                 outputs.append(out)
+        # The whole step, scheduling and output processing included: what the streams wait for each token.
+        self.scheduler.observe(sched, time.perf_counter() - started)
         return outputs
 
     def _isolate_failure(self, scheduled: dict[Sequence, int],

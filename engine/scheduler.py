@@ -11,10 +11,11 @@ Steps are bounded by their cost, not only by their tokens (`StepCost`: rows and 
 pairs): a chunk deep in a long context is cut to what the step's cost cap allows (the cost of
 `max_num_batched_tokens` rows at position 0), so no prompt length can make one step take seconds.
 While decodes run, prefill is fair (`fair_prefill`): a prefilling sequence spends a credit that grows
-each step by `prefill_share` (default 1) times the cost one decode stream gets (processor sharing:
-with four streams running, a long prompt takes a fifth of the engine), starting with a burst of one
-full chunk at position 0 so that short prompts still join in one step. A chunk smaller than MIN_CHUNK
-waits for more credit. In a step that admits new requests, running prefills take at most what the
+each step by `prefill_share` (default 0.7) times the cost one decode stream gets (processor sharing:
+with four streams running, a long prompt takes 0.7 / 4.7 of the engine), starting with a burst of one
+full chunk at position 0 so that short prompts still join in one step. Chunk costs are corrected by
+what the steps really take (`observe`, `ChunkCalibration`), so the share is one of real time. A chunk
+smaller than MIN_CHUNK waits for more credit. In a step that admits new requests, running prefills take at most what the
 newcomers' first chunks cost, so a new stream's first token never waits out a full-cap chunk of someone
 else's long prompt.
 
@@ -32,6 +33,7 @@ block manager (`can_grow`, `can_admit`); the scheduler never reads the pool.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,8 +42,9 @@ from .block_manager import BlockManager, PrefixMatch
 from .config import EngineConfig
 from .request import FinishReason
 from .sequence import SeqStatus, Sequence
-from .step_cost import StepCost
+from .step_cost import ChunkCalibration, StepCost
 
+log = logging.getLogger(__name__)
 Rank = tuple[int, int, float, int]
 MIN_CHUNK = 16  # while decodes run, a prefill chunk smaller than this (and than the rest) waits for credit
 
@@ -55,6 +58,7 @@ class SchedulerOutput:
     num_decodes: int = 0
     decode_cost: float = 0.0
     admitted_cost: float = 0.0  # the first chunks of sequences admitted this step
+    chunk_bias: float = 1.0  # the calibration's bias when scheduled: prefill chunks' costs include it
     _costs: dict[Sequence, tuple[float, bool]] = field(default_factory=dict)  # seq -> (cost, is a decode)
 
     def add(self, seq: Sequence, n: int, cost: float = 0.0, decode: bool = False) -> None:
@@ -82,6 +86,8 @@ class Scheduler:
         self.bm = block_manager
         self.clock = clock
         self.cost = cost or StepCost()
+        self.calibration = ChunkCalibration()
+        self._logged_bias = 1.0
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._set_cost_limits()
@@ -156,7 +162,7 @@ class Scheduler:
         credit = min(seq.prefill_credit, self.burst)
         if fair:
             allowance = min(allowance, credit)
-        fit = self.cost.max_chunk(start, allowance, n)
+        fit = self.cost.max_chunk(start, allowance / self.calibration.bias, n)
         if fit < min(MIN_CHUNK, n):
             if fair and credit < self.burst:
                 return 0  # wait for more credit
@@ -165,7 +171,7 @@ class Scheduler:
         return max(fit, 1)
 
     def _schedule_prefill(self, seq: Sequence, start: int, n: int, out: SchedulerOutput) -> None:
-        cost = self.cost.chunk(n, start)
+        cost = self.cost.chunk(n, start) * self.calibration.bias
         if self._fair(out):
             seq.prefill_credit = min(seq.prefill_credit, self.burst) - cost
         out.add(seq, n, cost)
@@ -177,7 +183,7 @@ class Scheduler:
     # -- the step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
-        out = SchedulerOutput()
+        out = SchedulerOutput(chunk_bias=self.calibration.bias)
         # Decodes, then new requests' first chunks, then the running prefills' next chunks: a prompt that
         # takes whole steps cannot keep a short request waiting behind it for its whole prefill.
         self._schedule_running(out, now, prefills=False)
@@ -264,6 +270,17 @@ class Scheduler:
         out.admitted_cost += out.cost - cost
 
     # -- after the step ----------------------------------------------------------------------------
+    def observe(self, sched: SchedulerOutput, seconds: float) -> None:
+        """How long a step took: chunk costs are calibrated against it (`ChunkCalibration`)."""
+        if self.config.fair_prefill:
+            self.calibration.observe(self.cost.base, sched.decode_cost,
+                                     (sched.cost - sched.decode_cost) / sched.chunk_bias, seconds)
+            bias = self.calibration.bias
+            if abs(bias / self._logged_bias - 1) > 0.25:
+                log.info("prefill chunks cost %.2fx the step cost model's prediction (decode steps %.2fx); "
+                         "chunks are charged that", bias, self.calibration.decode_scale)
+                self._logged_bias = bias
+
     def update_from_output(self, sched: SchedulerOutput, sampled: dict[Sequence, int]) -> None:
         """Applies a finished step: every scheduled sequence's tokens now have K/V in the cache (its
         full blocks join the prefix cache), and each sequence that sampled gets its token and

@@ -87,3 +87,41 @@ class StepCost:
     def describe(self) -> str:
         return (f"{self.base * 1e3:.2f} ms + {self.per_row * 1e3:.3f} ms/row + "
                 f"{self.per_pair * 1e9:.1f} ns per attended (row, key) pair")
+
+
+@dataclass
+class ChunkCalibration:
+    """How much a prefill chunk really costs against the model's prediction, learned from the steps that
+    run (`observe`). The model is timed once at start on a 64-row chunk; under load the chunks that share
+    steps with decodes are 16-20 rows deep in a long context, where the weights and the cached keys are
+    reused over fewer rows, and the served process (event loop, request helper) takes its own slice of
+    the cores. A chunk that costs 1.5x its prediction takes 1.5 streams' shares instead of one, and the
+    streams beside it slow by that much more. The scheduler scales chunk costs by `bias` so a prefill's
+    share is one of real time.
+
+    Decode-only steps give the scale of the model's decode predictions (`decode_scale`); a step with a
+    chunk gives the chunk's real cost as what the step took beyond its decodes' (scaled) prediction.
+    Both are moving averages; a chunk that is a small part of its step says little and is skipped."""
+
+    bias: float = 1.0  # a chunk's real cost / its predicted cost, relative to decodes'
+    decode_scale: float = 1.0  # a decode-only step's real time / its predicted time
+    alpha: float = 0.1  # weight of each new observation
+    min_share: float = 0.1  # a chunk under this part of its step's prediction is not observed
+    limits: tuple[float, float] = (0.5, 4.0)  # bias stays within these
+    observed: int = 0  # chunk steps observed
+
+    def observe(self, base: float, decode_cost: float, chunk_cost: float, seconds: float) -> None:
+        """One step that ran: `base` and `decode_cost` as the model predicts them, `chunk_cost` the
+        predicted cost of its prefill chunks without the bias, `seconds` what it took."""
+        if seconds <= 0 or base + decode_cost <= 0:
+            return
+        if chunk_cost <= 0:
+            sample = seconds / (base + decode_cost)
+            self.decode_scale += self.alpha * (sample - self.decode_scale)
+            return
+        if decode_cost <= 0 or chunk_cost < self.min_share * (base + decode_cost + chunk_cost):
+            return
+        sample = (seconds / self.decode_scale - base - decode_cost) / chunk_cost
+        sample = min(max(sample, self.limits[0]), self.limits[1])
+        self.bias += self.alpha * (sample - self.bias)
+        self.observed += 1

@@ -62,3 +62,26 @@ def test_measure_keeps_the_attention_term_through_contention_at_start(slow_calls
     got = StepCost.measure(_contended_timer(true, 64, 2048, slow_calls), 64, 2048, repeats=3)
     assert got.per_pair == pytest.approx(true.per_pair, rel=0.1), got
     assert got.per_row == pytest.approx(true.per_row, rel=0.25), got
+
+
+def test_calibration_learns_a_chunks_real_cost_relative_to_decodes():
+    """Steps that all run 1.3x slower than predicted (a busier machine) leave chunks' bias at 1; chunks
+    that cost 2x their prediction on top of that move it to 2; tiny chunks and noise past the limits
+    do not move it."""
+    from engine.step_cost import ChunkCalibration
+
+    c = ChunkCalibration()
+    for _ in range(100):
+        c.observe(0.002, 0.008, 0.0, 1.3 * 0.010)
+        c.observe(0.002, 0.008, 0.005, 1.3 * 0.015)
+    assert abs(c.decode_scale - 1.3) < 0.01 and abs(c.bias - 1.0) < 0.01
+    for _ in range(100):
+        c.observe(0.002, 0.008, 0.0, 1.3 * 0.010)
+        c.observe(0.002, 0.008, 0.005, 1.3 * (0.010 + 2 * 0.005))
+    assert abs(c.bias - 2.0) < 0.01
+    before = c.bias
+    c.observe(0.002, 0.008, 0.0001, 5.0)  # a chunk of 1% of its step: not observed
+    assert c.bias == before
+    for _ in range(100):
+        c.observe(0.002, 0.008, 0.005, 60.0)  # a stall: capped
+    assert c.bias == pytest.approx(c.limits[1], rel=1e-3)
