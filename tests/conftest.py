@@ -52,7 +52,24 @@ def pytest_collection_modifyitems(config, items):
                 item._id = item.parent.id.child(item.name)
             else:
                 item._nodeid = f"{item.nodeid.rsplit('::', 1)[0]}::{item.name}"
+    loadgroup = bool(getattr(config.option, "loadgroup", False))  # set on xdist workers under --dist loadgroup
     for item in items:
         group = _group(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+            if loadgroup:
+                _suffix_group(item, group)
+
+
+def _suffix_group(item, group: str) -> None:
+    """What xdist's own hook does for an xdist_group mark, for pytest 9: --dist loadgroup schedules by the
+    node id's "@group" suffix, and xdist sets `item._nodeid`, which pytest 9 no longer reads (the id is a
+    structured NodeId), so every group was split over both workers and its fixtures set up on each."""
+    if item.nodeid.endswith("@" + group):
+        return
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
+    else:
+        item._nodeid = f"{item.nodeid}@{group}"
