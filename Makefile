@@ -68,14 +68,8 @@ lint: install-test
 # Two workers: what runs a real model stays on one of them, in order (tests/conftest.py), the rest spreads over
 # both; then the tests that measure token rates or stalls run alone (-m serial). `pytest` alone runs it all
 # in one process.
-# mypy (the lint's slow half, about 50 s on one core) runs beside the parallel part and fails the target
-# after it; what it prints comes after pytest's report.
-test: install-test redis-server chromium
-	$(BIN)/ruff check .
-	@mkdir -p var; $(BIN)/mypy > var/mypy.log 2>&1 & mypy=$$!; \
-	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup -m "not serial" --durations=25; rc=$$?; \
-	wait $$mypy; mrc=$$?; echo "$(BIN)/mypy"; cat var/mypy.log; \
-	[ $$rc -eq 0 ] && [ $$mrc -eq 0 ]
+test: lint redis-server chromium
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup -m "not serial" --durations=25
 	$(BIN)/python -m pytest -q -ra -m serial --durations=5
 
 bench: install
