@@ -14,6 +14,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from collections import Counter
+
 import pytest
 
 from tests.fixtures.servers import real_gateway, redis_server  # noqa: F401  (session fixtures for every folder)
@@ -43,33 +45,27 @@ def _group(item) -> str | None:
 def pytest_collection_modifyitems(config, items):
     # schemathesis gives every operation's item the test's own node id ("...::test_openai_spec"); xdist
     # schedules by node id, and --dist loadgroup ran one operation of the 18. Each gets its name's id.
-    seen: dict[str, int] = {}
-    for item in items:
-        seen[item.nodeid] = seen.get(item.nodeid, 0) + 1
+    seen = Counter(item.nodeid for item in items)
     for item in items:
         if seen[item.nodeid] > 1 and item.name not in item.nodeid:
-            if hasattr(item, "_id"):  # pytest 9: the node id is a structured NodeId
-                item._id = item.parent.id.child(item.name)
-            else:
-                item._nodeid = f"{item.nodeid.rsplit('::', 1)[0]}::{item.name}"
+            _set_nodeid(item, f"{item.nodeid.rsplit('::', 1)[0]}::{item.name}")
+    # What xdist's own hook does for an xdist_group mark: --dist loadgroup schedules by the node id's
+    # "@group" suffix, and xdist sets `item._nodeid`, which pytest 9 no longer reads, so every group was
+    # split over both workers and its fixtures set up on each.
     loadgroup = bool(getattr(config.option, "loadgroup", False))  # set on xdist workers under --dist loadgroup
     for item in items:
         group = _group(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
-            if loadgroup:
-                _suffix_group(item, group)
+            if loadgroup and not item.nodeid.endswith("@" + group):
+                _set_nodeid(item, f"{item.nodeid}@{group}")
 
 
-def _suffix_group(item, group: str) -> None:
-    """What xdist's own hook does for an xdist_group mark, for pytest 9: --dist loadgroup schedules by the
-    node id's "@group" suffix, and xdist sets `item._nodeid`, which pytest 9 no longer reads (the id is a
-    structured NodeId), so every group was split over both workers and its fixtures set up on each."""
-    if item.nodeid.endswith("@" + group):
-        return
+def _set_nodeid(item, nodeid: str) -> None:
+    """pytest 9 keeps a structured NodeId (its string form is the one given); older pytest, a string."""
     if hasattr(item, "_id"):
         from _pytest.nodeid import NodeId
 
-        item._id = NodeId.parse(f"{item.nodeid}@{group}")
+        item._id = NodeId.parse(nodeid)
     else:
-        item._nodeid = f"{item.nodeid}@{group}"
+        item._nodeid = nodeid
