@@ -281,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     usage = sub.add_parser("usage", help="spend, remote-equivalent cost and savings from the usage ledger")
     usage.add_argument("--since", default="24h", help="how far back: 30m, 24h, 7d, 2w, or all (default 24h)")
-    usage.add_argument("--by", choices=("key", "model", "backend", "tier"), default="key")
+    usage.add_argument("--by", choices=("key", "model", "backend", "tier", "batch"), default="key",
+                       help="group rows by this (batch: Batch API lines apart from online requests)")
     usage.add_argument("--csv", action="store_true", help="CSV on stdout (money to 6 decimals), no total row")
     usage.add_argument("--redis-url", help="read the Redis stream (default: limits.redis_url, else redis_url)")
     usage.add_argument("--ledger", help="the SQLite ledger file (default: usage.ledger_path from the config)")

@@ -53,6 +53,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     # A relay's reason when the local model cannot serve it: the field it cannot serve (e.g. an image part).
     needs_remote: str | None = None
+    batch: bool = False  # a Batch API line: priced at the batch price, and not charged when taken back
 
     def __post_init__(self) -> None:
         if self.target is Target.LOCAL and self.sampling is None:
@@ -76,6 +77,7 @@ class EmbeddingJob:
     deadline: float | None = None  # wall-clock time after which a still-queued request is dropped (504)
     key: str | None = None  # the API key's name (never the key), for limits and usage
     size_bytes: int = 0  # the request body's size: bounds the prompt tokens a provider may count
+    batch: bool = False  # a Batch API line: priced at the batch price
 
     @property
     def prompt_tokens(self) -> int:

@@ -145,6 +145,10 @@ class KeyLimits(BaseModel):
     # Money: a request is refused once spent + what the key's requests in flight hold >= budget (each
     # holds its worst-case cost until it ends), so a budget is passed by at most one request's cost.
     budget: float | None = Field(None, ge=0)
+    # The Batch API: a key's lines being answered at once (across its batches; more wait their turn), and
+    # the prompt + completion tokens its lines may use per UTC day (then its batches wait for the next day).
+    batch_lines: int | None = Field(None, ge=1)
+    batch_tokens_per_day: int | None = Field(None, ge=1)
 
 
 class LimitSettings(BaseModel):
@@ -201,6 +205,9 @@ class BatchSettings(BaseModel):
     # lines are admitted (those running finish; new ones wait).
     beside_interactive: int = Field(2, ge=0)
     interactive_window_s: float = Field(5.0, ge=0)
+    # A line answered locally costs this share of the local price (usage rows flagged `batch`); OpenAI's
+    # Batch API is half price. A line a provider answered online costs what the provider charges.
+    price_factor: float = Field(0.5, ge=0)
 
 
 # ---------------------------------------------------------------- the gateway itself

@@ -72,6 +72,7 @@ class UsageRow:
     completion_tokens: int
     cost: float
     equivalent_cost: float  # the same tokens at the remote prices (see Accountant.record_usage)
+    batch: bool = False  # a Batch API line (priced at [batches] price_factor); rows from before it: False
 
 
 ROW_FIELDS = tuple(f.name for f in fields(UsageRow))
@@ -83,10 +84,14 @@ def row_from_mapping(d: dict[str, Any]) -> UsageRow:
     """A row from a Redis stream entry, a spill line or a SQLite record (anonymous: None or "")."""
     kw: dict[str, Any] = {}
     for f in ROW_FIELDS:
+        if f == "batch" and f not in d:  # written before the flag existed
+            continue
         v = d[f]
         v = v.decode() if isinstance(v, bytes) else v
         if f == "key":
             kw[f] = None if v is None or v == ANON_STORED else str(v)
+        elif f == "batch":
+            kw[f] = v in (True, 1, "1", "True", "true")
         else:
             kw[f] = int(v) if f in _INTS else float(v) if f in _FLOATS else str(v)
     return UsageRow(**kw)
@@ -94,7 +99,7 @@ def row_from_mapping(d: dict[str, Any]) -> UsageRow:
 
 def _stored(row: UsageRow) -> tuple[Any, ...]:
     """The row's values as storage keeps them (anonymous: the empty key name)."""
-    return tuple(ANON_STORED if f == "key" and v is None else v
+    return tuple(ANON_STORED if f == "key" and v is None else int(v) if f == "batch" else v
                  for f, v in ((f, getattr(row, f)) for f in ROW_FIELDS))
 
 
@@ -331,7 +336,7 @@ CREATE TABLE IF NOT EXISTS usage (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     ts REAL NOT NULL, key TEXT NOT NULL, tier TEXT NOT NULL, model TEXT NOT NULL, backend TEXT NOT NULL,
     prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
-    cost REAL NOT NULL, equivalent_cost REAL NOT NULL);
+    cost REAL NOT NULL, equivalent_cost REAL NOT NULL, batch INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts);
 CREATE TABLE IF NOT EXISTS archived (
     key TEXT NOT NULL, model TEXT NOT NULL, backend TEXT NOT NULL, requests INTEGER NOT NULL,
@@ -376,6 +381,8 @@ def _connect(path: str | Path, readonly: bool = False) -> sqlite3.Connection:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a process crash loses nothing committed
         db.executescript(_SCHEMA)
+        if "batch" not in {r[1] for r in db.execute("PRAGMA table_info(usage)")}:  # a ledger from before the flag
+            db.execute("ALTER TABLE usage ADD COLUMN batch INTEGER NOT NULL DEFAULT 0")
     except BaseException:
         db.close()
         raise
@@ -547,8 +554,10 @@ def read_sqlite(path: str | Path, since_ts: float) -> Iterator[UsageRow]:
         raise FileNotFoundError(f"no usage ledger at {path}")
     db = _connect(path, readonly=True)
     try:
-        for r in db.execute(f"SELECT {', '.join(ROW_FIELDS)} FROM usage WHERE ts >= ? ORDER BY id", (since_ts,)):
-            yield row_from_mapping(dict(zip(ROW_FIELDS, r)))
+        have = {r[1] for r in db.execute("PRAGMA table_info(usage)")}
+        cols = [f for f in ROW_FIELDS if f in have]  # a ledger no gateway has opened since the batch flag
+        for r in db.execute(f"SELECT {', '.join(cols)} FROM usage WHERE ts >= ? ORDER BY id", (since_ts,)):
+            yield row_from_mapping(dict(zip(cols, r)))
     finally:
         db.close()
 
@@ -671,7 +680,8 @@ def group_report(rows: Iterable[UsageRow], by: str) -> list[dict[str, Any]]:
     groups: dict[str, dict[str, Any]] = {}
     for r in rows:
         value = getattr(r, by)
-        label = ANON_SHOWN if by == "key" and value is None else str(value)
+        label = ANON_SHOWN if by == "key" and value is None else ("batch" if value else "online") if by == "batch" \
+            else str(value)
         g = groups.setdefault(label, {
             by: label, "requests": 0, "prompt_tokens": 0, "cached_tokens": 0,
             "completion_tokens": 0, "spend": 0.0, "equivalent": 0.0})

@@ -1,4 +1,4 @@
-"""Per-key limits: requests per minute, tokens per minute, and a money budget.
+"""Per-key limits: requests per minute, tokens per minute, a money budget, and Batch API tokens per day.
 
 Windows are fixed, aligned minutes: a key gets at most `rpm` admissions in each minute, and
 `Retry-After` says when the next minute starts. Requests are counted atomically at admission
@@ -22,6 +22,7 @@ from gateway.settings import KeyLimits, LimitSettings
 log = logging.getLogger("sluice.limits")
 
 WINDOW_S = 60
+DAY_S = 86400  # the Batch API's token quota: per UTC day
 
 
 @dataclass
@@ -83,7 +84,28 @@ class Limiter:
         w, _ = self._window()
         await self._incr(f"sluice:lim:tpm:{_ident(key, tier)}:{w}", tokens)
 
-    async def _incr(self, name: str, by: int) -> int:
+    # ---------------------------------------------------------------- the Batch API's daily tokens
+
+    def _day(self) -> tuple[int, float]:
+        now = self.clock()
+        d = int(now // DAY_S)
+        return d, (d + 1) * DAY_S - now
+
+    async def batch_tokens_wait(self, key: str | None, tier: str) -> float:
+        """0 while the key's batch lines may use tokens today, else the seconds until the next UTC day."""
+        cap = self.limits_for(key, tier).batch_tokens_per_day
+        if cap is None:
+            return 0.0
+        d, left = self._day()
+        return left if await self._get(f"sluice:lim:btpd:{_ident(key, tier)}:{d}") >= cap else 0.0
+
+    async def charge_batch_tokens(self, key: str | None, tier: str, tokens: int) -> None:
+        if self.limits_for(key, tier).batch_tokens_per_day is None or tokens <= 0:
+            return
+        d, _ = self._day()
+        await self._incr(f"sluice:lim:btpd:{_ident(key, tier)}:{d}", tokens, ttl=2 * DAY_S)
+
+    async def _incr(self, name: str, by: int, ttl: int = 2 * WINDOW_S) -> int:
         raise NotImplementedError
 
     async def _get(self, name: str) -> int:
@@ -96,25 +118,24 @@ class Limiter:
 class MemoryLimiter(Limiter):
     def __init__(self, settings: LimitSettings, clock: Callable[[], float] = time.time):
         super().__init__(settings, clock)
-        self._counts: dict[str, int] = {}
-        self._window_seen = -1
+        self._counts: dict[str, tuple[int, float]] = {}  # name -> (count, expires at)
+        self._gc_at = 0.0
 
     def _gc(self) -> None:
-        w, _ = self._window()
-        if w != self._window_seen:  # drop counters of past windows
-            self._window_seen = w
-            suffix = f":{w}"
-            self._counts = {k: v for k, v in self._counts.items() if k.endswith(suffix)}
+        now = self.clock()
+        if now >= self._gc_at:  # drop counters of past windows, at most once a window
+            self._gc_at = now + WINDOW_S
+            self._counts = {k: v for k, v in self._counts.items() if v[1] > now}
 
-    async def _incr(self, name: str, by: int) -> int:
+    async def _incr(self, name: str, by: int, ttl: int = 2 * WINDOW_S) -> int:
         self._gc()
-        n = self._counts.get(name, 0) + by
-        self._counts[name] = n
+        n = self._counts.get(name, (0, 0.0))[0] + by
+        self._counts[name] = (n, self.clock() + ttl)
         return n
 
     async def _get(self, name: str) -> int:
         self._gc()
-        return self._counts.get(name, 0)
+        return self._counts.get(name, (0, 0.0))[0]
 
 
 _INCR_EXPIRE = """
@@ -135,9 +156,9 @@ class RedisLimiter(Limiter):
         self.redis = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self._script = self.redis.register_script(_INCR_EXPIRE)
 
-    async def _incr(self, name: str, by: int) -> int:
+    async def _incr(self, name: str, by: int, ttl: int = 2 * WINDOW_S) -> int:
         try:
-            return int(await self._script(keys=[name], args=[by, WINDOW_S * 2]))
+            return int(await self._script(keys=[name], args=[by, ttl]))
         except Exception as e:  # fail open
             log.warning("rate-limit counter unavailable (%s); admitting", type(e).__name__)
             return 0

@@ -87,7 +87,8 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
         return Accountant(metrics, usage, limiter, estimator,
                           price if price is not None else settings.routing.local_price,
                           providers=settings.providers, ledger=ledger,
-                          reserve_completion_tokens=settings.limits.reserve_completion_tokens)
+                          reserve_completion_tokens=settings.limits.reserve_completion_tokens,
+                          batch_price_factor=settings.batches.price_factor)
 
     sampler: MetricsSampler | None = None
     for pool in state.pools:

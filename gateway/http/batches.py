@@ -121,6 +121,7 @@ class Runner:
         self.taken_back: set[asyncio.Task[None]] = set()  # cancelled for interactive requests, not shutdown
         self.lines_taken_back = 0
         self.requeued: dict[str, deque[int]] = {}  # per batch: lines taken back, to run again first
+        self.by_owner: dict[str, int] = {}  # batch lines being answered, per key (its `batch_lines` quota)
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         for bid, t in list(self.running.items()):
@@ -213,6 +214,8 @@ class Runner:
                 if not todo and not again:
                     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                     continue
+                if not await self._quota(owner, tier):
+                    continue  # waited: look at cancel and expiry again
                 i = again.popleft() if again else todo.popleft()
                 line = lines[i]
                 model = line["body"]["model"]
@@ -220,6 +223,7 @@ class Runner:
                 if bid in self.cancelled:
                     self._release(model)
                     break
+                self.by_owner[owner] = self.by_owner.get(owner, 0) + 1
                 task = asyncio.create_task(self._line(owner, tier, bid, i, line))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -256,6 +260,22 @@ class Runner:
         if state.pool_for(model) is not None:
             return True
         return state.remote is not None and bool(state.remote.chain(model))
+
+    async def _quota(self, owner: str, tier: str) -> bool:
+        """True when the key may start another line: fewer than its `batch_lines` in flight (on this
+        gateway) and its `batch_tokens_per_day` not used up. Otherwise waits a little (until a line ends;
+        up to 5 s of the wait for the next UTC day) and returns False."""
+        state: GatewayState = self.app[STATE]
+        key = None if owner == ANONYMOUS else owner
+        cap = state.limiter.limits_for(key, tier).batch_lines
+        if cap is not None and self.by_owner.get(owner, 0) >= cap:
+            await asyncio.sleep(0.02)
+            return False
+        wait = await state.limiter.batch_tokens_wait(key, tier)
+        if wait > 0:
+            await asyncio.sleep(min(wait, 5.0))
+            return False
+        return True
 
     async def _admit(self, model: str) -> None:
         """A slot, once the model's engine has room for a batch line: nothing waits in its queue, and while
@@ -305,6 +325,7 @@ class Runner:
         finally:
             self.calling[model].remove(me)
             self._release(model)
+            self.by_owner[owner] -= 1
         ok = status < 400
         result = {"id": f"batch_req_{os.urandom(12).hex()}", "custom_id": line["custom_id"],
                   "response": {"status_code": status, "request_id": f"req_{os.urandom(8).hex()}", "body": body},

@@ -98,7 +98,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
                        truncate=req.truncate, dimensions=req.dimensions, tier=tier,
                        priority=request.get(prepare.PRIORITY, prompt.tier_priority(tiers, tier)),
                        deadline=prompt.deadline(tiers, request.headers.get(prompt.DEADLINE_HEADER), tier),
-                       key=request.get(KEY_NAME), size_bytes=len(body))
+                       key=request.get(KEY_NAME), size_bytes=len(body), batch=prepare.PRIORITY in request)
     if _relayed(state, req, pool):
         job.target = Target.RELAY
     else:

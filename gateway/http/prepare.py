@@ -39,6 +39,11 @@ class Caller:
     timeout: str | None  # the client's own timeout (the `x-request-timeout` header), as sent
     priority: int | None = None  # None: the tier's; set for batch lines (below every tier)
 
+    @property
+    def batch(self) -> bool:
+        """A Batch API line: the gateway's own request, the only one that carries a priority."""
+        return self.priority is not None
+
 
 @dataclass(frozen=True)
 class Prepared:
@@ -227,4 +232,4 @@ def _generation(state: GatewayState, req: ChatCompletionRequest | CompletionRequ
         deadline=prompt.deadline(tiers, caller.timeout, caller.tier), model=model or req.model, api=req,
         endpoint=endpoint.name, key=caller.key,
         cache_salt=cache_salt(state.settings.auth.prefix_cache_scope, caller.key, caller.tier, req.cache_salt),
-        sampling=sampling, needs_remote=needs_remote)
+        sampling=sampling, needs_remote=needs_remote, batch=caller.batch)

@@ -284,7 +284,7 @@ async def _ask_natively(request: web.Request, req: rs.ResponsesRequest, history:
     n_in, n_out = int(u.get("input_tokens") or 0), int(u.get("output_tokens") or 0)
     cached = int((u.get("input_tokens_details") or {}).get("cached_tokens") or 0)
     await accountant.record_usage(who.key, who.tier, req.model, rid, answer.backend, answer.provider, n_in, cached,
-                                  n_out)
+                                  n_out, batch=who.batch)
     status = up.get("status") if up.get("status") in ("completed", "incomplete", "failed") else "completed"
     response.update(output=up["output"], status=status, incomplete_details=up.get("incomplete_details"),
                     error=up.get("error"), usage=rs.usage(n_in, n_out, cached),

@@ -48,7 +48,8 @@ def _requested_max_tokens(gen: GenerationRequest) -> int | None:
 class Accountant:
     def __init__(self, metrics: Metrics, usage: UsageStore, limiter: Limiter, estimator: WaitEstimator,
                  local_price: dict[str, float], *, providers: Sequence[ProviderSettings] = (),
-                 ledger: UsageLedger | None = None, reserve_completion_tokens: int = 4096):
+                 ledger: UsageLedger | None = None, reserve_completion_tokens: int = 4096,
+                 batch_price_factor: float = 1.0):
         self.metrics = metrics
         self.usage = usage
         self.limiter = limiter
@@ -56,6 +57,7 @@ class Accountant:
         self.local_price = local_price
         self.ledger = ledger
         self.reserve_completion_tokens = reserve_completion_tokens
+        self.batch_price_factor = batch_price_factor
         # The first provider (by `order`, then config position) serving each model prices its equivalent.
         self._first_provider: dict[str, ProviderSettings] = {}
         for p in sorted(providers, key=lambda p: p.order):
@@ -135,13 +137,18 @@ class Accountant:
         if stream.backend == LOCAL:
             self.estimator.completed_local(completion)
         await self.record_usage(gen.key, gen.tier, gen.model, gen.request_id, stream.backend,
-                                stream.provider_settings, prompt, cached, completion)
+                                stream.provider_settings, prompt, cached, completion, batch=gen.batch)
 
     async def record_usage(self, key: str | None, tier: str, model: str, request_id: str, backend: str,
-                           provider: ProviderSettings | None, prompt: int, cached: int, completion: int) -> None:
+                           provider: ProviderSettings | None, prompt: int, cached: int, completion: int, *,
+                           batch: bool = False) -> None:
         """One answered request (chat or embeddings): metrics, ledger row, totals, token limits; settles
-        the request's budget hold."""
+        the request's budget hold. A Batch API line answered locally costs `batch_price_factor` of the
+        local price, and its equivalent is the provider's batch price (OpenAI's: the same factor, half);
+        one a provider answered online costs what that provider charges."""
         cost, equivalent = self.costs(model, provider, prompt, cached, completion)
+        if batch and provider is None:
+            cost, equivalent = cost * self.batch_price_factor, equivalent * self.batch_price_factor
         label = key or ANON  # the metrics' label
         m = self.metrics
         m.usage_requests.labels(label, model, backend).inc()
@@ -152,10 +159,12 @@ class Accountant:
             m.usage_cost.labels(label, model, backend).inc(cost)
         if self.ledger is not None:
             self.ledger.append(UsageRow(time.time(), key, tier, model, backend, prompt, cached, completion, cost,
-                                        equivalent))
+                                        equivalent, batch))
         try:
             await self.usage.record(key, model, backend, prompt, cached, completion, cost, request_id=request_id)
             await self.limiter.charge_tokens(key, tier, prompt + completion)
+            if batch:
+                await self.limiter.charge_batch_tokens(key, tier, prompt + completion)
         except Exception:  # the answer went out; a store outage must not turn it into an error
             log.exception("usage accounting failed for %s", request_id)
         finally:
@@ -232,10 +241,14 @@ class AccountedStream(WrappedStream):
             return
         self._closed = True
         self._acc.estimator.ended_local(self._gen.request_id)
+        task = asyncio.current_task()
+        # A batch line cancelled (taken back for interactive requests, or the gateway stopping) is answered
+        # again from the start later; charged then, not now.
+        taken_back = self._gen.batch and task is not None and task.cancelling() > 0
         try:
             await self._inner.aclose()
         finally:
-            if self._outputs and not self._errored_early:
+            if self._outputs and not self._errored_early and not taken_back:
                 prompt, cached, completion = self.usage()
                 self._acc.metrics.e2e.labels(self._gen.tier, self.backend).observe(time.monotonic() - self._t0)
                 await asyncio.shield(self._acc.record(self._gen, self._inner, prompt, cached, completion))

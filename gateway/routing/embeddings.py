@@ -68,7 +68,7 @@ class EmbeddingRouter:
             raise
         self.metrics.e2e.labels(job.tier, result.backend).observe(time.monotonic() - t0)
         await self.accountant.record_usage(job.key, job.tier, job.model, job.request_id, result.backend,
-                                           result.provider, result.prompt_tokens, 0, 0)
+                                           result.provider, result.prompt_tokens, 0, 0, batch=job.batch)
         return result
 
     def _worst_cost(self, job: EmbeddingJob, local: bool, chain: list) -> float:

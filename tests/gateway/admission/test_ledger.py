@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import dataclasses
 import io
 import sqlite3
 import time
@@ -220,15 +221,39 @@ async def test_cli_text_and_csv(tmp_path, capsys, monkeypatch):
     assert cli_main(["usage", "--ledger", str(path), "--since", "soon"]) == 2
 
 
+async def test_the_batch_flag_is_kept_read_from_ledgers_that_predate_it_and_reported(tmp_path, capsys,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("SLUICE_CONFIG", str(tmp_path / "none.toml"))
+    (tmp_path / "none.toml").write_text("")
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as db:  # the table as gateways created it before the flag
+        db.execute("CREATE TABLE usage (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, key TEXT NOT NULL, "
+                   "tier TEXT NOT NULL, model TEXT NOT NULL, backend TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, "
+                   "cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, cost REAL NOT NULL, "
+                   "equivalent_cost REAL NOT NULL)")
+        db.execute("INSERT INTO usage (ts, key, tier, model, backend, prompt_tokens, cached_tokens, "
+                   "completion_tokens, cost, equivalent_cost) VALUES (?, 'old', 'pro', 'smol', 'local', 1, 0, 1, "
+                   "1.0, 2.0)", (time.time(),))
+    assert [r.batch for r in read_sqlite(path, 0)] == [False]  # read as it is, before any gateway migrates it
+    ledger = SQLiteLedger(path)
+    ledger.append(dataclasses.replace(_row(1, key="new", cost=0.5, equivalent=1.0), batch=True))
+    await ledger.close()
+    assert [(r.key, r.batch) for r in read_sqlite(path, 0)] == [("old", False), ("new", True)]
+    assert cli_main(["usage", "--ledger", str(path), "--by", "batch", "--csv"]) == 0
+    got = {g["batch"]: g for g in csv.DictReader(io.StringIO(capsys.readouterr().out))}
+    assert (got["online"]["spend"], got["batch"]["spend"]) == ("1.000000", "0.500000")
+
+
 async def test_redis_stream_ledger(redis_server, tmp_path, capsys):
     ledger = RedisLedger(redis_server.url, retention_days=1, stream="sluice:usage:test")
     now = time.time()
     for i in range(5):
-        ledger.append(_row(i, key="team-r", cost=0.1, equivalent=0.3))
+        ledger.append(dataclasses.replace(_row(i, key="team-r", cost=0.1, equivalent=0.3), batch=i == 4))
     await ledger.close()
     rows = list(read_redis(redis_server.url, now - 60, stream="sluice:usage:test"))
     assert [r.prompt_tokens for r in rows] == [10, 11, 12, 13, 14]
     assert rows[0] == _row(0, ts=rows[0].ts, key="team-r", cost=0.1, equivalent=0.3)
+    assert [r.batch for r in rows] == [False] * 4 + [True]
     assert list(read_redis(redis_server.url, time.time() + 60, stream="sluice:usage:test")) == []
 
     # `sluice usage --redis-url` reads the gateway's stream (other tests' gateways may write to it too).

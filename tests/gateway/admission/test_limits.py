@@ -1,5 +1,6 @@
 """The rate and budget limiters (gateway/admission/limits.py) on a settable clock: requests and tokens per
-minute per key and per tier, the window's Retry-After, budgets, and one count shared through Redis."""
+minute per key and per tier, the window's Retry-After, budgets, the Batch API's tokens per UTC day, and one
+count shared through Redis."""
 
 from __future__ import annotations
 
@@ -28,6 +29,23 @@ async def test_memory_limiter_enforces_rpm_tpm_and_budget_per_minute_window():
     lim2 = MemoryLimiter(LimitSettings(keys={"b": {"budget": 1.0}}), clock=c)
     assert (await lim2.admit("b", "pro", spent=0.99)).ok
     assert (await lim2.admit("b", "pro", spent=1.0)).reason == "budget"
+
+
+async def test_batch_tokens_per_day_wait_for_the_next_utc_day_and_outlive_minute_windows():
+    c = Clock(86400.0 * 100 + 3600)  # 01:00 UTC
+    lim = MemoryLimiter(LimitSettings(keys={"k": {"batch_tokens_per_day": 100}}), clock=c)
+    assert await lim.batch_tokens_wait("k", "pro") == 0
+    await lim.charge_batch_tokens("k", "pro", 60)
+    c.t += 600  # minute windows come and go; the day's count stays
+    await lim.admit("k", "pro")
+    assert await lim.batch_tokens_wait("k", "pro") == 0
+    await lim.charge_batch_tokens("k", "pro", 40)
+    assert await lim.batch_tokens_wait("k", "pro") == pytest.approx(86400 - 3600 - 600)
+    assert await lim.batch_tokens_wait("other", "pro") == 0  # per key; no quota: never waits
+    await lim.charge_batch_tokens("other", "pro", 10**9)
+    assert await lim.batch_tokens_wait("other", "pro") == 0
+    c.t += 86400 - 3600 - 600  # the next day
+    assert await lim.batch_tokens_wait("k", "pro") == 0
 
 
 @pytest.mark.redis

@@ -203,3 +203,86 @@ async def test_gateways_sharing_the_directory_run_each_batch_once(tmp_path):
         done = await _until_done(_client(base_b, key), b.id)  # visible on both
         assert done.status == "completed" and done.request_counts.completed == 10
         assert len(one.added) + len(two.added) == 10 and (not one.added or not two.added)  # one runner did it all
+
+
+def _ledger(tmp_path) -> list:
+    from gateway.admission.ledger import read_sqlite
+    return list(read_sqlite(tmp_path / "usage.sqlite3", 0.0))
+
+
+async def test_batch_lines_are_flagged_and_priced_at_the_batch_price(tmp_path):
+    """Usage rows of batch lines carry `batch` and cost [batches] price_factor of the same online request."""
+    key = KeyStore(str(tmp_path / "keys.json")).create("alice", "pro")
+    price = {"input_per_m": 1e6, "output_per_m": 2e6}  # a token: $1 in, $2 out
+    async with fake_gateway(tmp_path, FakeEngine(max_model_len=256), routing={"local_price": price},
+                            batches={"price_factor": 0.25}) as (base, _, _):
+        c = _client(base, key)
+        f = await c.files.create(file=("in.jsonl", _jsonl([_line(i) for i in range(3)])), purpose="batch")
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert (await _until_done(c, b.id)).request_counts.completed == 3
+        online = await c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "q0"}],
+                                                 max_tokens=4)
+    rows = _ledger(tmp_path)
+    assert sorted(r.batch for r in rows) == [False, True, True, True]
+    full = online.usage.prompt_tokens + 2 * online.usage.completion_tokens
+    assert [r.cost for r in rows if not r.batch] == [pytest.approx(full)]
+    assert all(r.cost == pytest.approx((r.prompt_tokens + 2 * r.completion_tokens) * 0.25) for r in rows if r.batch)
+
+
+async def test_lines_taken_back_are_charged_once(tmp_path):
+    """A line cancelled for interactive traffic is answered again later: one usage row per line."""
+    from gateway.http.batches import RUNNER
+    key = KeyStore(str(tmp_path / "keys.json")).create("alice", "pro")
+    engine = FakeEngine(max_running_requests=4, max_model_len=256, step_s=0.01)
+    async with fake_gateway(tmp_path, engine, batches={"max_in_flight": 4, "beside_interactive": 1,
+                                                       "interactive_window_s": 0.2}) as (base, app, _):
+        c = _client(base, key)
+        f = await c.files.create(file=("in.jsonl", _jsonl([_line(i, max_tokens=40) for i in range(8)])),
+                                 purpose="batch")
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        runner = app[RUNNER]
+        for _ in range(400):
+            if len(runner.calling.get("fake-model", [])) == 4 and len(engine.added) >= 4:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the lines have tokens out
+        await c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "now"}],
+                                        max_tokens=5)
+        assert runner.lines_taken_back == 3
+        assert (await _until_done(c, b.id)).request_counts.completed == 8
+    rows = _ledger(tmp_path)
+    assert sum(r.batch for r in rows) == 8 and sum(not r.batch for r in rows) == 1
+
+
+async def test_a_keys_batch_quota_holds_its_lines_not_anothers(tmp_path):
+    """`batch_lines`: at most that many of the key's lines at once; `batch_tokens_per_day`: once used up the
+    key's batch waits (cancel still ends it), while another key's batch runs."""
+    from gateway.http.batches import RUNNER
+    store = KeyStore(str(tmp_path / "keys.json"))
+    alice, bob, carol = store.create("alice", "pro"), store.create("bob", "pro"), store.create("carol", "pro")
+    limits = {"keys": {"alice": {"batch_lines": 1}, "carol": {"batch_lines": 1, "batch_tokens_per_day": 1}}}
+    engine = FakeEngine(max_model_len=256, step_s=0.01)
+    async with fake_gateway(tmp_path, engine, limits=limits, batches={"max_in_flight": 8}) as (base, app, _):
+        runner = app[RUNNER]
+        ids = {}
+        for name, key in (("alice", alice), ("bob", bob), ("carol", carol)):
+            c = _client(base, key)
+            f = await c.files.create(file=("in.jsonl", _jsonl([_line(i, max_tokens=10) for i in range(6)])),
+                                     purpose="batch")
+            ids[name] = (c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h")).id)
+        most: dict[str, int] = {}
+        for _ in range(1000):
+            for name, n in runner.by_owner.items():
+                most[name] = max(most.get(name, 0), n)
+            done = [await c.batches.retrieve(bid) for c, bid in (ids["alice"], ids["bob"])]
+            if all(d.status == "completed" for d in done):
+                break
+            await asyncio.sleep(0.01)
+        assert [d.request_counts.completed for d in done] == [6, 6]
+        assert most["alice"] == 1 and most["bob"] > 1
+        c, bid = ids["carol"]
+        held = await c.batches.retrieve(bid)
+        assert held.status == "in_progress" and held.request_counts.completed == 1  # its day's tokens: used
+        assert (await c.batches.cancel(bid)).status == "cancelling"
+        assert (await _until_done(c, bid)).status == "cancelled"
