@@ -208,6 +208,9 @@ class BatchSettings(BaseModel):
     # A line answered locally costs this share of the local price (usage rows flagged `batch`); OpenAI's
     # Batch API is half price. A line a provider answered online costs what the provider charges.
     price_factor: float = Field(0.5, ge=0)
+    # Gateways sharing [files] dir: a batch whose runner has not renewed its claim for this long (its gateway
+    # killed) is taken over by another.
+    lease_s: float = Field(30.0, gt=0)
 
 
 # ---------------------------------------------------------------- the gateway itself

@@ -39,7 +39,7 @@ log = logging.getLogger("sluice.batches")
 BATCHES = web.AppKey("batches_store", BatchStore)
 RUNNER: web.AppKey[Runner] = web.AppKey("batches_runner")
 
-LEASE_S = 30.0  # a batch whose runner has not renewed its claim for this long is taken over
+RATE_WINDOW_S = 30.0  # the dashboard's lines/s: over this long
 RETRIES = 5  # tries again of a line that failed on the gateway's side (429, 5xx) before its failure is recorded
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 HANDLERS: dict[str, Handler] = {"/v1/chat/completions": routes.chat_completions, "/v1/completions": routes.completions,
@@ -114,7 +114,8 @@ class Runner:
         self.running: dict[str, asyncio.Task[None]] = {}
         self.cancelled: set[str] = set()
         self.slots = asyncio.Semaphore(app[STATE].settings.batches.max_in_flight)
-        self.id = os.urandom(8).hex()  # this gateway's runner, in the batches' leases
+        self.id = f"{os.getpid()}-{os.urandom(6).hex()}"  # this gateway's runner, in the batches' leases
+        self.lease_s = app[STATE].settings.batches.lease_s
         self.in_flight: dict[str, int] = {}  # batch lines being answered, per model
         self.interactive_seen: dict[str, float] = {}  # per model: when other requests were last in flight
         self.calling: dict[str, list[asyncio.Task[None]]] = {}  # per model: line tasks, oldest first
@@ -122,6 +123,7 @@ class Runner:
         self.lines_taken_back = 0
         self.requeued: dict[str, deque[int]] = {}  # per batch: lines taken back, to run again first
         self.by_owner: dict[str, int] = {}  # batch lines being answered, per key (its `batch_lines` quota)
+        self.samples: dict[str, deque[tuple[float, int]]] = {}  # per batch: (when, lines answered), for lines/s
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         for bid, t in list(self.running.items()):
@@ -135,7 +137,7 @@ class Runner:
         while True:
             for owner, tier, batch in await self.store.active():
                 bid = batch["id"]
-                if bid not in self.running and await self.store.claim(bid, self.id, LEASE_S):
+                if bid not in self.running and await self.store.claim(bid, self.id, self.lease_s):
                     task = asyncio.create_task(self._batch(owner, tier, bid))
                     self.running[bid] = task
                     task.add_done_callback(self._forget)
@@ -186,8 +188,8 @@ class Runner:
     async def _renew(self, bid: str) -> None:
         """Keeps this runner's lease on the batch while it drives it."""
         while True:
-            await asyncio.sleep(LEASE_S / 3)
-            await self.store.claim(bid, self.id, LEASE_S)
+            await asyncio.sleep(self.lease_s / 3)
+            await self.store.claim(bid, self.id, self.lease_s)
 
     async def _drive(self, owner: str, tier: str, bid: str) -> None:
         batch = await self.store.get(None if owner == ANONYMOUS else owner, bid)
@@ -364,6 +366,40 @@ class Runner:
                             self.taken_back.add(t)
                             self.lines_taken_back += 1
                             t.cancel()
+
+    async def progress(self) -> dict[str, Any]:
+        """The dashboard's view: every unfinished batch (all gateways sharing the directory, all keys: the
+        dashboard is the operators') with its lines answered, lines/s over the last RATE_WINDOW_S of
+        looks, and the time left at that rate; and per local model the batch lane's share of the engine
+        (this gateway's lines in flight over the workers' capacity)."""
+        now = time.monotonic()
+        rows = []
+        active = await self.store.active()
+        for owner, _tier, b in active:
+            counts = b.get("request_counts") or {}
+            total, done = counts.get("total", 0), counts.get("completed", 0) + counts.get("failed", 0)
+            seen = self.samples.setdefault(b["id"], deque())
+            seen.append((now, done))
+            while len(seen) > 1 and now - seen[1][0] >= RATE_WINDOW_S:
+                seen.popleft()
+            t0, d0 = seen[0]
+            rate = (done - d0) / (now - t0) if now - t0 >= 0.5 else None
+            rows.append({"id": b["id"], "owner": None if owner == ANONYMOUS else owner, "endpoint": b["endpoint"],
+                         "status": b["status"], "total": total, "completed": counts.get("completed", 0),
+                         "failed": counts.get("failed", 0), "lines_per_s": rate,
+                         "eta_s": (total - done) / rate if rate else None,
+                         "here": b["id"] in self.running})
+        for gone in set(self.samples) - {b["id"] for _, _, b in active}:
+            del self.samples[gone]
+        lane = []
+        for pool in self.app[STATE].pools:
+            stats = pool.worker_stats()
+            capacity = sum(w.capacity for w in stats)
+            mine = sum(self.in_flight.get(name, 0) for name in pool.names)
+            lane.append({"model": pool.model_name, "batch_in_flight": mine,
+                         "in_flight": sum(w.in_flight for w in stats), "capacity": capacity,
+                         "share": mine / capacity if capacity else None})
+        return {"batches": rows, "lane": lane, "lines_taken_back": self.lines_taken_back}
 
     async def _count(self, owner: str, bid: str) -> dict[str, Any]:
         """request_counts from the recorded results (so a restart or a race cannot skew them)."""

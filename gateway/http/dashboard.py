@@ -1,11 +1,13 @@
 """The dashboard's routes: `GET /dashboard` and `/dashboard/static/{name}` (the page's files) and
 `GET /dashboard/data` (its JSON, built by `observability.dashboard.DashboardData` from the metrics
-registry and the running gateway). Admin-only once keys exist, like /metrics (`admission/auth.py`)."""
+registry and the running gateway, with the Batch API runner's progress). Admin-only once keys exist,
+like /metrics (`admission/auth.py`)."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
+from gateway.http import batches
 from gateway.observability.dashboard import DashboardData, asset
 from gateway.state import STATE
 
@@ -24,6 +26,7 @@ async def page(request: web.Request) -> web.Response:
 
 async def data(request: web.Request) -> web.Response:
     body = await request.app[DATA].build()
+    body["batches"] = await request.app[batches.RUNNER].progress()
     return web.json_response(body, headers={"Cache-Control": "no-store"})
 
 

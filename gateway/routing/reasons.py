@@ -9,6 +9,7 @@ import enum
 class RouteReason(enum.StrEnum):
     LOCAL = "local"  # both ways serve the model, and the local wait is within the tier's target
     LOCAL_ONLY = "local_only"  # no provider serves the model
+    BATCH = "batch"  # a Batch API line: it waits for the local engine (never overflows to a provider's price)
     CAPABILITY = "capability"  # the local model cannot serve a part of it (an image part, ...)
     REMOTE_ONLY = "remote_only"  # only providers serve the model
     NO_WORKER = "no_worker"  # no local engine worker is ready

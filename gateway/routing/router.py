@@ -76,6 +76,8 @@ class Router(Backend):
             return await self._remote(gen, reason, t0)
         if not self.serves_remotely(gen.model):
             return self._local(await self.local.submit(gen), gen, t0, RouteReason.LOCAL_ONLY)
+        if gen.batch:  # runs on idle local room; a refusal (queue full) is its runner's to retry later
+            return self._local(await self.local.submit(gen), gen, t0, RouteReason.BATCH)
         if not self.side.local_ready():
             return await self._remote(gen, RouteReason.NO_WORKER, t0)
         target = self.estimator.tier_target_s(gen.tier)

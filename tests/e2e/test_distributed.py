@@ -3,7 +3,8 @@ and two `sluice worker` processes with the real engine (fp32, greedy: answers ar
 `sluice worker --model all-MiniLM-L6-v2` draining the embedding model's own queue.
 
 One cluster for the module, the scenarios in order: 200 concurrent requests; a worker SIGKILLed
-mid-stream; a cancelled stream; Redis restarted mid-run; a rolling restart of every process under load.
+mid-stream; a cancelled stream; Redis restarted mid-run; a batch whose gateway and then a worker are
+SIGKILLed; a rolling restart of every process under load.
 Every answer is compared with the same request answered alone before the trouble starts.
 """
 
@@ -55,7 +56,8 @@ class Cluster:
                     "SLUICE_ENGINE__KV_CACHE_TOKENS": "8192", "SLUICE_ENGINE__AMX_MIN_ROWS": "0",
                     "SLUICE_ENGINE__MAX_RUNNING_REQUESTS": "128",
                     "SLUICE_QUEUE__LEASE_S": "2", "SLUICE_QUEUE__HEARTBEAT_S": "0.5",
-                    "SLUICE_QUEUE__FILL_TARGET": "1", "SLUICE_QUEUE__MAX_WAIT_MS": "0"}
+                    "SLUICE_QUEUE__FILL_TARGET": "1", "SLUICE_QUEUE__MAX_WAIT_MS": "0",
+                    "SLUICE_BATCHES__LEASE_S": "3", "SLUICE_BATCHES__MAX_IN_FLIGHT": "4"}
         self.env.pop("SLUICE_CONFIG", None)
         self.gateways: list[tuple[Proc, int]] = []
         self.workers: list[Proc] = []
@@ -293,6 +295,78 @@ async def test_redis_restart_mid_run_recovers(cluster, reference):
     assert after == [reference[(p, 6)] for p in PROMPTS]
 
 
+def _batch_runner_pid(cluster: Cluster, batch_id: str) -> int | None:
+    import sqlite3
+
+    with sqlite3.connect(cluster.tmp / "files" / "batches.sqlite3") as db:
+        row = db.execute("SELECT runner FROM batches WHERE id = ?", (batch_id,)).fetchone()
+    return int(row[0].split("-")[0]) if row and row[0] else None
+
+
+def _results(cluster: Cluster, batch_id: str) -> int:
+    import sqlite3
+
+    with sqlite3.connect(cluster.tmp / "files" / "batches.sqlite3") as db:
+        return db.execute("SELECT count(*) FROM results WHERE batch_id = ?", (batch_id,)).fetchone()[0]
+
+
+async def test_a_batch_survives_sigkill_of_its_gateway_then_of_a_worker(cluster, reference):
+    """The Redis path: a greedy chat batch; the gateway running it is SIGKILLed and the other gateway takes
+    it over (the batch's lease); then the worker holding most of its lines is SIGKILLed (the queue's lease).
+    Every line is answered once, each equal to the same request answered alone."""
+    import openai
+
+    await cluster.wait_ready(workers=2)
+    n = 32  # 4 at a time (the cluster's [batches] max_in_flight): the batch outlasts both kills
+    lines = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {k: v for k, v in body(PROMPTS[i % len(PROMPTS)], 48).items() if k != "stream"}}
+             for i in range(n)]
+    c = openai.AsyncOpenAI(base_url=cluster.urls[0] + "/v1", api_key="unused", max_retries=0)
+    f = await c.files.create(file=("in.jsonl", "\n".join(json.dumps(x) for x in lines).encode()), purpose="batch")
+    batch = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+    async def until(cond, what: str, timeout: float = 120) -> None:
+        deadline = time.time() + timeout
+        while not cond():
+            assert time.time() < deadline, what
+            await asyncio.sleep(0.05)
+
+    await until(lambda: _results(cluster, batch.id) >= 2, "no line answered")
+    pid = _batch_runner_pid(cluster, batch.id)
+    victim = next((g, port) for g, port in cluster.gateways if g.proc.pid == pid)
+    victim[0].signal(signal.SIGKILL)
+    cluster.gateways.remove(victim)
+    at_kill = _results(cluster, batch.id)
+    assert at_kill < n, "the batch finished before the kill: make it longer"
+    await until(lambda: _batch_runner_pid(cluster, batch.id) not in (None, pid) and
+                _results(cluster, batch.id) >= at_kill + 2, "the other gateway did not take the batch over")
+    rc = cluster.redis_client()
+    owners = [o for o in (rc.hget(k, "owner") for k in rc.keys("sluice:item:*")) if o]
+    rc.close()
+    assert owners and _results(cluster, batch.id) < n, "no line in flight at the worker's kill: make it longer"
+    busiest = max(set(owners), key=owners.count)
+    worker = next(w for w in cluster.workers if w.proc.pid == int(busiest.split("-")[-2]))
+    worker.signal(signal.SIGKILL)
+    cluster.workers.remove(worker)
+
+    c = openai.AsyncOpenAI(base_url=cluster.urls[0] + "/v1", api_key="unused", max_retries=0)
+    await until(lambda: _results(cluster, batch.id) == n, "lines left unanswered")
+    done = batch
+    for _ in range(400):
+        done = await c.batches.retrieve(batch.id)
+        if done.status == "completed":
+            break
+        await asyncio.sleep(0.05)
+    assert done.status == "completed" and done.request_counts.completed == n, done
+    out = [json.loads(x) for x in (await c.files.content(done.output_file_id)).text.splitlines()]
+    assert [o["custom_id"] for o in out] == [x["custom_id"] for x in lines]  # each once, in order
+    for o, x in zip(out, lines):
+        prompt = x["body"]["messages"][0]["content"]
+        assert o["response"]["body"]["choices"][0]["message"]["content"] == reference[(prompt, 48)], o["custom_id"]
+    cluster.start_gateway()  # back to two of each for what follows
+    cluster.start_worker()
+
+
 async def test_rolling_restart_under_load_loses_no_request(cluster, reference):
     await cluster.wait_ready(workers=2)
     stop = asyncio.Event()
@@ -324,17 +398,21 @@ async def test_rolling_restart_under_load_loses_no_request(cluster, reference):
     async with aiohttp.ClientSession() as s:
         clients = [asyncio.create_task(client(i, s)) for i in range(6)]
         await asyncio.sleep(2)
-        for old in list(cluster.workers):  # replacement first, then SIGTERM the old one
+        # Replacements first (both workers' at once: starting is most of the time), then SIGTERM the old ones
+        # one at a time while the rest serve; then the gateways the same way.
+        old_workers = list(cluster.workers)
+        for _ in old_workers:
             cluster.start_worker()
-            await cluster.wait_ready(workers=3)
+        await cluster.wait_ready(workers=2 + len(old_workers))
+        for old in old_workers:
             old.signal(signal.SIGTERM)
             assert await asyncio.to_thread(old.wait, 60) == 0
             cluster.workers.remove(old)
-        for old, port in list(cluster.gateways):
-            if old.proc.poll() is not None:
-                continue
+        old_gateways = [(g, port) for g, port in cluster.gateways if g.proc.poll() is None]
+        for _ in old_gateways:
             cluster.start_gateway()
-            await cluster.wait_ready(workers=2)
+        await cluster.wait_ready(workers=2)
+        for old, port in old_gateways:
             old.signal(signal.SIGTERM)
             assert await asyncio.to_thread(old.wait, 60) == 0
             cluster.gateways.remove((old, port))

@@ -167,6 +167,23 @@
       cell(tr, m.prompt_tokens, "count", `model/${m.id}/prompt`); cell(tr, m.completion_tokens, "count");
       cell(tr, m.inputs, m.inputs === null ? "text" : "count", `model/${m.id}/inputs`);
     });
+    const bt = d.batches || { batches: [], lane: [], lines_taken_back: 0 };
+    $("lane-summary").textContent = `${bt.batches.length} unfinished batch(es); ` +
+      `${bt.lines_taken_back} line(s) taken back for interactive requests since start.`;
+    fill("t-lane", bt.lane, (tr, l) => {
+      cell(tr, l.model, "text"); cell(tr, l.batch_in_flight, "count", `lane/${l.model}/batch`);
+      cell(tr, l.in_flight, "count"); cell(tr, l.capacity, "count");
+      cell(tr, l.share, "pct", `lane/${l.model}/share`);
+    });
+    fill("t-batches", bt.batches, (tr, b) => {
+      const k = `batch/${b.id}`;
+      cell(tr, b.id, "text"); cell(tr, b.owner === null ? "(anonymous)" : b.owner, "text");
+      cell(tr, b.endpoint, "text"); cell(tr, b.status, "text", `${k}/status`);
+      cell(tr, `${b.completed + b.failed} / ${b.total}`, "text", `${k}/done`);
+      cell(tr, b.failed, "count", `${k}/failed`);
+      cell(tr, b.lines_per_s, "rate", `${k}/per_s`);
+      cell(tr, b.eta_s === null ? null : b.eta_s, b.eta_s === null ? "text" : "rate", `${k}/eta`);
+    });
     fill("t-providers", d.providers, (tr, p) => {
       cell(tr, p.name, "text");
       const c = cell(tr, p.circuit + (p.config_error ? ` (${p.config_error})` : ""), "text", `provider/${p.name}/circuit`);

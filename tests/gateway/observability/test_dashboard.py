@@ -259,3 +259,46 @@ async def test_dashboard_in_browser_matches_metrics(tmp_path, providers, chromiu
         assert await page.evaluate("document.activeElement.textContent") == "Skip to the figures"
         assert await page.get_attribute("#status", "aria-live") == "polite"
         assert not errors, errors
+
+
+async def test_dashboard_shows_batches_their_rate_eta_and_the_lanes_share(tmp_path, chromium):
+    """A batch draining on a slow engine: /dashboard/data and the page show its lines done (as the API
+    reports them), its lines/s and ETA, and the batch lane's share of the engine."""
+    import json
+
+    import openai
+
+    store = KeyStore(tmp_path / "keys.json")
+    admin, alice = store.create("ops", "pro", admin=True), store.create("alice", "pro")
+    engine = FakeEngine(max_running_requests=8, max_model_len=256, step_s=0.01)
+    async with fake_gateway(tmp_path, engine, batches={"max_in_flight": 2}) as (base, _app, _):
+        c = openai.AsyncOpenAI(base_url=base + "/v1", api_key=alice, max_retries=0)
+        lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "fake-model", "messages": [{"role": "user", "content": f"q{i}"}],
+                           "max_tokens": 20}} for i in range(200)]
+        f = await c.files.create(file=("in.jsonl", "\n".join(json.dumps(x) for x in lines).encode()),
+                                 purpose="batch")
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        ctx = await chromium(http_credentials={"username": "ops", "password": admin})
+        page = await ctx.new_page()
+        await page.goto(base + "/dashboard")
+        k = f"batch/{b.id}"
+        await page.wait_for_function(  # two refreshes apart: a rate
+            "k => { const e = document.querySelector(`td[data-key='${k}/per_s']`); return e && e.dataset.value "
+            "&& Number(e.dataset.value) > 0; }", arg=k, timeout=20_000)
+        shown = await _figures(page)
+        done, total = (int(x) for x in shown[f"{k}/done"][0].split(" / "))
+        assert total == 200 and 0 < done < 200 and shown[f"{k}/status"][0] == "in_progress"
+        rate = float(shown[f"{k}/per_s"][1])
+        assert float(shown[f"{k}/eta"][1]) == pytest.approx((200 - done) / rate, rel=0.02)
+        assert float(shown["lane/fake-model/batch"][1]) <= 2
+        assert 0 <= float(shown["lane/fake-model/share"][1]) <= 2 / 8
+        got = await c.batches.retrieve(b.id)  # the page's count, at most one refresh old
+        assert done <= got.request_counts.completed
+        status, _, body = await _get(base + "/dashboard/data", _basic(admin))
+        data = json.loads(body)["batches"]
+        assert [x["id"] for x in data["batches"]] == [b.id] and data["batches"][0]["owner"] == "alice"
+        await page.get_by_role("heading", name="Batches", level=2).wait_for(timeout=2000)
+        for caption in ("Unfinished batches", "The batch lane's share of the local engines"):
+            assert await page.get_by_role("table", name=caption, exact=True).count() == 1, caption
+        await c.batches.cancel(b.id)

@@ -193,6 +193,25 @@ async def test_over_the_target_goes_remote_and_pro_stays_local():
     assert _decisions(metrics, "standard", "remote", "queue_wait") == 1
 
 
+async def test_a_batch_line_stays_local_when_an_interactive_request_would_overflow():
+    clock = Clock()
+    router, remote, metrics = _router(Side(), await _queue(standard=7), local := Local(), clock=clock)
+    clock.t += 10
+    for _ in range(20):
+        router.estimator.completed_local(10)  # standard waits 4 s > its 2 s target
+    line = _gen("line", "standard")
+    line.batch = True
+    assert (await router.submit(line)).backend == "local"
+    assert (await router.submit(_gen("s", "standard"))).backend == "remote:p"
+    assert local.submitted == ["line"] and remote.submitted == ["s"]
+    assert _decisions(metrics, "standard", "local", "batch") == 1
+    router, remote, _ = _router(Side([WorkerStats(capacity=8)]), await _queue(), Local(full=True))
+    line.batch = True
+    with pytest.raises(QueueFull):  # the runner retries it; no provider's online price
+        await router.submit(line)
+    assert not remote.submitted
+
+
 async def test_remote_only_no_worker_and_queue_full():
     router, remote, metrics = _router(Side(ready=False), await _queue(), Local())
     await router.submit(_gen("a", target=Target.RELAY))  # not tokenized here: the local side cannot take it
