@@ -66,11 +66,12 @@ lint: install-test
 	$(BIN)/mypy
 
 # Two workers: what runs a real model stays on one of them, in order (tests/conftest.py), the rest spreads over
-# both; then the tests that measure token rates or stalls run alone (-m serial). `pytest` alone runs it all
-# in one process.
+# both; then the tests that measure token rates or stalls run alone (-m serial), collected only from the
+# files that mark any (collecting the whole suite again costs ~20 s). `pytest` alone runs it all in one process.
+SERIAL_FILES = $(shell grep -rlE --include='test_*.py' 'mark\.serial' tests)
 test: lint redis-server chromium
 	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup -m "not serial" --durations=25
-	$(BIN)/python -m pytest -q -ra -m serial --durations=5
+	$(BIN)/python -m pytest -q -ra -m serial --durations=5 $(SERIAL_FILES)
 
 bench: install
 	$(BIN)/sluice bench --list

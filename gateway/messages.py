@@ -162,6 +162,7 @@ class WorkerStats:
     model: str | None = None
     capacity: int = 0  # requests it can run at once
     in_flight: int = 0  # requests handed to it and not finished
+    background: int = 0  # of those, at a priority beyond every tier's (Batch API lines)
     running: int = 0  # the engine's running batch
     waiting: int = 0  # admitted to the engine, waiting for KV memory
     steps: int = 0

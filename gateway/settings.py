@@ -203,7 +203,7 @@ class BatchSettings(BaseModel):
     max_in_flight: int = Field(48, ge=1)  # (below the engine's 64: interactive requests find a free slot)
     # While interactive requests ran in the last interactive_window_s, at most beside_interactive batch
     # lines are admitted (those running finish; new ones wait).
-    beside_interactive: int = Field(2, ge=0)
+    beside_interactive: int = Field(1, ge=0)
     interactive_window_s: float = Field(5.0, ge=0)
     # A line answered locally costs this share of the local price (usage rows flagged `batch`); OpenAI's
     # Batch API is half price. A line a provider answered online costs what the provider charges.

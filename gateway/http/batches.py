@@ -340,12 +340,14 @@ class Runner:
         if self.app[STATE].pool_for(model) is not None:
             self.in_flight[model] -= 1
 
-    async def _others(self, pool: Any, model: str) -> int:
+    async def _others(self, pool: Any, model: str) -> int:  # noqa: ARG002 (the model's name: the callers')
         """Requests of the model's that are not batch lines (interactive ones), queued or in the engine:
-        everything queued or handed to its workers less this runner's lines (which it counts from their
-        admission to their answer, so this errs low, never high)."""
-        queued = await pool.queue.depth()
-        return queued + sum(w.in_flight for w in pool.worker_stats()) - self.in_flight.get(model, 0)
+        those queued at a tier's priority, and those in flight on its workers less the ones at a priority
+        beyond every tier's (the workers count them apart). From `sluice worker`s' heartbeats on the Redis
+        path, so up to a heartbeat old there, but never this or another gateway's batch lines."""
+        top = max(t.priority for t in self.app[STATE].settings.tiers.values())
+        queued = await pool.queue.depth_at_most(top)
+        return queued + sum(max(0, w.in_flight - w.background) for w in pool.worker_stats())
 
     async def watch(self) -> None:
         """Takes batch lines back from an engine that interactive requests arrived at: beyond

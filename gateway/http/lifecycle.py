@@ -73,7 +73,8 @@ async def _start(state: GatewayState, pool: ModelPool) -> None:
         pool.max_model_len = _context(engine)
         q = state.settings.queue
         worker = EngineWorker(engine, pool.queue, max_batch=q.max_batch, heartbeat_s=q.heartbeat_s,
-                              model_name=pool.model_name, on_pulled=state.metrics.observe_queue_time)
+                              model_name=pool.model_name, on_pulled=state.metrics.observe_queue_time,
+                              background_above=max(t.priority for t in state.settings.tiers.values()))
         await worker.start()
         pool.local_worker = worker
         log.info("engine ready: %s model=%s %s=%d max_running_requests=%d", kind, pool.model_name,

@@ -103,6 +103,10 @@ class RequestQueue(ABC):
         """Items waiting in a tier (all tiers when None)."""
 
     @abstractmethod
+    async def depth_at_most(self, priority: int) -> int:
+        """Items queued at this priority or a more urgent one (a lower number)."""
+
+    @abstractmethod
     async def subscribe(self, request_id: str) -> Subscription: ...
 
     @abstractmethod

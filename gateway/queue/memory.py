@@ -89,6 +89,9 @@ class MemoryQueue(RequestQueue):
                 out.append(item)
             return out
 
+    async def depth_at_most(self, priority: int) -> int:
+        return sum(len(d) for p, d in self._by_priority.items() if p <= priority)
+
     async def depth(self, tier: str | None = None) -> int:
         if tier is None:
             return self._count()

@@ -274,6 +274,15 @@ class RedisQueue(RequestQueue):
             left = 1.0 if deadline is None else deadline - now
             await self._wait_wake(min(left, 1.0))
 
+    async def depth_at_most(self, priority: int) -> int:
+        prios = [int(p) for p in await self._r.smembers(self._k("prios")) if int(p) <= priority]
+        if not prios:
+            return 0
+        pipe = self._r.pipeline(transaction=False)
+        for p in prios:
+            pipe.zcard(self._k("q", str(p)))
+        return sum(int(n) for n in await pipe.execute())
+
     async def depth(self, tier: str | None = None) -> int:
         return int(await self._depth(args=[self.prefix, tier or ""]))
 

@@ -34,7 +34,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event, *, model: str | No
     engine = await asyncio.to_thread(load_engine, settings, entry)
     name = entry.id or engine.model_name
     q = settings.queue
-    worker = EngineWorker(engine, queue, max_batch=q.max_batch, heartbeat_s=q.heartbeat_s, model_name=name)
+    worker = EngineWorker(engine, queue, max_batch=q.max_batch, heartbeat_s=q.heartbeat_s, model_name=name,
+                          background_above=max(t.priority for t in settings.tiers.values()))
     await worker.start()
     log.info("sluice worker %s: %s model=%s capacity=%d, draining %s", getattr(queue, "consumer_id", "?"),
              entry.kind, name, worker.capacity, settings.redis_url)

@@ -47,7 +47,7 @@ log = logging.getLogger("sluice.worker")
 class EngineWorker:
     def __init__(self, engine: StepEngine, queue: RequestQueue, *, max_batch: int = 128, poll_s: float = 0.5,
                  idle_wait_s: float = 0.5, heartbeat_s: float = 1.0, model_name: str | None = None,
-                 on_pulled: Callable[[list[QueueItem]], None] | None = None):
+                 on_pulled: Callable[[list[QueueItem]], None] | None = None, background_above: int | None = None):
         self.engine = engine
         self.queue = queue
         self.max_batch = max_batch
@@ -57,6 +57,10 @@ class EngineWorker:
         self.heartbeat_s = heartbeat_s
         self.model_name = model_name or engine.model_name
         self.on_pulled = on_pulled  # sees every pulled batch (the queue-time histogram)
+        # Items at a priority above this (beyond every tier's: Batch API lines) are reported apart, so the
+        # batch lane can tell interactive requests in flight from its own lines.
+        self.background_above = background_above
+        self._background: set[str] = set()
         self._handing_back: set[str] = set()
 
         self._inbox: thread_queue.SimpleQueue[InboxMessage] = thread_queue.SimpleQueue()
@@ -84,7 +88,9 @@ class EngineWorker:
 
     def stats(self) -> WorkerStats:
         """Racy reads of the engine's counters from the loop thread: fine for monitoring and routing."""
+        self._background &= self._in_flight  # finished ones leave
         st = WorkerStats(model=self.model_name, capacity=self.capacity, in_flight=len(self._in_flight),
+                         background=len(self._background),
                          running=int(self.engine.num_running), waiting=int(self.engine.num_waiting),
                          steps=self.steps, step_errors=self.step_errors,
                          busy_seconds=float(self.engine.stats.busy_seconds), kv_usage=float(self.engine.kv_usage()),
@@ -194,6 +200,8 @@ class EngineWorker:
                     await self.queue.publish_batch([queue_timeout_output(item.request_id)])
                     continue
                 self._in_flight.add(item.request_id)
+                if self.background_above is not None and item.priority > self.background_above:
+                    self._background.add(item.request_id)
                 self._send(AddRequest(item))
 
     async def _cancel_loop(self) -> None:

@@ -86,6 +86,19 @@ async def test_max_items_and_depth(make_queue):
     assert await q.depth() == 0
 
 
+async def test_depth_at_most_counts_the_tiers_priorities_not_batch_lines(make_queue):
+    q = make_queue()
+    await q.put(item("p0", "pro"))
+    await q.put(item("s0"))
+    line = item("line0")
+    line.request.priority = 2  # beyond every tier: a Batch API line, queued under its owner's tier
+    await q.put(line)
+    assert await q.depth_at_most(1) == 2 and await q.depth_at_most(0) == 1 and await q.depth_at_most(2) == 3
+    assert await q.depth() == 3
+    assert await ids(q, 2) == ["p0", "s0"]
+    assert await q.depth_at_most(1) == 0 and await q.depth_at_most(2) == 1
+
+
 async def test_aging_serves_old_items_first_in_arrival_order(make_queue):
     q = make_queue(aging_s=5.0)
     now = time.time()

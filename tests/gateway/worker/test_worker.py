@@ -83,6 +83,32 @@ async def test_pulls_only_up_to_capacity(setup):
             pass
 
 
+async def test_items_beyond_every_tier_are_reported_apart():
+    """A worker told the tiers' lowest priority counts what runs below it (Batch API lines) as background."""
+    engine = FakeEngine(max_running_requests=4)
+    queue = MemoryQueue(max_wait_ms=0)
+    worker = EngineWorker(engine, queue, poll_s=0.05, idle_wait_s=0.05, background_above=1)
+    await worker.start()
+    try:
+        engine.gate.clear()
+        subs = [await queue.subscribe(f"b{i}") for i in range(3)]
+        for i in range(3):
+            it = qitem(f"b{i}")
+            it.request.priority = 2 if i else 1  # b0 interactive (standard), b1 and b2 batch lines
+            await queue.put(it)
+        await asyncio.sleep(0.3)
+        stats = worker.stats()
+        assert (stats.in_flight, stats.background) == (3, 2) and stats.to_dict()["background"] == 2
+        engine.gate.set()
+        for sub in subs:
+            while not (await sub.get(timeout=5)).finished:
+                pass
+        assert (worker.stats().in_flight, worker.stats().background) == (0, 0)
+    finally:
+        engine.gate.set()
+        await worker.stop()
+
+
 async def test_cancel_aborts_in_engine(setup):
     engine, queue, worker = setup
     sub = await queue.subscribe("long")
