@@ -285,7 +285,7 @@ async def test_dashboard_shows_batches_their_rate_eta_and_the_lanes_share(tmp_pa
         k = f"batch/{b.id}"
         await page.wait_for_function(  # two refreshes apart: a rate
             "k => { const e = document.querySelector(`td[data-key='${k}/per_s']`); return e && e.dataset.value "
-            "&& Number(e.dataset.value) > 0; }", arg=k, timeout=20_000)
+            "&& Number(e.dataset.value) > 0; }", arg=k, timeout=60_000)  # (chromium is slow to start under load)
         shown = await _figures(page)
         done, total = (int(x) for x in shown[f"{k}/done"][0].split(" / "))
         assert total == 200 and 0 < done < 200 and shown[f"{k}/status"][0] == "in_progress"
