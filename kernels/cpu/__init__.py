@@ -1,5 +1,5 @@
-"""The forward step for CPUs (`forward.c`, built by `build.py`): every layer of a flat batch of tokens
-(decodes and prefill chunks) in one native call over the model file's own 4-bit weights.
+"""The forward step for CPUs (`forward.c` and the parts it includes, built by `build.py`): every layer of a
+flat batch of tokens (decodes and prefill chunks) in one native call over the model file's own 4-bit weights.
 
 `ForwardStep.run` takes what the torch path takes (embeddings, positions, slots, block tables, the
 bf16 KV cache) and leaves each row's residual stream after the last layer in place, so the caller's
@@ -14,21 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from . import build
+from .abi import Dims as _Dims  # the structs the step takes (checked against each build)
+from .abi import Layer as _Layer
 
 GROUP = 32  # inputs per scale and min
 TILE_N = 16  # output rows per block
 
 
-class _Dims(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
-                ("head_dim", ctypes.c_int), ("inter", ctypes.c_int), ("layers", ctypes.c_int),
-                ("block_size", ctypes.c_int), ("eps", ctypes.c_float)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", ctypes.c_void_p),
-                ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
-                ("qkv_bias", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)

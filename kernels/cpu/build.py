@@ -1,8 +1,8 @@
-"""Compiles `forward.c` for this machine on first use and caches the library.
+"""Compiles `forward.c` (with the parts it includes) for this machine on first use and caches the library.
 
 Compiled here rather than shipped: `-march=native` picks AVX-512, AVX2 or plain C for the CPU at hand,
 and a C compiler is all it needs (no torch headers, so a build takes about a second). The cache key
-covers the source, the flags, the compiler and the CPU's flags, so a copied cache directory on
+covers every source part, the flags, the compiler and the CPU's flags, so a copied cache directory on
 another machine builds afresh. No compiler, or a failed build: `None`, and the engine keeps its
 torch path (logged once).
 """
@@ -19,9 +19,16 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from . import abi
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("forward.c")
+SOURCE = Path(__file__).with_name("forward.c")  # the one unit; it includes the other parts
+
+
+def _sources() -> list[Path]:
+    """Every part of the step (forward.c includes the others): all of them key the cache."""
+    return sorted(p for p in SOURCE.parent.iterdir() if p.suffix in (".c", ".h"))
 COMMON_FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
 NATIVE = ("-march=native",)  # what serving uses; tests also build x86-64-v3 (AVX2) and plain x86-64
 
@@ -51,7 +58,8 @@ def _compiler() -> str | None:
 def _key(cc: str, flags: tuple[str, ...]) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(), _cpu_flags().encode()):
+    for part in (*(p.name.encode() + p.read_bytes() for p in _sources()), " ".join(flags).encode(), version.encode(),
+                 _cpu_flags().encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -85,6 +93,10 @@ def compile_library(arch: tuple[str, ...]) -> ctypes.CDLL | None:
                 os.replace(out, target)
             log.info("native CPU forward step built: %s", target)
         lib = ctypes.CDLL(str(target))
+        lib.sluice_abi_sizes.restype = ctypes.c_int
+        if (wrong := abi.mismatch(lib)) is not None:
+            log.error("native CPU forward step refused: %s; using the torch path", wrong)
+            return None
         for fn in (lib.sluice_forward, lib.sluice_decode_attention, lib.sluice_amx_available,
                    lib.sluice_int8_logits, lib.sluice_sample, lib.sluice_sample_masked):
             fn.restype = ctypes.c_int  # (ctypes' default; said once here rather than per call)

@@ -1,0 +1,234 @@
+/* The output layer: int8 weights with each row's best candidates made exact.
+ * Part of the native CPU step, compiled as one unit by forward.c (see there). */
+
+/* ---- the output layer: int8 weights (one scale per row), each row's best candidates made exact ----
+ *
+ * The output layer reads as many bytes as a third of the layers, and only each row's top candidates
+ * matter to greedy, top-k and top-p; those are recomputed here against the exact weights, in the same
+ * call. Its int8 copy (engine/model.py, Int8Weight) is held in tile order (tile_weights, 512-byte
+ * blocks), so the same two matmuls as the layers' read it: int16 activations in integer dot products
+ * for few rows, AMX bf16 tiles for many. */
+
+/* One column of int8 blocks (16 rows of W) for nb <= ROWS_PER_PASS input rows: y[b, n0 + n], before the
+ * row scales. The int32 sums of a block (127 * 32767 * 32 < 2^31) are added up in fp32. */
+static inline __attribute__((always_inline)) void q8_column(const uint8_t *col, int G, const qx_t *qx, int K, int nb,
+                                                            float out[ROWS_PER_PASS][TILE_N]) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 accf[ROWS_PER_PASS];
+    for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * Q8_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, Q8_BLOCK_BYTES);
+        __m512i acc[ROWS_PER_PASS];
+        for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
+        for (int r = 0; r < 16; r++) {
+            __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * r)));
+            for (int b = 0; b < nb; b++) {
+                int32_t xp;
+                memcpy(&xp, qx->q + (size_t)b * K + g * GROUP + 2 * r, 4);
+#if defined(__AVX512VNNI__)
+                acc[b] = _mm512_dpwssd_epi32(acc[b], w, _mm512_set1_epi32(xp));
+#else
+                acc[b] = _mm512_add_epi32(acc[b], _mm512_madd_epi16(w, _mm512_set1_epi32(xp)));
+#endif
+            }
+        }
+        for (int b = 0; b < nb; b++) accf[b] = _mm512_add_ps(accf[b], _mm512_cvtepi32_ps(acc[b]));
+    }
+    for (int b = 0; b < nb; b++) _mm512_storeu_ps(out[b], accf[b]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 accf[ROWS_PER_PASS][2];
+    for (int b = 0; b < nb; b++) accf[b][0] = accf[b][1] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * Q8_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, Q8_BLOCK_BYTES);
+        __m256i acc[ROWS_PER_PASS][2];
+        for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
+        for (int r = 0; r < 16; r++) {
+            __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r))); /* rows 0-7 */
+            __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r + 16))); /* 8-15 */
+            for (int b = 0; b < nb; b++) {
+                int32_t xp;
+                memcpy(&xp, qx->q + (size_t)b * K + g * GROUP + 2 * r, 4);
+                const __m256i xv = _mm256_set1_epi32(xp);
+                acc[b][0] = _mm256_add_epi32(acc[b][0], _mm256_madd_epi16(lo, xv));
+                acc[b][1] = _mm256_add_epi32(acc[b][1], _mm256_madd_epi16(hi, xv));
+            }
+        }
+        for (int b = 0; b < nb; b++)
+            for (int h = 0; h < 2; h++) accf[b][h] = _mm256_add_ps(accf[b][h], _mm256_cvtepi32_ps(acc[b][h]));
+    }
+    for (int b = 0; b < nb; b++) {
+        _mm256_storeu_ps(out[b], accf[b][0]);
+        _mm256_storeu_ps(out[b] + 8, accf[b][1]);
+    }
+#else
+    for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
+    for (int g = 0; g < G; g++) {
+        const int8_t *blk = (const int8_t *)(col + (size_t)g * Q8_BLOCK_BYTES);
+        for (int b = 0; b < nb; b++) {
+            const int16_t *xq = qx->q + (size_t)b * K + g * GROUP;
+            int32_t acc[TILE_N] = {0};
+            for (int r = 0; r < 16; r++)
+                for (int i = 0; i < 32; i++) acc[i / 2] += (int32_t)blk[32 * r + i] * xq[2 * r + i % 2];
+            for (int n = 0; n < TILE_N; n++) out[b][n] += (float)acc[n];
+        }
+    }
+#endif
+}
+
+#define MAX_REFINE 64
+
+typedef struct {
+    int B, K, V, nthreads, refine, amx;
+    const float *x;
+    tile_weights w;
+    const float *exact; /* [V, K] fp32 or NULL */
+    float *out;
+    qx_t qx;
+    uint16_t *tile_scratch; /* per thread: a widened column pair (AMX) */
+    size_t tile_scratch_per_thread;
+    int32_t *cand; /* [threads, B, refine]: each thread's best rows of each input row */
+} head_ctx;
+
+/* The `k` largest of out[r0..r1) into idx (unordered): a running minimum among the kept ones, and
+ * (AVX-512) 16 values at a time compared with it, so only the few that beat it are looked at. */
+static void top_k(const float *out, int r0, int r1, int k, int32_t *idx) {
+    float val[MAX_REFINE];
+    int n = 0, lo = 0, r = r0;
+    for (; r < r1 && n < k; r++) val[n] = out[r], idx[n] = r, n++;
+    for (int i = 1; i < n; i++) lo = val[i] < val[lo] ? i : lo;
+    if (n == k) {
+#if defined(__AVX512F__)
+        for (; r + 16 <= r1; r += 16) {
+            __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(out + r), _mm512_set1_ps(val[lo]), _CMP_GT_OQ);
+            while (hit) {
+                const int j = r + __builtin_ctz(hit);
+                hit &= hit - 1;
+                if (out[j] > val[lo]) {
+                    val[lo] = out[j], idx[lo] = j;
+                    for (int i = 0; i < k; i++) lo = val[i] < val[lo] ? i : lo;
+                }
+            }
+        }
+#endif
+        for (; r < r1; r++)
+            if (out[r] > val[lo]) {
+                val[lo] = out[r], idx[lo] = r;
+                for (int i = 0; i < k; i++) lo = val[i] < val[lo] ? i : lo;
+            }
+    }
+    for (; n < k; n++) idx[n] = -1;
+}
+
+/* This thread's columns of blocks for every input row (int16 matmul), row scales and dx applied. */
+static void head_int16(const head_ctx *c, int tid) {
+    const int K = c->K, G = K / GROUP, NB = c->V / TILE_N, per = (NB + c->nthreads - 1) / c->nthreads;
+    const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
+    float out[ROWS_PER_PASS][TILE_N];
+    for (int col = c0; col < c1; col++) {
+        const uint8_t *blocks = c->w.blocks + (size_t)col * G * Q8_BLOCK_BYTES;
+        const float *scale = c->w.row_scale + (size_t)col * TILE_N;
+        for (int b0 = 0; b0 < c->B; b0 += ROWS_PER_PASS) {
+            const int nb = c->B - b0 < ROWS_PER_PASS ? c->B - b0 : ROWS_PER_PASS;
+            qx_t part = {c->qx.q + (size_t)b0 * K, c->qx.dx + b0, NULL, NULL};
+            switch (nb) { /* a constant nb per call: the accumulators stay in registers */
+                case 1: q8_column(blocks, G, &part, K, 1, out); break;
+                case 2: q8_column(blocks, G, &part, K, 2, out); break;
+                case 3: q8_column(blocks, G, &part, K, 3, out); break;
+                case 4: q8_column(blocks, G, &part, K, 4, out); break;
+                case 5: q8_column(blocks, G, &part, K, 5, out); break;
+                case 6: q8_column(blocks, G, &part, K, 6, out); break;
+                case 7: q8_column(blocks, G, &part, K, 7, out); break;
+                default: q8_column(blocks, G, &part, K, 8, out); break;
+            }
+            for (int b = 0; b < nb; b++) {
+                float *y = c->out + (size_t)(b0 + b) * c->V + (size_t)col * TILE_N;
+                for (int n = 0; n < TILE_N; n++) y[n] = out[b][n] * scale[n] * part.dx[b];
+            }
+        }
+    }
+}
+
+static void run_head(void *arg, int tid) {
+    head_ctx *c = arg;
+    if (tid >= c->nthreads) return;
+    int b0, b1, r0, r1;
+    span(c->B, tid, c->nthreads, &b0, &b1);
+    quantize_x(c->x, c->K, &c->qx, b0, b1, c->amx);
+    barrier(c->nthreads);
+#if HAVE_AMX
+    if (c->amx) {
+        matmul_amx(&c->w, c->V, c->K, &c->qx, c->B, c->out,
+                   c->tile_scratch + (size_t)tid * c->tile_scratch_per_thread, tid, c->nthreads);
+        _tile_release();
+    } else
+#endif
+        head_int16(c, tid);
+    if (!c->exact || c->refine <= 0) return;
+    /* Each row's best candidates at full precision: every thread's best of a share of the outputs,
+     * then the best of those, each recomputed as an fp32 dot product with the exact weights. */
+    barrier(c->nthreads);
+    const int k = c->refine;
+    span(c->V, tid, c->nthreads, &r0, &r1);
+    for (int b = 0; b < c->B; b++) top_k(c->out + (size_t)b * c->V, r0, r1, k, c->cand + ((size_t)tid * c->B + b) * k);
+    barrier(c->nthreads);
+    for (int b = b0; b < b1; b++) {
+        float *row = c->out + (size_t)b * c->V;
+        float val[MAX_REFINE * MAX_THREADS];
+        int32_t all[MAX_REFINE * MAX_THREADS], best[MAX_REFINE];
+        int n = 0;
+        for (int t = 0; t < c->nthreads; t++)
+            for (int i = 0; i < k; i++) {
+                const int32_t r = c->cand[((size_t)t * c->B + b) * k + i];
+                if (r >= 0) val[n] = row[r], all[n++] = r;
+            }
+        /* the k best of the n candidates: plain selection (n = threads * k is small) */
+        int kept = n < k ? n : k;
+        for (int i = 0; i < kept; i++) {
+            int m = i;
+            for (int j = i + 1; j < n; j++) m = val[j] > val[m] ? j : m;
+            float tv = val[i];
+            int32_t ti = all[i];
+            val[i] = val[m], all[i] = all[m], val[m] = tv, all[m] = ti;
+            best[i] = all[i];
+        }
+        for (int i = 0; i < kept; i++) row[best[i]] = dot(c->x + (size_t)b * c->K, c->exact + (size_t)best[i] * c->K, c->K);
+    }
+}
+
+/* out [B, V] = x [B, K] (fp32) W^T for W int8 in tile order (blocks [V / 16, K / 32, 512], w = q *
+ * scale[n]), V a multiple of 16 and K of 32. `exact` [V, K] fp32 (or NULL): each row's `refine`
+ * largest outputs are then recomputed against it at full precision. Steps of at least amx_min_rows
+ * rows multiply on AMX tiles where this build and the OS allow it (0: never). Returns 0, -1 when out
+ * of memory, -2 for shapes it does not take. */
+int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int V, float *out,
+                       const float *exact, int refine, int nthreads, int amx_min_rows) {
+    if (B < 0 || K % GROUP || V % TILE_N || refine > MAX_REFINE || refine > V) return -2;
+    if (B == 0) return 0; /* a step that samples nothing (a prefill chunk) */
+    pthread_mutex_lock(&step_lock);
+    nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
+    const int amx = amx_min_rows > 0 && B >= amx_min_rows && amx_usable();
+    const size_t R = (size_t)(B + 31) / 32 * 32, per_thread = (size_t)(K / GROUP) * 1024;
+    const size_t floats = R * (1 + K / GROUP) + R * K / 2 + R * K / 2 + (size_t)nthreads * B * MAX_REFINE +
+                          (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
+    float *buf = calloc(floats, sizeof(float));
+    if (!buf) {
+        pthread_mutex_unlock(&step_lock);
+        return -1;
+    }
+    head_ctx c = {B, K, V, nthreads, refine, amx, x, {blocks, Q8_BLOCK_BYTES, scale}, exact, out,
+                  {NULL, NULL, NULL, NULL}, NULL, per_thread, NULL};
+    float *p = buf;
+    c.qx.dx = p, p += R;
+    c.qx.sx = p, p += R * (K / GROUP);
+    c.qx.q = (int16_t *)p, p += R * K / 2;
+    c.qx.bf = (uint16_t *)p, p += R * K / 2;
+    c.cand = (int32_t *)p, p += (size_t)nthreads * B * MAX_REFINE;
+    c.tile_scratch = (uint16_t *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+    run_parallel(run_head, &c, nthreads);
+    free(buf);
+    pthread_mutex_unlock(&step_lock);
+    return 0;
+}
+

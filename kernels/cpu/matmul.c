@@ -1,0 +1,288 @@
+/* The matmuls over tile-ordered weights: int16 (AVX-512 VNNI, AVX-512, AVX2, plain C) and AMX.
+ * Part of the native CPU step, compiled as one unit by forward.c (see there). */
+
+/* ---- the matmuls: y[b, n] = sum_k x[b, k] W[n, k] over q4_tiles ----
+ *
+ * Few rows, `matmul_int16`: each input row is quantised to int16 with one scale (dx = max|x| / 32767:
+ * an element 100 times smaller than the row's largest still keeps ~8 significant bits, what the bf16
+ * the torch path rounds activations to keeps for every element; int8, as llama.cpp does, flipped
+ * greedy near-ties of the reference test). A block's dot products are then integer multiply-adds
+ * (`vpdpwssd` / `vpmaddwd`: one instruction per tile row and input row, 16 output rows at once) over
+ * the 4-bit codes; the block's dw scales them and the row's dx applies once at the end:
+ * sum_i (q_i dw + mw) x_i ~= dx (sum_g dw_g sum_i q_i xq_i + sum_g mw_g sx_g / dx), the min term with
+ * the exact fp32 sums sx of each group's inputs.
+ *
+ * Many rows, `matmul_amx`: x rounded to bf16 (as the torch path's bf16 matmul does), each block
+ * widened to a bf16 B tile (q * d + m in fp32, then rounded), tiles multiplied and accumulated in fp32. */
+
+#define ROWS_PER_PASS 8
+
+typedef struct {
+    int16_t *q; /* [B, K] */
+    float *dx; /* [B]: each row's scale */
+    float *sx; /* [B, G]: exact sums of each group's inputs, divided by the row's dx */
+    uint16_t *bf; /* the rows in bf16 for the AMX path, as A tiles: [rows rounded up to 32 / 16][K / 32][16 x 32] */
+} qx_t;
+
+/* Rows [b0, b1) of x [B, K] (threads prepare disjoint rows): int16 for matmul_int16, or bf16. */
+static void quantize_x(const float *x, int K, qx_t *qx, int b0, int b1, int to_bf16) {
+    const int G = K / GROUP;
+    for (int b = b0; b < b1; b++) {
+        const float *row = x + (size_t)b * K;
+        if (to_bf16) { /* row b's group g at tile (b / 16, g), row b % 16: tiles of 16 rows x 32 contiguous */
+            uint16_t *tiles = qx->bf + (size_t)(b / 16) * 16 * K + (b % 16) * GROUP;
+            for (int g = 0; g < G; g++) to_bf16_row(row + g * GROUP, tiles + (size_t)g * 16 * GROUP, GROUP);
+            continue;
+        }
+        const float amax = abs_max(row, K);
+        const float d = amax / 32767.0f, id = amax > 0 ? 32767.0f / amax : 0.0f;
+        qx->dx[b] = d;
+        int16_t *dst = qx->q + (size_t)b * K;
+        for (int g = 0; g < G; g++) {
+            const float *p = row + g * GROUP;
+#if defined(__AVX512F__)
+            __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16), idv = _mm512_set1_ps(id);
+            qx->sx[(size_t)b * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi)) * id;
+            _mm256_storeu_si256((__m256i *)(dst + g * GROUP), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, idv))));
+            _mm256_storeu_si256((__m256i *)(dst + g * GROUP + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, idv))));
+#else
+            float sum = 0;
+            for (int j = 0; j < GROUP; j++) {
+                sum += p[j];
+                dst[g * GROUP + j] = (int16_t)lrintf(p[j] * id);
+            }
+            qx->sx[(size_t)b * G + g] = sum * id;
+#endif
+        }
+    }
+}
+
+/* One column of blocks (16 output rows n0.., all K) for nb <= ROWS_PER_PASS input rows: y[b, n0 + n]. */
+static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, int G, const qx_t *qx, int K,
+                                                            int nb, float *y, int ldy) {
+    float out[ROWS_PER_PASS][TILE_N];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 accf[ROWS_PER_PASS];
+    for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi16(0xf);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, BLOCK_BYTES);
+        __m512i acc[ROWS_PER_PASS];
+        for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
+        for (int p = 0; p < 8; p++) {
+            __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * p)));
+            __m512i w0 = _mm512_and_si512(w, low), w1 = _mm512_srli_epi16(w, 4);
+            for (int b = 0; b < nb; b++) {
+                const int16_t *xp = qx->q + (size_t)b * K + g * GROUP + 4 * p;
+                int32_t x0, x1;
+                memcpy(&x0, xp, 4);
+                memcpy(&x1, xp + 2, 4);
+#if defined(__AVX512VNNI__)
+                acc[b] = _mm512_dpwssd_epi32(acc[b], w0, _mm512_set1_epi32(x0));
+                acc[b] = _mm512_dpwssd_epi32(acc[b], w1, _mm512_set1_epi32(x1));
+#else
+                acc[b] = _mm512_add_epi32(acc[b], _mm512_add_epi32(_mm512_madd_epi16(w0, _mm512_set1_epi32(x0)),
+                                                                   _mm512_madd_epi16(w1, _mm512_set1_epi32(x1))));
+#endif
+            }
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
+        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+        for (int b = 0; b < nb; b++) {
+            accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b]), d, accf[b]);
+            accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(qx->sx[(size_t)b * G + g]), accf[b]);
+        }
+    }
+    for (int b = 0; b < nb; b++) _mm512_storeu_ps(out[b], accf[b]);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
+    const __m256i low = _mm256_set1_epi16(0xf);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, BLOCK_BYTES);
+        __m256i acc[ROWS_PER_PASS][2];
+        for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
+        for (int p = 0; p < 8; p++) {
+            /* bytes 0-15: output rows 0-7, bytes 16-31: rows 8-15 */
+            __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * p)));
+            __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * p + 16)));
+            __m256i lo0 = _mm256_and_si256(lo, low), lo1 = _mm256_srli_epi16(lo, 4);
+            __m256i hi0 = _mm256_and_si256(hi, low), hi1 = _mm256_srli_epi16(hi, 4);
+            for (int b = 0; b < nb; b++) {
+                const int16_t *xp = qx->q + (size_t)b * K + g * GROUP + 4 * p;
+                int32_t x0i, x1i;
+                memcpy(&x0i, xp, 4);
+                memcpy(&x1i, xp + 2, 4);
+                __m256i x0 = _mm256_set1_epi32(x0i), x1 = _mm256_set1_epi32(x1i);
+                acc[b][0] = _mm256_add_epi32(acc[b][0], _mm256_add_epi32(_mm256_madd_epi16(lo0, x0),
+                                                                         _mm256_madd_epi16(lo1, x1)));
+                acc[b][1] = _mm256_add_epi32(acc[b][1], _mm256_add_epi32(_mm256_madd_epi16(hi0, x0),
+                                                                         _mm256_madd_epi16(hi1, x1)));
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * h)));
+            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * h)));
+            for (int b = 0; b < nb; b++) {
+                __m256 o = _mm256_loadu_ps(out[b] + 8 * h);
+                o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][h]), d, o);
+                o = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[(size_t)b * G + g]), o);
+                _mm256_storeu_ps(out[b] + 8 * h, o);
+            }
+        }
+    }
+#else
+    for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
+        const uint16_t *dw = (const uint16_t *)(blk + 256), *mw = (const uint16_t *)(blk + 288);
+        for (int b = 0; b < nb; b++) {
+            const int16_t *xq = qx->q + (size_t)b * K + g * GROUP;
+            int32_t s[TILE_N] = {0};
+            for (int p = 0; p < 8; p++)
+                for (int i = 0; i < 32; i++) {
+                    const uint8_t c = blk[32 * p + i];
+                    const int n = i / 2, j = i % 2;
+                    s[n] += (c & 0xf) * xq[4 * p + j] + (c >> 4) * xq[4 * p + 2 + j];
+                }
+            const float sx = qx->sx[(size_t)b * G + g];
+            for (int n = 0; n < TILE_N; n++) out[b][n] += (float)s[n] * fp16_to_f32(dw[n]) + fp16_to_f32(mw[n]) * sx;
+        }
+    }
+#endif
+    for (int b = 0; b < nb; b++)
+        for (int n = 0; n < TILE_N; n++) y[(size_t)b * ldy + n] = out[b][n] * qx->dx[b];
+}
+
+/* This thread's share of y[B, N] = x[B, K] W^T (x quantised by quantize_x): columns of blocks split evenly. */
+static void matmul_int16(const q4_tiles *w, int N, int K, const qx_t *qx, int B, float *y, int tid, int nt) {
+    const int G = K / GROUP, NB = N / TILE_N, per = (NB + nt - 1) / nt;
+    const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
+    for (int c = c0; c < c1; c++) {
+        const uint8_t *col = w->blocks + (size_t)c * G * BLOCK_BYTES;
+        for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {
+            const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
+            qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL};
+            float *yb = y + (size_t)b0 * N + c * TILE_N;
+            switch (nb) { /* a constant nb per call: the compiler keeps each row's accumulator in a register */
+                case 1: q4_column(col, G, &part, K, 1, yb, N); break;
+                case 2: q4_column(col, G, &part, K, 2, yb, N); break;
+                case 3: q4_column(col, G, &part, K, 3, yb, N); break;
+                case 4: q4_column(col, G, &part, K, 4, yb, N); break;
+                case 5: q4_column(col, G, &part, K, 5, yb, N); break;
+                case 6: q4_column(col, G, &part, K, 6, yb, N); break;
+                case 7: q4_column(col, G, &part, K, 7, yb, N); break;
+                default: q4_column(col, G, &part, K, 8, yb, N); break;
+            }
+        }
+    }
+}
+
+#if HAVE_AMX
+/* Block -> a bf16 B tile: 16 rows (input pairs) of 32 bf16 (lane 2n + j), exactly the block's layout. */
+static inline void widen_block(const uint8_t *blk, uint16_t *tile) {
+    const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_rows = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+    __m512 d0 = _mm512_permutexvar_ps(lo_rows, d), d1 = _mm512_permutexvar_ps(hi_rows, d);
+    __m512 m0 = _mm512_permutexvar_ps(lo_rows, m), m1 = _mm512_permutexvar_ps(hi_rows, m);
+    const __m512i low = _mm512_set1_epi32(0xf);
+    for (int p = 0; p < 8; p++) {
+        __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p))); /* lanes 0-15 */
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p + 16))); /* 16-31 */
+        __m512 r0a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(a, low)), d0, m0);
+        __m512 r0b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d1, m1);
+        __m512 r1a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), d0, m0);
+        __m512 r1b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1);
+        _mm512_storeu_si512(tile + (2 * p) * 32, (__m512i)_mm512_cvtne2ps_pbh(r0b, r0a));
+        _mm512_storeu_si512(tile + (2 * p + 1) * 32, (__m512i)_mm512_cvtne2ps_pbh(r1b, r1a));
+    }
+}
+
+/* An int8 block -> a bf16 B tile: tile row r's lane 2n + j is q[n, 2r + j] * scale[n] (q stored in
+ * that order already). */
+static inline void widen_q8_block(const uint8_t *blk, const float *scale, uint16_t *tile) {
+    const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_rows = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    const __m512 s = _mm512_loadu_ps(scale);
+    const __m512 s0 = _mm512_permutexvar_ps(lo_rows, s), s1 = _mm512_permutexvar_ps(hi_rows, s);
+    for (int r = 0; r < 16; r++) {
+        __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * r)))), s0);
+        __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * r + 16)))), s1);
+        _mm512_storeu_si512(tile + r * 32, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+}
+
+static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *tile) {
+    const uint8_t *blk = w->blocks + ((size_t)c * G + g) * w->block_bytes;
+    if (w->row_scale)
+        widen_q8_block(blk, w->row_scale + (size_t)c * TILE_N, tile);
+    else
+        widen_block(blk, tile);
+}
+
+/* Tile t (16 x 16 fp32) into rows [m, m + 16) of y, only those below M (a partial tile through a
+ * scratch: y has exactly M rows). */
+#define STORE_TILE(t, y, ldy, m, M)                                                    \
+    do {                                                                               \
+        if ((m) + 16 <= (M)) {                                                         \
+            _tile_stored(t, y, (ldy) * 4);                                             \
+        } else {                                                                       \
+            float part[16 * 16];                                                       \
+            _tile_stored(t, part, 64);                                                 \
+            for (int i_ = 0; i_ < (M) - (m); i_++) memcpy((y) + (size_t)i_ * (ldy), part + 16 * i_, 64); \
+        }                                                                              \
+    } while (0)
+
+/* This thread's share of y[M, N] = x[M, K] W^T with x in bf16 (qx->bf, A tiles with rows padded to a
+ * multiple of 16): pairs of block columns (32 outputs) split evenly; each pair widened once into
+ * `scratch` ([K / 32][2][512] bf16) and multiplied by every 32-row slice of x. */
+static void matmul_amx(const tile_weights *w, int N, int K, const qx_t *qx, int M, float *y, uint16_t *scratch,
+                       int tid, int nt) {
+    const int G = K / GROUP, NB = N / TILE_N, NP = (NB + 1) / 2, per = (NP + nt - 1) / nt;
+    const int p0 = tid * per, p1 = p0 + per < NP ? p0 + per : NP;
+    if (p0 >= p1) return;
+    amx_configure();
+    const uint16_t *x = qx->bf;
+    for (int pc = p0; pc < p1; pc++) {
+        const int c = 2 * pc, two_cols = c + 1 < NB;
+        for (int g = 0; g < G; g++) {
+            widen(w, c, G, g, scratch + (size_t)g * 1024);
+            if (two_cols) widen(w, c + 1, G, g, scratch + (size_t)g * 1024 + 512);
+        }
+        for (int m0 = 0; m0 < M; m0 += 32) {
+            const int two_rows = m0 + 16 < M;
+            const uint16_t *xa = x + (size_t)m0 * K, *xb = xa + (size_t)16 * K; /* tiles [rows / 16][G][16 x 32] */
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int g = 0; g < G; g++) {
+                const uint16_t *bt = scratch + (size_t)g * 1024;
+                _tile_loadd(4, xa + (size_t)g * 16 * GROUP, 64);
+                _tile_loadd(6, bt, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_cols) {
+                    _tile_loadd(7, bt + 512, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (two_rows) {
+                    _tile_loadd(5, xb + (size_t)g * 16 * GROUP, 64);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two_cols) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            float *ya = y + (size_t)m0 * N + c * TILE_N, *yb = ya + (size_t)16 * N;
+            STORE_TILE(0, ya, N, m0, M);
+            if (two_cols) STORE_TILE(1, ya + TILE_N, N, m0, M);
+            if (two_rows) {
+                STORE_TILE(2, yb, N, m0 + 16, M);
+                if (two_cols) STORE_TILE(3, yb + TILE_N, N, m0 + 16, M);
+            }
+        }
+    }
+}
+#endif
+

@@ -1,0 +1,54 @@
+/* The native CPU step's public interface: what kernels/cpu/__init__.py calls through ctypes, and the
+ * structs it mirrors there (`_Dims`, `_Layer`; their sizes are checked at load, sluice_abi_sizes). */
+#pragma once
+
+#include <stdint.h>
+
+typedef struct {
+    const uint8_t *blocks;
+} q4_tiles;
+
+/* Any matrix in blocks of 16 output rows by 32 inputs, in tile order: the layers' Q4_1 blocks (q4_tiles),
+ * or the output layer's int8 ones (row_scale set: w = q * row_scale[n], 512 bytes per block). */
+typedef struct {
+    const uint8_t *blocks;
+    int block_bytes;
+    const float *row_scale; /* [N] for int8 blocks, else NULL */
+} tile_weights;
+
+#define Q8_BLOCK_BYTES 512
+
+typedef struct {
+    const float *attn_norm, *mlp_norm; /* [hidden] */
+    q4_tiles qkv, o, gate_up, down;
+    const float *qkv_bias; /* [q + 2 kv] or NULL */
+} layer_weights;
+
+typedef struct {
+    int hidden, heads, kv_heads, head_dim, inter, layers, block_size;
+    float eps;
+} dims;
+
+/* A whole forward step over B rows (see step.c). Returns 0, or < 0 on bad shapes or no memory. */
+int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,
+                   const int64_t *slots, const int32_t *tables, int table_stride, const int32_t *row_seq,
+                   uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
+                   int nthreads, int amx_min_rows);
+int sluice_amx_available(void);
+/* The output layer's logits from int8 blocks, each row's best `refine` candidates made exact (head.c). */
+int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int V, float *out,
+                       const float *exact, int refine, int nthreads, int amx_min_rows);
+/* Sampling (sampler.c). */
+int sluice_sample(int B, int V, const float *logits, const float *temperature, const int64_t *top_k,
+                  const float *top_p, const int64_t *seeds, const int64_t *offsets, int64_t *out, int nthreads);
+int sluice_sample_masked(int R, int V, const float *logits, const int64_t *rows, const int32_t *masks,
+                         const float *temperature, const int64_t *seeds, const int64_t *offsets, int64_t *out);
+/* Attention alone for the torch path's decode rows (decode_attention.c). */
+int sluice_decode_attention(int B, int heads, int kv_heads, int head_dim, const float *q, int64_t q_stride,
+                            float *out, const uint16_t *k, const uint16_t *v, int block_size, const int32_t *tables,
+                            int table_stride, const int32_t *seq_lens, int nthreads);
+/* Profiling (profile.c), the build's ISA, and the structs' sizes and offsets for the ctypes mirrors. */
+void sluice_profile(int on);
+void sluice_profile_read(double *out);
+const char *sluice_forward_isa(void);
+int sluice_abi_sizes(int64_t *out, int n);
