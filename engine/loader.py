@@ -108,6 +108,9 @@ class LoadedModel:
     # scale [N, K/32], min [N, K/32]), weight = code * scale + min (fp32). `weights` holds the same values
     # dequantized; the engine's int4 matmul reads these codes directly (engine/weights.py, Int4Weight).
     q4_blocks: MutableMapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # GGUF: the block types of the layers' matrices (type name -> how many), what decides whether the native
+    # CPU step can read the file (it reads Q4_0 and Q4_1) and what the start-up log names when it cannot.
+    layer_types: dict[str, int] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -240,6 +243,7 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
     )
     weights: LazyTensors[torch.Tensor] = LazyTensors()
     q4: LazyTensors[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = LazyTensors()
+    layer_types: dict[str, int] = {}
     for t in reader.tensors if with_weights else []:
         name = t.name
         heads = 0
@@ -257,6 +261,8 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
                 heads = (n_heads if rest in ("attn_q.weight", "attn_q.bias") else
                          n_kv if rest in ("attn_k.weight", "attn_k.bias") else 0)
             hf = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+            if len(t.shape) == 2:
+                layer_types[t.tensor_type.name] = layer_types.get(t.tensor_type.name, 0) + 1
             if t.tensor_type.name in ("Q4_0", "Q4_1") and len(t.shape) == 2:
                 q4.add(hf, functools.partial(_gguf_q4, t, heads))
         else:
@@ -287,6 +293,7 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
         args=args,
         weights=weights,
         q4_blocks=q4,
+        layer_types=layer_types,
         gguf_tokenizer=tok_fields,
         chat_template=_field(reader, "tokenizer.chat_template"),
         bos_token_id=int(bos) if bos is not None else None,

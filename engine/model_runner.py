@@ -98,6 +98,24 @@ def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
+NATIVE_TYPES = ("Q4_0", "Q4_1")  # the GGUF block types the native CPU step reads
+
+
+def native_refusal(loaded: LoadedModel, eligible: bool) -> str:
+    """Why a CPU that has the native step does not run it on this model, in words for the start-up log."""
+    other = {t: n for t, n in loaded.layer_types.items() if t not in NATIVE_TYPES}
+    if other:
+        total = sum(loaded.layer_types.values())
+        kinds = ", ".join(f"{t} ({n})" for t, n in sorted(other.items(), key=lambda kv: -kv[1]))
+        return (f"it reads {' and '.join(NATIVE_TYPES)} layer weights, and {sum(other.values())} of this file's "
+                f"{total} are {kinds}")
+    if not loaded.layer_types:
+        return "the model is not a GGUF file of 4-bit blocks"
+    if not eligible:
+        return "the configuration asks for another path (int4 off, or a KV cache or dtype other than bf16/fp32)"
+    return "the model's shapes are ones it does not take"
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, guides: Guides | None = None):
         self.config = config
@@ -116,6 +134,9 @@ class ModelRunner:
                                 deterministic=config.deterministic, q4_blocks=loaded.q4_blocks if self.int4 else None,
                                 native_block_size=config.block_size if native else 0, kernels=self.kernels)
         self.int4_max_rows = 0  # steps of up to this many tokens read the 4-bit weights
+        if self.kernels.native and config.native_cpu_step and self.model.native is None:
+            log.info("native CPU forward step not used: %s; every step takes the torch path, weights %s",
+                     native_refusal(loaded, native), str(self.weight_dtype).removeprefix("torch."))
         if self.device.type == "cpu" and not config.deterministic and self.model.native is None:
             self._plan_cpu_steps()  # (the native step's plan, its AMX threshold, is `_plan_native`)
         if config.deterministic:

@@ -28,6 +28,10 @@ from tests.fixtures.servers import real_gateway, redis_server  # noqa: F401  (se
 # runs afterwards, alone.
 SERVER_FIXTURES = {"real_gateway"}
 ENGINE_FIXTURES = {"engine", "tokenizer", "configured", "embedding_engine", "minilm_reference"}
+# Heavy modules with engines of their own (module fixtures, none of the session ones): a group each, so
+# xdist can put them on whichever worker has room instead of lengthening the "engine" group (2 minutes
+# of deterministic-mode runs, transformers' reference model).
+OWN_GROUP = {"tests/engine/test_deterministic.py", "tests/engine/test_reference.py"}
 
 
 def _group(item) -> str | None:
@@ -35,6 +39,8 @@ def _group(item) -> str | None:
     fixtures = set(getattr(item, "fixturenames", ()))
     if SERVER_FIXTURES & fixtures or path.startswith("tests/e2e/"):
         return "servers"
+    if path.split("::", 1)[0] in OWN_GROUP:
+        return "engine:" + path.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
     if ENGINE_FIXTURES & fixtures or path.startswith("tests/engine/"):
         return "engine"
     if item.get_closest_marker("model") or item.get_closest_marker("slow"):

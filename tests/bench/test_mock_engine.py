@@ -1,0 +1,77 @@
+"""bench/mock_engine.py, the simulated engine replica of issue 25's routing measurements: the OpenAI SDK
+against it, its concurrency limit and waiting queue as vLLM's metrics report them, priority order under
+`--policy priority`, and prefix-cache hits for a shared prefix."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+from aiohttp.test_utils import TestServer
+
+from bench.mock_engine import ENGINE, EngineModel, make_app
+
+
+def _metrics(text: str) -> dict[str, float]:
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line}
+
+
+async def _server(**model) -> TestServer:
+    server = TestServer(make_app(EngineModel(**model)), host="127.0.0.1")
+    await server.start_server()
+    return server
+
+
+async def test_sdk_answers_and_metrics_show_running_and_waiting():
+    server = await _server(max_running=2, decode_ms=20, per_seq_ms=0)
+    try:
+        c = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0)
+        tasks = [asyncio.create_task(c.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=10))
+            for i in range(4)]
+        await asyncio.sleep(0.1)
+        async with aiohttp.ClientSession() as s, s.get(server.make_url("/metrics")) as r:
+            m = _metrics(await r.text())
+        assert m["vllm:num_requests_running"] == 2 and m["vllm:num_requests_waiting"] == 2
+        assert m["vllm:kv_cache_usage_perc"] == 1.0
+        answers = await asyncio.gather(*tasks)
+        assert all(a.choices[0].message.content == "".join(f" t{i}" for i in range(1, 11)) for a in answers)
+        stream = await c.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=3, stream=True,
+                                                 messages=[{"role": "user", "content": "s"}])
+        assert "".join([ch.choices[0].delta.content or "" async for ch in stream]) == " t1 t2 t3"
+    finally:
+        await server.close()
+
+
+async def test_priority_policy_serves_the_lower_number_first():
+    server = await _server(max_running=1, decode_ms=5, per_seq_ms=0, policy="priority")
+    try:
+        c = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0)
+        done: list[str] = []
+
+        async def ask(name: str, priority: int, n: int) -> None:
+            await c.chat.completions.create(model="m", messages=[{"role": "user", "content": name}], max_tokens=n,
+                                            extra_body={"priority": priority})
+            done.append(name)
+        first = asyncio.create_task(ask("first", 1, 20))
+        await asyncio.sleep(0.03)  # running: the others wait
+        later = [asyncio.create_task(ask("standard", 1, 2)), asyncio.create_task(ask("pro", 0, 2))]
+        await asyncio.gather(first, *later)
+        assert done == ["first", "pro", "standard"]
+    finally:
+        await server.close()
+
+
+async def test_a_shared_prefix_hits_the_prefix_cache():
+    server = await _server(block_chars=16)
+    try:
+        eng = server.app[ENGINE]
+        c = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0)
+        context = "Records are short and the answers are too. " * 8
+        for q in ("first question", "second question"):
+            await c.chat.completions.create(model="m", messages=[{"role": "system", "content": context},
+                                                                 {"role": "user", "content": q}], max_tokens=1)
+        assert eng.hits >= len(context) - 16 and eng.queries > 2 * len(context)
+    finally:
+        await server.close()

@@ -1,0 +1,57 @@
+"""engine/model_runner.py's choice of path, said at start: a GGUF whose layers mix in a block type the
+native CPU step does not read (here one tensor requantised to Q8_0 with gguf-py, as llama.cpp's Q4_K_M
+files make attn_v Q8_0) takes the torch path, and the log names the type and the path in one line."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from engine.loader import default_model_path
+
+pytestmark = pytest.mark.model
+
+
+def requantised(src, dst, names: dict[str, str]) -> None:
+    """A copy of the GGUF `src` with the tensors in `names` requantised (name -> gguf-py type name)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        shape = [int(d) for d in reversed(t.shape)]  # rows first, as the writer takes them
+        if t.name in names:
+            qtype = gguf.GGMLQuantizationType[names[t.name]]
+            dense = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+            writer.add_tensor(t.name, gguf.quants.quantize(dense, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_block_type_the_native_step_does_not_read_is_named_with_the_path_taken(tmp_path, caplog):
+    path = tmp_path / "SmolLM2-135M-Instruct-mixed.gguf"
+    requantised(default_model_path(), path, {"blk.0.attn_v.weight": "Q8_0"})
+    with caplog.at_level(logging.INFO, logger="engine"):
+        engine = LLMEngine(EngineConfig(model=str(path), kv_cache_tokens=1024, max_running_requests=2))
+    said = [r.getMessage() for r in caplog.records if "native CPU forward step not used" in r.getMessage()]
+    if not engine.runner.kernels.native:
+        pytest.skip("no native CPU step on this machine (no C compiler)")
+    assert engine.runner.model.native is None
+    assert len(said) == 1, said
+    assert "Q8_0 (1)" in said[0] and "of this file's 210 are" in said[0] and "torch path" in said[0], said[0]
+    out = engine.generate([EngineRequest("r", engine.tokenizer.encode("Hello"),
+                                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))])
+    assert sum(len(o.token_ids) for o in out["r"]) == 4
