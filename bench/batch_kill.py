@@ -55,6 +55,17 @@ def _outputs(c: openai.OpenAI, b: openai.types.Batch) -> dict[str, str]:
     return {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in rows}
 
 
+def _uninterrupted(c: openai.OpenAI, args: argparse.Namespace) -> tuple[str, float, dict[str, str]]:
+    """Uploads the lines and runs them once without trouble: (the file's id, seconds, outputs by custom_id)."""
+    model = c.models.list().data[0].id
+    f = c.files.create(file=("in.jsonl", _lines(model, args.lines, args.max_tokens)), purpose="batch")
+    t0 = time.time()
+    whole = _wait(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h").id, time.time() + 1200)
+    assert whole.status == "completed", whole
+    return f.id, time.time() - t0, _outputs(c, whole)
+
+
 def _until_done(c: openai.OpenAI, bid: str, n: int) -> int:
     while (c.batches.retrieve(bid).request_counts.completed or 0) < n:
         time.sleep(0.1)
@@ -82,15 +93,8 @@ def redis_path(args: argparse.Namespace) -> None:
                                 stderr=subprocess.DEVNULL)
     try:
         with managed_server(serve, url + "/ready", env, cwd=ROOT) as gateway:
-            model = c.models.list().data[0].id
-            f = c.files.create(file=("in.jsonl", _lines(model, args.lines, args.max_tokens)), purpose="batch")
-            t0 = time.time()
-            whole = _wait(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                              completion_window="24h").id, time.time() + 1200)
-            uninterrupted = time.time() - t0
-            assert whole.status == "completed", whole
-            want = _outputs(c, whole)
-            bid = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id
+            file_id, uninterrupted, want = _uninterrupted(c, args)
+            bid = c.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id
             t1 = time.time()
             at_gateway = _until_done(c, bid, args.lines // 3)
             os.kill(gateway.pid, signal.SIGKILL)
@@ -135,16 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     url = f"http://127.0.0.1:{port}"
     c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=3, timeout=600)
     with managed_server(cmd, url + "/ready", env, cwd=ROOT) as proc:
-        model = c.models.list().data[0].id
-        data = _lines(model, args.lines, args.max_tokens)
-        f = c.files.create(file=("in.jsonl", data), purpose="batch")
-        t0 = time.time()
-        whole = _wait(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                          completion_window="24h").id, time.time() + 1200)
-        uninterrupted = time.time() - t0
-        assert whole.status == "completed", whole
-        want = _outputs(c, whole)
-        bid = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id
+        file_id, uninterrupted, want = _uninterrupted(c, args)
+        bid = c.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id
         while (c.batches.retrieve(bid).request_counts.completed or 0) < args.lines // 3:
             time.sleep(0.1)
         before = c.batches.retrieve(bid).request_counts.completed
