@@ -1,5 +1,5 @@
-"""A simulated continuous-batching engine behind an OpenAI-compatible API, for routing measurements on 2
-cores (issue 25): replicas that cost no CPU to run, with the load signals real engines export.
+"""A simulated continuous-batching engine behind an OpenAI-compatible API, for measuring routing across
+engine replicas on 2 cores: replicas that cost no CPU to run, with the load signals real engines export.
 
 The model of an engine: at most `--max-running` sequences run at once; the rest wait in a FIFO queue (or by
 the request's `priority`, lower first, with `--policy priority`, as vLLM's `--scheduling-policy priority`).

@@ -1,4 +1,4 @@
-"""bench/mock_engine.py, the simulated engine replica of issue 25's routing measurements: the OpenAI SDK
+"""bench/mock_engine.py, the simulated engine replica for routing measurements: the OpenAI SDK
 against it, its concurrency limit and waiting queue as vLLM's metrics report them, priority order under
 `--policy priority`, and prefix-cache hits for a shared prefix."""
 
@@ -56,8 +56,8 @@ async def test_priority_policy_serves_the_lower_number_first():
             done.append(name)
         first = asyncio.create_task(ask("first", 1, 20))
         await asyncio.sleep(0.03)  # running: the others wait
-        later = [asyncio.create_task(ask("standard", 1, 2)), asyncio.create_task(ask("pro", 0, 2))]
-        await asyncio.gather(first, *later)
+        queued = [asyncio.create_task(ask("standard", 1, 2)), asyncio.create_task(ask("pro", 0, 2))]
+        await asyncio.gather(first, *queued)
         assert done == ["first", "pro", "standard"]
     finally:
         await server.close()
