@@ -55,7 +55,12 @@ async def test_priority_policy_serves_the_lower_number_first():
                                             extra_body={"priority": priority})
             done.append(name)
         first = asyncio.create_task(ask("first", 1, 20))
-        await asyncio.sleep(0.03)  # running: the others wait
+        eng = server.app[ENGINE]
+        for _ in range(500):  # running (not merely sent) before the others arrive: they wait behind it
+            if eng.running:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.running
         queued = [asyncio.create_task(ask("standard", 1, 2)), asyncio.create_task(ask("pro", 0, 2))]
         await asyncio.gather(first, *queued)
         assert done == ["first", "pro", "standard"]
