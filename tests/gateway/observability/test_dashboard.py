@@ -9,6 +9,7 @@ import asyncio
 import base64
 import shutil
 import time
+from decimal import ROUND_HALF_UP, Decimal
 
 import aiohttp
 import pytest
@@ -124,6 +125,12 @@ def _sum(m: dict, name: str, by, **where) -> dict[tuple, float]:
     return out
 
 
+def _to_fixed(x: float, digits: int) -> str:
+    """What JavaScript's `x.toFixed(digits)` prints: the exact binary value rounded half up (21.25 -> "21.3"),
+    where Python's format rounds half to even ("21.2")."""
+    return str(Decimal(x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
 async def _figures(page) -> dict[str, tuple[str, str | None]]:
     return await page.eval_on_selector_all(
         "td[data-key]", "els => Object.fromEntries(els.map(e => [e.dataset.key, [e.textContent, e.dataset.value]]))")
@@ -203,10 +210,12 @@ async def test_dashboard_in_browser_matches_metrics(tmp_path, providers, chromiu
             buckets = [(float(le), c) for (le,), c in _sum(m, "sluice_ttft_seconds_bucket", ("le",), tier=tier,
                                                             backend=backend).items()]
             assert float(shown[f"ttft/{tier}/{backend}/p50"][1]) == pytest.approx(histogram_quantile(0.5, buckets))
-            assert shown[f"ttft/{tier}/{backend}/p99"][0] == f"{histogram_quantile(0.99, buckets) * 1000:.1f}"
+            p99 = histogram_quantile(0.99, buckets)
+            assert float(shown[f"ttft/{tier}/{backend}/p99"][1]) == pytest.approx(p99)
+            assert shown[f"ttft/{tier}/{backend}/p99"][0] == _to_fixed(p99 * 1000, 1)
         for (key, model), v in _sum(m, "sluice_usage_cost_total", ("key", "model")).items():
             assert float(shown[f"spend/{key}/{model}"][1]) == pytest.approx(v)
-            assert shown[f"spend/{key}/{model}"][0] == f"{v:.6f}"
+            assert shown[f"spend/{key}/{model}"][0] == _to_fixed(v, 6)
         # Provider b failed and its circuit opened; a answered.
         errs = _sum(m, "sluice_remote_attempts_total", ("provider",), provider="b")
         assert shown["provider/b/errors"][0] == str(round(sum(v for (n, lab), v in m.items()
