@@ -67,8 +67,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.redis_url is not None:
         overrides["redis_url"] = args.redis_url
     settings = _settings(args, **overrides)
-    if args.no_engine and not settings.redis_url:
-        print("sluice serve --no-engine needs a Redis queue: --redis-url or SLUICE_REDIS_URL", file=sys.stderr)
+    if args.no_engine and not settings.redis_url and not settings.engines:
+        print("sluice serve --no-engine needs a Redis queue (--redis-url or SLUICE_REDIS_URL) or engine replicas "
+              "([[engines]] in the config)", file=sys.stderr)
         return 2
     from gateway.http.server import loop_factory
 
@@ -254,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the HTTP gateway (with a local engine unless --no-engine)")
     serve.add_argument("--no-engine", action="store_true",
-                       help="gateway only: `sluice worker` processes run the engine (needs the Redis queue)")
+                       help="gateway only: `sluice worker` processes run the engine (the Redis queue), or the "
+                            "[[engines]] replicas serve alone")
     serve.add_argument("--redis-url", help="use the Redis queue (default: $SLUICE_REDIS_URL; unset: in-process)")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)

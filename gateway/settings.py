@@ -125,6 +125,53 @@ class ProviderSettings(BaseModel):
                 + completion * self.output_price_per_m) / 1e6
 
 
+EngineKind = Literal["vllm", "sglang", "llama-server", "sluice", "openai"]
+
+
+class EngineReplicaSettings(BaseModel):
+    """One replica of an engine pool (`[[engines]]`): Sluice's own capacity on another server (vLLM,
+    SGLang, llama-server, another Sluice, or any OpenAI-compatible engine), kept apart from paid
+    providers. Its load is read from its `/metrics` (none for `openai`: Sluice's in-flight count only)."""
+
+    model_config = ConfigDict(hide_input_in_errors=True)
+
+    name: str
+    base_url: str  # e.g. http://127.0.0.1:8501/v1
+    kind: EngineKind = "openai"
+    models: list[str] = Field(min_length=1)  # the model names it serves (the same names as here)
+    api_key_env: str | None = None
+    # Its Prometheus text; None: base_url without its trailing /v1, plus /metrics.
+    metrics_url: str | None = None
+    timeout_s: float = Field(30.0, gt=0)  # per attempt: connect, and each read of the answer or stream
+    # A hard cap on requests sent to it at once; below it, the room rule learns where its queue grows.
+    max_in_flight: int = Field(256, ge=1)
+    # Send the request's tier as the engine's own `priority` (vLLM under --scheduling-policy priority: lower
+    # first; SGLang under --enable-priority-scheduling: higher first). Off: engines refuse it otherwise.
+    pass_priority: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineReplicaSettings:
+        self.base_url = self.as_provider().base_url  # the providers' URL checks and normal form
+        if self.metrics_url is not None:
+            ProviderSettings(name=self.name, base_url=self.metrics_url)
+        return self
+
+    def as_provider(self) -> ProviderSettings:
+        """The replica as the remote layer's provider: free (its cost is the local price), each model
+        under its own name."""
+        return ProviderSettings(name=self.name, base_url=self.base_url, api_key_env=self.api_key_env,
+                                models={m: m for m in self.models}, timeout_s=self.timeout_s,
+                                max_concurrent=self.max_in_flight)
+
+    def metrics_endpoint(self) -> str | None:
+        if self.kind == "openai" and self.metrics_url is None:
+            return None
+        if self.metrics_url is not None:
+            return self.metrics_url
+        base = self.base_url.rstrip("/")
+        return (base[:-3] if base.endswith("/v1") else base) + "/metrics"
+
+
 class RoutingSettings(BaseModel):
     overflow: bool = True  # send local traffic remote when the local side cannot meet the tier's target
     local_retry_remote: bool = True  # a local failure before the first token is retried remotely
@@ -343,6 +390,8 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     # Remote providers, routing and per-key limits (the classes above).
     providers: list[ProviderSettings] = Field(default_factory=list)
+    # Engine pools: replicas of local capacity on other servers (EngineReplicaSettings).
+    engines: list[EngineReplicaSettings] = Field(default_factory=list)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     usage: UsageSettings = Field(default_factory=UsageSettings)

@@ -14,6 +14,7 @@ from aiohttp import web
 from gateway.admission.keys import KeyStore
 from gateway.admission.limits import Limiter
 from gateway.admission.usage import UsageStore
+from gateway.backends.pool.backend import PoolBackend
 from gateway.backends.remote.backend import RemoteBackend
 from gateway.messages import WorkerStats
 from gateway.observability.dashboard import ModelView
@@ -35,11 +36,13 @@ class GatewayState:
     limiter: Limiter
     usage: UsageStore
     remote: RemoteBackend | None
+    engines: PoolBackend | None = None  # the engine replicas ([[engines]])
     pools: list[ModelPool] = field(default_factory=list)  # one per served model, in the config's order
     router: Router | None = None  # remote-only chat models' router; every pool has its own for its model
     embedding_router: EmbeddingRouter | None = None  # remote-only embedding models' router
     no_engine: bool = False  # gateway only: engine workers run elsewhere (`sluice worker`, Redis queue)
     draining: bool = False  # SIGTERM received: new requests get 503 + Retry-After
+    idle_queue: RequestQueue | None = None  # with no local model: the never-ready local side's queue
     created: int = field(default_factory=lambda: int(time.time()))
 
     def pool_for(self, model: str) -> ModelPool | None:
@@ -58,7 +61,12 @@ class GatewayState:
 
     @property
     def queue(self) -> RequestQueue:
-        return self.pools[0].queue if self.chat is None else self.chat.queue
+        if self.chat is not None:
+            return self.chat.queue
+        if self.pools:
+            return self.pools[0].queue
+        assert self.idle_queue is not None
+        return self.idle_queue
 
     @property
     def engine(self) -> ModelFrontend | None:

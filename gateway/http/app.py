@@ -21,6 +21,7 @@ from gateway.admission.limits import make_limiter
 from gateway.admission.spill import Spill
 from gateway.admission.usage import UsageStore
 from gateway.backends.local import LocalBackend, LocalEmbeddings
+from gateway.backends.pool.backend import PoolBackend
 from gateway.backends.remote.backend import RemoteBackend
 from gateway.http import batches, dashboard, embeddings, files, responses, routes
 from gateway.http.errors import error_middleware
@@ -49,7 +50,8 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
     already-built engines of other models, by their configured id (tests). `queue`: the first chat model's
     queue (tests). `no_engine`: gateway only; engine workers (`sluice worker`) drain the Redis queues
     elsewhere, and `engine` (if given) only supplies the tokenizer, model name and context."""
-    if no_engine and not settings.redis_url and queue is None:
+    pool_only = no_engine and not settings.redis_url and queue is None and bool(settings.engines)
+    if no_engine and not settings.redis_url and queue is None and not pool_only:
         raise ValueError("a gateway without an engine needs the Redis queue (set redis_url / SLUICE_REDIS_URL)")
     keys = keys or KeyStore(settings.auth.keys_file)
     metrics = Metrics(key_label=make_key_label(keys, settings.metrics.key_labels))
@@ -67,12 +69,15 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
         spill_path=str(spill_dir / spill_name), max_spill_bytes=max_spill,
         max_pending_rows=settings.usage.max_pending_rows, ballast_bytes=int(settings.usage.ballast_mb * 1e6)))
     remote = RemoteBackend(settings.providers, settings.routing, metrics) if settings.providers else None
+    engine_pool = PoolBackend(settings.engines, settings.routing, metrics) if settings.engines else None
     state = GatewayState(settings=settings, keys=keys, metrics=metrics, limiter=limiter, usage=usage,
-                         remote=remote, no_engine=no_engine)
+                         remote=remote, engines=engine_pool, no_engine=no_engine)
 
     entries = settings.model_entries()
     if engine is not None and settings.models is None:
         entries = [e for e in entries if e.kind == "chat"]  # a given engine is the whole local side
+    if pool_only:
+        entries = []  # `--no-engine` with engine pools and no Redis: the pools are the whole local side
     first_chat = next((e for e in entries if e.kind == "chat"), None)
     for entry in entries:
         first = entry is first_chat
@@ -100,7 +105,7 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
                                           tiers=settings.tiers)
             continue
         pool.router = Router(local=LocalBackend(pool.queue), remote=remote, side=pool, estimator=estimator,
-                             accountant=accountant, routing=settings.routing, metrics=metrics)
+                             accountant=accountant, routing=settings.routing, metrics=metrics, pool=engine_pool)
         if sampler is None:  # the queue gauges describe the first chat model
             sampler = MetricsSampler(metrics, pool.queue, settings.tiers, estimator, remote)
     chat = state.chat
@@ -108,9 +113,11 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
         state.router = chat.router
     else:  # only remote models are chat models here: a router whose local side is never ready
         idle = ModelPool(entry=ModelEntry(id="-", kind="chat"), queue=MemoryQueue(), is_draining=lambda: True)
+        state.idle_queue = idle.queue
         estimator = WaitEstimator(idle, idle.queue, settings.tiers, settings.routing)
         state.router = Router(local=LocalBackend(idle.queue), remote=remote, side=idle, estimator=estimator,
-                              accountant=accountant_for(estimator, None), routing=settings.routing, metrics=metrics)
+                              accountant=accountant_for(estimator, None), routing=settings.routing, metrics=metrics,
+                              pool=engine_pool)
         sampler = MetricsSampler(metrics, idle.queue, settings.tiers, estimator, remote)
     assert sampler is not None
     idle_embed = ModelPool(entry=ModelEntry(id="-", kind="embedding"), queue=MemoryQueue(), is_draining=lambda: True)
@@ -138,6 +145,6 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
 
     app.cleanup_ctx.append(usage_ledger(usage, ledger))
     app.cleanup_ctx.append(engine_lifecycle)
-    app.cleanup_ctx.append(services(sampler, remote, limiter))
+    app.cleanup_ctx.append(services(sampler, remote, limiter, engine_pool))
     app.cleanup_ctx.append(batches.lifecycle)  # last: its runner stops first at shutdown
     return app

@@ -21,6 +21,7 @@ from aiohttp import web
 from gateway.admission.ledger import UsageLedger
 from gateway.admission.limits import Limiter
 from gateway.admission.usage import UsageStore
+from gateway.backends.pool.backend import PoolBackend
 from gateway.backends.remote.backend import RemoteBackend
 from gateway.http.offload import OFFLOAD, Offloader
 from gateway.routing.sampler import MetricsSampler
@@ -126,13 +127,18 @@ async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     app[OFFLOAD].close()
 
 
-def services(sampler: MetricsSampler, remote: RemoteBackend | None, limiter: Limiter) -> CleanupContext:
+def services(sampler: MetricsSampler, remote: RemoteBackend | None, limiter: Limiter,
+             pool: PoolBackend | None = None) -> CleanupContext:
     async def ctx(app: web.Application) -> AsyncIterator[None]:  # noqa: ARG001 (aiohttp passes it)
         sampler.start()
+        if pool is not None:
+            pool.start()  # replicas' load is known before the first request
         yield
         await sampler.close()
         if remote is not None:
             await remote.close()
+        if pool is not None:
+            await pool.close()
         await limiter.close()
 
     return ctx

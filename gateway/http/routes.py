@@ -153,6 +153,8 @@ async def ready(request: web.Request) -> web.Response:
     body["queue_depth"] = {t: await state.queue.depth(t) for t in state.settings.tiers}
     if state.remote is not None:  # circuits and configuration errors
         body["providers"] = state.remote.status()
+    if state.engines is not None:  # replicas: circuits, room levels, last polled load
+        body["engines"] = state.engines.status()
     return web.json_response(body, status=200 if state.ready else 503)
 
 

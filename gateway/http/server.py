@@ -309,7 +309,7 @@ async def run_server(settings: Settings, stop: asyncio.Event, *, engine: Engine 
     runner, site = await serve(app, settings)
     state = app[STATE]
     # Wait for the engine to give the one informative start line (capacity needs the engine).
-    while state.load_error is None and not stop.is_set() and (
+    while state.load_error is None and not stop.is_set() and not (no_engine and not state.pools) and (
             state.local_worker is None if not no_engine else state.model_name is None):
         await asyncio.sleep(0.05)
     capacity = state.local_worker.capacity if state.local_worker else 0
@@ -318,7 +318,11 @@ async def run_server(settings: Settings, stop: asyncio.Event, *, engine: Engine 
              state.model_name, state.max_model_len, capacity, dict(settings.queue.max_depth), auth_mode,
              "redis" if settings.redis_url else "in-process",
              type(asyncio.get_running_loop()).__module__.split(".")[0],
-             " (no engine: workers run elsewhere)" if no_engine else "")
+             " (no engine: workers run elsewhere)" if no_engine and state.pools else
+             " (no engine: engine replicas only)" if no_engine else "")
+    if settings.engines:
+        log.info("engine replicas: %s", ", ".join(f"{e.name} ({e.kind}, {e.base_url}: {', '.join(e.models)})"
+                                                  for e in settings.engines))
     await stop.wait()
     # Graceful: refuse new requests (503 + Retry-After), stop listening, let open streams finish
     # within shutdown_grace_s, then hand the local engine's unfinished requests back (Redis) and exit.

@@ -1,14 +1,16 @@
 """A local request whose first output is a failure (the engine broke before any token) is served by
-the remote chain instead, invisibly to the client."""
+the remote chain instead, invisibly to the client; a request on an engine pool whose every replica
+failed before its first text is served by the embedded engine or a provider the same way."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from engine import RequestOutput
 from gateway.backends.base import ChoiceStream, WrappedStream
 from gateway.backends.remote.backend import RemoteBackend
-from gateway.errors import Failure
+from gateway.errors import APIError, Failure
 from gateway.messages import ChoiceOutput, ErrorOutput, GenerationRequest
 from gateway.observability.metrics import Metrics
 from gateway.routing.reasons import RouteReason
@@ -47,6 +49,44 @@ class FallbackStream(WrappedStream):
                 self._inner = await self._remote.submit(self._gen)
                 return await self._inner.__anext__()
         return ch
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class PoolFallbackStream(WrappedStream):
+    """A pool stream, replaced by `elsewhere(gen)`'s when the replicas gave up before the first output
+    (the tries raise the 429/503 of giving up then: nothing was sent to the client yet)."""
+
+    def __init__(self, gen: GenerationRequest, pooled: ChoiceStream,
+                 elsewhere: Callable[[GenerationRequest], Awaitable[ChoiceStream]]):
+        self._gen = gen
+        self._inner = pooled
+        self._elsewhere = elsewhere
+        self._first = True
+
+    async def __anext__(self) -> ChoiceOutput:
+        if not self._first:
+            return await self._inner.__anext__()
+        self._first = False
+        try:
+            return await self._inner.__anext__()
+        except APIError as e:
+            if e.status not in (429, 503):
+                raise
+            log.warning("every engine replica failed before the first token for %s (%s); moving it on",
+                        self._gen.request_id, e.message)
+            await self._inner.aclose()
+            try:
+                self._inner = await self._elsewhere(self._gen)
+            except Exception:
+                raise e from None
+            return await self._inner.__anext__()
+
+    async def next_batch(self) -> list[ChoiceOutput]:
+        if self._first:
+            return [await self.__anext__()]
+        return await self._inner.next_batch()
 
     async def aclose(self) -> None:
         await self._inner.aclose()

@@ -16,3 +16,5 @@ class RouteReason(enum.StrEnum):
     QUEUE_WAIT = "queue_wait"  # the estimated queue wait exceeds the tier's `max_queue_wait_ms`
     QUEUE_FULL = "queue_full"  # the tier's local queue is full
     LOCAL_FAILED = "local_failed"  # the local engine failed before the first token (routing/fallback.py)
+    POOL = "pool"  # an engine replica of the model's pool had room (or the request waited for it)
+    POOL_FAILED = "pool_failed"  # every replica failed before the first token: the embedded engine or a provider

@@ -8,6 +8,11 @@ Local first:
     `tiers.<tier>.max_queue_wait_ms` (`queue_wait`; the estimate: routing/estimate.py) or the tier's
     queue is full (`queue_full`);
   * a local failure before the first token is retried remotely (`local_failed`, routing/fallback.py).
+With an engine pool for the model (`[[engines]]`, backends/pool/): the embedded engine takes it while it has
+a free slot and nothing queued; else it waits, in tier order, for room on a replica (`pool`), at most
+the tier's target, then goes to the embedded engine's queue or a provider (`queue_wait`) or, with
+neither, is refused at once with 429 `engines_busy`; every replica failing before the first token
+moves it on the same way (`pool_failed`, routing/fallback.py).
 `pro` has nothing of `standard` ahead of it and a larger target, so it stays local longest. Each
 decision is counted with its reason (`RouteReason`, routing/reasons.py: the words in parentheses here)
 in `sluice_route_decisions_total` and logged (remote ones at INFO); every answer is
@@ -21,6 +26,7 @@ import math
 import time
 
 from gateway.backends.base import Backend, ChoiceStream
+from gateway.backends.pool.backend import PoolBackend, PoolBusy
 from gateway.backends.remote.backend import RemoteBackend
 from gateway.errors import APIError
 from gateway.messages import GenerationRequest, Target
@@ -29,7 +35,7 @@ from gateway.queue.base import QueueFull
 from gateway.routing.accounting import Accountant
 from gateway.routing.capacity import LocalSide
 from gateway.routing.estimate import WaitEstimator
-from gateway.routing.fallback import FallbackStream
+from gateway.routing.fallback import FallbackStream, PoolFallbackStream
 from gateway.routing.reasons import RouteReason
 from gateway.settings import RoutingSettings
 
@@ -40,9 +46,11 @@ BACKEND_HEADER = "x-sluice-backend"
 
 class Router(Backend):
     def __init__(self, *, local: Backend, remote: RemoteBackend | None, side: LocalSide,
-                 estimator: WaitEstimator, accountant: Accountant, routing: RoutingSettings, metrics: Metrics):
+                 estimator: WaitEstimator, accountant: Accountant, routing: RoutingSettings, metrics: Metrics,
+                 pool: PoolBackend | None = None):
         self.local = local
         self.remote = remote
+        self.pool = pool
         self.side = side
         self.estimator = estimator
         self.accountant = accountant
@@ -50,10 +58,18 @@ class Router(Backend):
         self.metrics = metrics
 
     def serves_remotely(self, model: str) -> bool:
+        """Something besides the local engine serves the model: a provider or an engine pool."""
+        return self._has_providers(model) or self._pooled(model)
+
+    def _has_providers(self, model: str) -> bool:
         return self.remote is not None and bool(self.remote.chain(model))
 
+    def _pooled(self, model: str) -> bool:
+        return self.pool is not None and bool(self.pool.chain(model))
+
     def remote_models(self) -> list[str]:
-        return self.remote.models() if self.remote is not None else []
+        out = self.remote.models() if self.remote is not None else []
+        return out + [m for m in (self.pool.models() if self.pool is not None else []) if m not in out]
 
     async def submit(self, gen: GenerationRequest) -> ChoiceStream:
         """Hold the request's worst-case cost against its key's budget (for every backend it may take),
@@ -71,10 +87,12 @@ class Router(Backend):
         t0 = time.monotonic()
         if gen.needs_remote is not None:  # a capability the local model lacks (an image part, ...)
             return await self._remote(gen, RouteReason.CAPABILITY, t0)
+        if self._pooled(gen.model) and not gen.batch:
+            return await self._pooled_route(gen, t0)
         if gen.target is Target.RELAY:  # not tokenized here: the local side cannot take it
             reason = RouteReason.REMOTE_ONLY if gen.model != self.side.local_model() else RouteReason.NO_WORKER
             return await self._remote(gen, reason, t0)
-        if not self.serves_remotely(gen.model):
+        if not self._has_providers(gen.model):
             return self._local(await self.local.submit(gen), gen, t0, RouteReason.LOCAL_ONLY)
         if gen.batch:  # runs on idle local room; a refusal (queue full) is its runner's to retry later
             return self._local(await self.local.submit(gen), gen, t0, RouteReason.BATCH)
@@ -93,6 +111,42 @@ class Router(Backend):
             stream = FallbackStream(gen, stream, self.remote, self.metrics)
         return self._local(stream, gen, t0, RouteReason.LOCAL)
 
+    def _embedded_can_take(self, gen: GenerationRequest) -> bool:
+        return gen.target is Target.LOCAL and self.side.local_ready() and gen.model == self.side.local_model()
+
+    async def _pooled_route(self, gen: GenerationRequest, t0: float) -> ChoiceStream:
+        """The model has an engine pool (the module's docstring)."""
+        assert self.pool is not None
+        embedded = self._embedded_can_take(gen)
+        if embedded and sum(w.free_slots for w in self.side.worker_stats()) > 0 \
+                and await self.estimator.estimate_wait(gen.tier) == 0.0:
+            return self._local(await self.local.submit(gen), gen, t0, RouteReason.LOCAL)
+        # At most the tier's target: then the embedded engine's queue, a provider, or an early 429.
+        wait = self.estimator.tier_target_s(gen.tier) if self.routing.overflow else None
+        try:
+            stream = await self.pool.submit(gen, wait)
+        except PoolBusy:
+            if embedded:
+                return self._local(await self.local.submit(gen), gen, t0, RouteReason.QUEUE_WAIT)
+            if self._has_providers(gen.model):
+                return await self._remote(gen, RouteReason.QUEUE_WAIT, t0)
+            raise APIError(429, f"Every engine replica serving `{gen.model}` is busy; retry shortly.",
+                           code="engines_busy", retry_after=1) from None
+        stream = PoolFallbackStream(gen, stream, self._after_pool)
+        self.metrics.decisions.labels(gen.tier, "engine", RouteReason.POOL).inc()
+        return self.accountant.wrap(stream, gen, t0)
+
+    async def _after_pool(self, gen: GenerationRequest) -> ChoiceStream:
+        """Where a request goes when every replica failed before its first token."""
+        if self._embedded_can_take(gen):
+            self.metrics.decisions.labels(gen.tier, "local", RouteReason.POOL_FAILED).inc()
+            return await self.local.submit(gen)
+        if self._has_providers(gen.model):
+            assert self.remote is not None
+            self.metrics.decisions.labels(gen.tier, "remote", RouteReason.POOL_FAILED).inc()
+            return await self.remote.submit(gen)
+        raise PoolBusy(gen.model)
+
     def _local(self, stream: ChoiceStream, gen: GenerationRequest, t0: float, reason: RouteReason) -> ChoiceStream:
         assert gen.sampling is not None  # a local request carries the engine's parameters
         self.metrics.decisions.labels(gen.tier, "local", reason).inc()
@@ -101,9 +155,10 @@ class Router(Backend):
 
     async def _remote(self, gen: GenerationRequest, reason: RouteReason, t0: float,
                       est: float | None = None) -> ChoiceStream:
-        if self.remote is None or not self.remote.chain(gen.model):
+        if not self._has_providers(gen.model):
             raise APIError(503, "No engine worker is ready and no remote provider serves this model.",
                            code="not_ready", retry_after=1)
+        assert self.remote is not None
         stream = await self.remote.submit(gen)
         if est is not None:
             log.info("route %s tier=%s -> remote (%s: estimated wait %s > target)", gen.request_id,

@@ -166,10 +166,12 @@ class RemoteStream(ChoiceStream):
     """A chat or completion answer from the provider chain: the tries are a `TryChain`; a try posts the
     request and reads the answer (JSON: whole; a stream: up to its first text), the rest is relayed."""
 
+    label = "remote"  # the `x-sluice-backend` prefix (an engine pool's stream says "engine")
+
     def __init__(self, backend: RemoteBackend, gen: GenerationRequest, chain: list[Provider]):
         self._gen = gen
         self._tries: TryChain[TryResult] = TryChain(backend, gen.request_id, gen.model, gen.deadline, chain)
-        self._backend = "remote"  # "remote:<provider>" once a provider answers
+        self._backend = self.label  # "remote:<provider>" once a provider answers
         self._prompt_tokens: int | None = None
         self._it: AsyncGenerator[list[ChoiceOutput], None] = self._run()  # a list per upstream read
         self._ready: collections.deque[ChoiceOutput] = collections.deque()  # read, not yet handed out
@@ -363,7 +365,7 @@ class RemoteStream(ChoiceStream):
 
     async def _run(self) -> AsyncGenerator[list[ChoiceOutput], None]:
         p, result = await self._tries.run(self._attempt)
-        self._backend = f"remote:{p.name}"
+        self._backend = f"{self.label}:{p.name}"
         parsed = result.parsed
         try:
             yield result.outputs

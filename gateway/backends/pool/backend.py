@@ -1,0 +1,211 @@
+"""PoolBackend: chat and completion requests on engine replicas, Sluice's tier order kept in front.
+
+`submit` waits, in tier order (then arrival), until some replica serving the model has room
+(replica.py's room rule), picks one (balancer.py), and relays the request there with the remote
+layer's machinery: a failure before the first text moves it to the next replica, least loaded first,
+with the breakers taking a failing replica out and probing it back. Waiting is bounded by `max_wait_s`
+(the router passes the tier's target when something else could take the request) and by the request's
+deadline; past it `PoolBusy` is raised and the router sends the request elsewhere.
+
+Each replica's `/metrics` is polled every `POLL_S`; a poll that fails counts as a failure on the
+replica's breaker, so a replica that stops answering them is taken out like one that refuses requests.
+Answers are priced at the local price (the replicas are the team's own capacity) and carry
+`x-sluice-backend: engine:<name>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from gateway import jsonio
+from gateway.backends.base import ChoiceStream
+from gateway.backends.pool.balancer import fallback_order, pick, prefix_hashes
+from gateway.backends.pool.load import parse_load
+from gateway.backends.pool.replica import Replica
+from gateway.backends.remote.backend import RemoteBackend, RemoteStream, TryResult
+from gateway.backends.remote.provider import Provider
+from gateway.errors import APIError
+from gateway.messages import GenerationRequest
+from gateway.observability.metrics import Metrics
+from gateway.settings import EngineReplicaSettings, ProviderSettings, RoutingSettings
+
+log = logging.getLogger("sluice.pool")
+
+POLL_S = 0.5
+LABEL = "engine"
+
+
+class PoolBusy(Exception):
+    """No replica had room within the wait allowed."""
+
+
+def prompt_text(gen: GenerationRequest) -> str:
+    """The request's prompt as text, for prefix affinity: its messages (or prompt) as sent."""
+    api = gen.api
+    if api is None:
+        return ""
+    part = getattr(api, "messages", None)
+    if part is None:
+        part = getattr(api, "prompt", None)
+    if part is None:
+        return ""
+    if isinstance(part, str):
+        return part
+    return jsonio.dumps([m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
+                         for m in part]).decode()
+
+
+class PoolStream(RemoteStream):
+    """A relayed answer from a replica: labelled `engine:<name>`, priced locally, the tier passed on."""
+
+    label = LABEL
+
+    def __init__(self, pool: PoolBackend, gen: GenerationRequest, chain: list[Provider], held: Replica):
+        super().__init__(pool, gen, chain)
+        self._held: Replica | None = held
+
+    @property
+    def provider_settings(self) -> ProviderSettings | None:
+        return None  # the team's own capacity: the local price
+
+    def _unhold(self) -> None:
+        if self._held is not None:
+            self._held.reserved -= 1
+            self._held = None
+
+    async def _attempt(self, p: Provider, deadline: float) -> TryResult:
+        self._unhold()  # the try holds an in-flight slot now
+        return await super()._attempt(p, deadline)
+
+    def _body(self, p: Provider) -> dict[str, Any]:
+        body = super()._body(p)
+        if isinstance(p, Replica) and p.engine.pass_priority:
+            body["priority"] = -self._gen.priority if p.kind == "sglang" else self._gen.priority
+        return body
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            self._unhold()
+
+
+class PoolBackend(RemoteBackend):
+    """The engine replicas of every model: `submit` for chat and completions (see the module)."""
+
+    def __init__(self, engines: list[EngineReplicaSettings], routing: RoutingSettings, metrics: Metrics | None = None):
+        super().__init__([e.as_provider() for e in engines], routing, metrics)
+        self.replicas = [Replica(e, routing, self._wake) for e in engines]
+        self.providers = list(self.replicas)
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+        self._poller: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def chain(self, model: str) -> list[Provider]:
+        return [r for r in self.replicas if model in r.settings.models]
+
+    def order(self, chain: list[Provider]) -> list[Provider]:
+        return chain  # PoolStream's chain is already in order (balancer.fallback_order)
+
+    # ---------------------------------------------------------------- admission
+
+    def _wake(self) -> None:
+        """Room may have appeared: let the first waiter look (it wakes the next if room is left)."""
+        while self._waiters and self._waiters[0][2].done():
+            heapq.heappop(self._waiters)
+        if self._waiters:
+            self._waiters[0][2].set_result(None)
+
+    async def admit(self, gen: GenerationRequest, max_wait_s: float | None = None) -> Replica:
+        """The replica the request goes to, its room held (`reserved`) until its first try starts; waits
+        in (priority, arrival) order for room; raises PoolBusy past `max_wait_s` or the deadline."""
+        replicas = [r for r in self.replicas if gen.model in r.settings.models]
+        if not replicas:
+            raise APIError(404, f"The model `{gen.model}` does not exist.", param="model", code="model_not_found")
+        self.start()
+        hashes = prefix_hashes(prompt_text(gen))
+        limit = self.routing.request_timeout_s if max_wait_s is None else max_wait_s
+        if gen.deadline is not None:
+            limit = min(limit, gen.deadline - time.time())
+        until = time.monotonic() + max(0.0, limit)
+        order = (gen.priority, next(self._seq))
+        while True:
+            ahead = any(not f.done() and (p, s) < order for p, s, f in self._waiters)
+            r = None if ahead else pick(replicas, hashes)
+            if r is not None:
+                r.reserved += 1
+                r.remember(hashes)
+                self._wake()  # room may be left for the next waiter
+                return r
+            left = until - time.monotonic()
+            if left <= 0:
+                self._wake()
+                raise PoolBusy(gen.model)
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiters, (order[0], order[1], fut))
+            try:
+                # Polls may open room without a request ending: look again at least every poll.
+                await asyncio.wait_for(asyncio.shield(fut), min(left, POLL_S))
+            except TimeoutError:
+                pass
+            finally:
+                if not fut.done():
+                    fut.cancel()
+                self._waiters = [w for w in self._waiters if w[2] is not fut]
+                heapq.heapify(self._waiters)
+
+    async def submit(self, gen: GenerationRequest, max_wait_s: float | None = None) -> ChoiceStream:
+        r = await self.admit(gen, max_wait_s)
+        chain = fallback_order([x for x in self.replicas if gen.model in x.settings.models], r)
+        return PoolStream(self, gen, list(chain), r)
+
+    def has_room(self, model: str) -> bool:
+        return any(r.has_room() for r in self.replicas if model in r.settings.models)
+
+    # ---------------------------------------------------------------- load polling
+
+    def start(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self.poll(r) for r in self.replicas if r.metrics_url))
+            await asyncio.sleep(POLL_S)
+
+    async def poll(self, r: Replica) -> None:
+        """Read one replica's metrics into its load; a failure to read them counts on its breaker."""
+        assert r.metrics_url is not None
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+        try:
+            async with self._session.get(r.metrics_url, headers={"Authorization": r.headers["Authorization"]}) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"HTTP {resp.status}")
+                text = await resp.text()
+            r.observe(parse_load(r.kind, text))
+            if r.breaker.state != "closed" and r.breaker.allow():
+                r.breaker.success()  # its metrics answer again: a probe may go
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            if r.breaker.state == "closed":
+                log.warning("replica %s: metrics unreadable (%s)", r.name, e or type(e).__name__)
+            r.breaker.failure()
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._session is not None:
+            await self._session.close()
+        await super().close()

@@ -1,0 +1,121 @@
+"""One engine replica: a provider (the remote layer's tries, breaker and connection pool) that also
+knows its load, and the room rule that decides whether another request may leave Sluice's tier queue
+for it.
+
+The room rule. An engine runs up to some number of sequences at once and queues the rest in its own
+order (FIFO for most), where Sluice's tiers no longer count. So Sluice sends a replica a request only
+while it has room: its requests in flight (Sluice's and others', as its metrics count them) below the
+level at which its waiting queue grows. That level is learnt, not configured:
+  * a poll that sees requests waiting sets it to what was running then (the engine was full);
+  * a poll that sees none waiting while Sluice had the replica at its level raises it by one (a probe:
+    the engine may run more, e.g. after freeing KV cache), up to `max_in_flight`;
+  * a KV cache at `KV_FULL` or more leaves no room (the engine would queue or preempt).
+Until the first poll that sees a queue the level is `max_in_flight`. A replica whose metrics cannot be
+read counts as failing (its breaker), and one of kind `openai` (no known metrics) keeps `max_in_flight`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from gateway.backends.pool.load import ReplicaLoad
+from gateway.backends.remote.provider import Provider
+from gateway.settings import EngineReplicaSettings, RoutingSettings
+
+log = logging.getLogger("sluice.pool")
+
+KV_FULL = 0.97  # at this share of its KV cache in use a replica takes nothing more
+PREFIX_BLOCKS = 8192  # prefix blocks remembered per replica (LRU)
+
+
+class Replica(Provider):
+    """A pool member: `in_flight` is Sluice's requests on it (the tries hold it); `reserved` those
+    admitted but not yet sent; `load` its last polled metrics."""
+
+    def __init__(self, settings: EngineReplicaSettings, routing: RoutingSettings,
+                 on_room: Callable[[], None] = lambda: None):
+        self._in_flight = 0
+        self._on_room = on_room
+        super().__init__(settings.as_provider(), routing)
+        self.engine = settings
+        self.kind = settings.kind
+        self.metrics_url = settings.metrics_endpoint()
+        self.level = settings.max_in_flight  # learnt: in flight at which its queue grows
+        self.learnt = False
+        self.load: ReplicaLoad | None = None
+        self.others = 0.0  # in flight on it not sent by this gateway, at the last poll
+        self.reserved = 0
+        self.polled_at = 0.0
+        self.blocks: OrderedDict[int, None] = OrderedDict()  # prefix block hashes it has likely cached
+
+    # in_flight is written by the tries (+1 when one starts, -1 when it ends): a drop frees room.
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, n: int) -> None:
+        dropped = n < self._in_flight
+        self._in_flight = n
+        if dropped:
+            self._on_room()
+
+    # ---------------------------------------------------------------- room
+
+    def busy(self) -> float:
+        """Requests on it now as Sluice counts them: its own in flight and admitted, plus others' load."""
+        return self._in_flight + self.reserved + self.others
+
+    def has_room(self) -> bool:
+        if not self.breaker.available() or time.monotonic() < self.not_before:
+            return False
+        if self.load is not None and self.load.kv_usage is not None and self.load.kv_usage >= KV_FULL:
+            return False
+        return self.busy() < min(self.level, self.engine.max_in_flight)
+
+    def observe(self, load: ReplicaLoad) -> None:
+        """A poll's load: learn the level (the module's docstring) and what others run on it."""
+        ours = self._in_flight
+        total = load.running + load.waiting
+        self.others = max(0.0, total - ours)
+        before = self.level
+        if load.waiting > 0:
+            self.level = max(1, int(load.running))
+            self.learnt = True
+        elif ours + self.reserved >= self.level and self.level < self.engine.max_in_flight:
+            self.level += 1
+        self.load = load
+        self.polled_at = time.monotonic()
+        if self.level != before:
+            log.debug("replica %s: room level %d -> %d (running %g, waiting %g)", self.name, before,
+                      self.level, load.running, load.waiting)
+        if self.level > before or load.waiting == 0:
+            self._on_room()
+
+    # ---------------------------------------------------------------- prefix affinity
+
+    def matched_blocks(self, hashes: list[int]) -> int:
+        """How many of the request's leading prefix blocks this replica has seen recently."""
+        n = 0
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def remember(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > PREFIX_BLOCKS:
+            self.blocks.popitem(last=False)
+
+    def status(self) -> dict[str, object]:
+        out = dict(super().status())
+        out.update(kind=self.kind, room_level=self.level, reserved=self.reserved,
+                   load=None if self.load is None else {"running": self.load.running, "waiting": self.load.waiting,
+                                                        "kv_usage": self.load.kv_usage})
+        return out

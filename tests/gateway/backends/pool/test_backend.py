@@ -1,0 +1,161 @@
+"""PoolBackend against simulated replicas (bench/mock_engine.py over real HTTP): the tier order kept in
+front of a FIFO engine, the room level learnt from its metrics, a dead replica skipped and taken back,
+and a bounded wait when every replica is full."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from bench.mock_engine import EngineModel, make_app
+from bench.server import free_port
+from gateway.backends.pool.backend import PoolBackend, PoolBusy
+from gateway.messages import GenerationRequest, Target
+from gateway.openai.schema import ChatCompletionRequest
+from gateway.settings import EngineReplicaSettings, RoutingSettings
+
+MODEL = "m"
+_ids = itertools.count()
+
+
+async def _replica(**model) -> TestServer:
+    server = TestServer(make_app(EngineModel(**model), model_name=MODEL), host="127.0.0.1")
+    await server.start_server()
+    return server
+
+
+def _settings(name: str, server: TestServer | None, port: int | None = None, **kw) -> EngineReplicaSettings:
+    port = port if port is not None else server.port  # type: ignore[union-attr]
+    return EngineReplicaSettings(name=name, base_url=f"http://127.0.0.1:{port}/v1", kind="vllm", models=[MODEL],
+                                 **kw)
+
+
+def _gen(tier: str = "standard", priority: int = 1, tokens: int = 5, text: str = "hi") -> GenerationRequest:
+    api = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=tokens,
+                                stream=True)
+    return GenerationRequest(request_id=f"r{next(_ids)}", target=Target.RELAY, model=MODEL, api=api, tier=tier,
+                             priority=priority)
+
+
+async def _answer(pool: PoolBackend, gen: GenerationRequest, events: list | None = None) -> tuple[str, str]:
+    stream = await pool.submit(gen)
+    async with stream:
+        text = ""
+        async for ch in stream:
+            if events is not None and not text and ch.output.text:
+                events.append(gen.tier)
+            text += ch.output.text
+        return stream.backend, text
+
+
+@pytest.fixture
+def routing() -> RoutingSettings:
+    return RoutingSettings(breaker_failures=2, breaker_cooldown_s=0.3, backoff_base_s=0.01, backoff_max_s=0.05)
+
+
+async def test_pro_leaves_first_when_the_replica_is_full(routing):
+    server = await _replica(max_running=1, decode_ms=15, per_seq_ms=0)
+    pool = PoolBackend([_settings("a", server, max_in_flight=1)], routing)
+    try:
+        events: list[str] = []
+        first = asyncio.create_task(_answer(pool, _gen(tokens=10), events))
+        await asyncio.sleep(0.05)
+        waiting = [asyncio.create_task(_answer(pool, _gen(tokens=3), events)) for _ in range(3)]
+        await asyncio.sleep(0.02)
+        pro = asyncio.create_task(_answer(pool, _gen("pro", 0, tokens=3), events))
+        results = await asyncio.gather(first, *waiting, pro)
+        assert all(b == "engine:a" and t == "".join(f" t{i}" for i in range(1, len(t.split()) + 1))
+                   for b, t in results)
+        assert events == ["standard", "pro", "standard", "standard", "standard"]
+    finally:
+        await pool.close()
+        await server.close()
+
+
+async def test_the_room_level_is_learnt_from_the_engines_queue(routing):
+    server = await _replica(max_running=2, decode_ms=20, per_seq_ms=0)
+    pool = PoolBackend([_settings("a", server)], routing)
+    try:
+        r = pool.replicas[0]
+        assert r.level == 256
+        tasks = [asyncio.create_task(_answer(pool, _gen(tokens=40))) for _ in range(5)]
+        deadline = time.monotonic() + 5
+        while not r.learnt and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert r.learnt and r.level == 2  # the engine ran 2 and queued the rest
+        late = asyncio.create_task(_answer(pool, _gen(tokens=2)))
+        await asyncio.sleep(0.1)
+        assert r.reserved == 0 and not late.done() and len(pool._waiters) == 1  # held in Sluice, not the engine
+        await asyncio.gather(*tasks, late)
+    finally:
+        await pool.close()
+        await server.close()
+
+
+async def test_a_dead_replica_is_skipped_then_taken_back_when_it_answers_again(routing):
+    alive = await _replica(max_running=8, decode_ms=5)
+    dead_port = free_port()
+    pool = PoolBackend([_settings("a", None, port=dead_port), _settings("b", alive)], routing)
+    try:
+        for _ in range(4):  # a is least loaded first each time: its refusals move the request to b
+            backend, text = await _answer(pool, _gen())
+            assert backend == "engine:b" and text
+        a = pool.replicas[0]
+        deadline = time.monotonic() + 5
+        while a.breaker.state == "closed" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert a.breaker.state != "closed" and not a.has_room()
+        revived = TestServer(make_app(EngineModel(max_running=8, decode_ms=5), model_name=MODEL),
+                             host="127.0.0.1", port=dead_port)
+        await revived.start_server()
+        try:
+            deadline = time.monotonic() + 5
+            while a.breaker.state != "closed" and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert a.breaker.state == "closed" and a.has_room()  # its metrics answered: back in the pool
+            backend, _ = await _answer(pool, _gen())
+            assert backend == "engine:a"
+        finally:
+            await revived.close()
+    finally:
+        await pool.close()
+        await alive.close()
+
+
+async def test_full_replicas_hold_a_request_no_longer_than_allowed(routing):
+    server = await _replica(max_running=1, decode_ms=30, per_seq_ms=0)
+    pool = PoolBackend([_settings("a", server, max_in_flight=1)], routing)
+    try:
+        busy = asyncio.create_task(_answer(pool, _gen(tokens=20)))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(PoolBusy):
+            await pool.submit(_gen(), max_wait_s=0.2)
+        assert 0.15 < time.monotonic() - t0 < 1.0
+        assert pool._waiters == [] and pool.replicas[0].reserved == 0
+        await busy
+    finally:
+        await pool.close()
+        await server.close()
+
+
+async def test_the_tier_is_passed_as_the_engines_priority_when_configured(routing):
+    server = await _replica(max_running=1, decode_ms=15, per_seq_ms=0, policy="priority")
+    pool = PoolBackend([_settings("a", server, pass_priority=True)], routing)
+    try:
+        events: list[str] = []
+        first = asyncio.create_task(_answer(pool, _gen(tokens=10), events))
+        await asyncio.sleep(0.05)
+        rest = [asyncio.create_task(_answer(pool, _gen(tokens=3), events)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        pro = asyncio.create_task(_answer(pool, _gen("pro", 0, tokens=3), events))
+        await asyncio.gather(first, *rest, pro)
+        # the level was never learnt before they were sent: the engine's own priority queue ordered them
+        assert events[:2] == ["standard", "pro"]
+    finally:
+        await pool.close()
+        await server.close()

@@ -1,0 +1,87 @@
+"""The room rule: a replica takes requests while those on it stay below the level at which its waiting
+queue grows, a level learnt from its metrics."""
+
+from __future__ import annotations
+
+from gateway.backends.pool.load import ReplicaLoad
+from gateway.backends.pool.replica import KV_FULL, Replica
+from gateway.settings import EngineReplicaSettings, RoutingSettings
+
+
+def _replica(max_in_flight: int = 64, on_room=lambda: None) -> Replica:
+    s = EngineReplicaSettings(name="a", base_url="http://127.0.0.1:9/v1", kind="vllm", models=["m"],
+                              max_in_flight=max_in_flight)
+    return Replica(s, RoutingSettings(breaker_failures=2), on_room)
+
+
+def test_until_a_queue_is_seen_the_level_is_the_hard_cap():
+    r = _replica(max_in_flight=3)
+    assert r.level == 3 and not r.learnt
+    r.in_flight = 2
+    assert r.has_room()
+    r.reserved = 1
+    assert not r.has_room()  # admitted but not yet sent counts
+
+
+def test_a_queue_on_the_engine_sets_the_level_to_what_was_running():
+    r = _replica()
+    r.in_flight = 10
+    r.observe(ReplicaLoad(running=8, waiting=2, kv_usage=0.5))
+    assert r.learnt and r.level == 8
+    assert r.others == 0  # all 10 on it are ours
+    assert not r.has_room()
+    r.in_flight = 7
+    assert r.has_room()
+
+
+def test_at_its_level_with_no_queue_the_level_is_probed_upward_to_the_cap():
+    r = _replica(max_in_flight=10)
+    r.in_flight = 4
+    r.observe(ReplicaLoad(running=4, waiting=1, kv_usage=None))
+    assert r.level == 4
+    r.observe(ReplicaLoad(running=4, waiting=0, kv_usage=None))
+    assert r.level == 5
+    r.in_flight = 3  # below its level: nothing learnt from a quiet engine
+    r.observe(ReplicaLoad(running=3, waiting=0, kv_usage=None))
+    assert r.level == 5
+    r.level = 10
+    r.in_flight = 10
+    r.observe(ReplicaLoad(running=10, waiting=0, kv_usage=None))
+    assert r.level == 10  # never past max_in_flight
+
+
+def test_others_load_on_the_engine_takes_room():
+    r = _replica()
+    r.in_flight = 2
+    r.observe(ReplicaLoad(running=6, waiting=1, kv_usage=None))  # 5 of the 7 are another client's
+    assert r.others == 5 and r.level == 6
+    assert r.busy() == 7 and not r.has_room()
+
+
+def test_a_full_kv_cache_or_an_open_breaker_leaves_no_room():
+    r = _replica()
+    r.observe(ReplicaLoad(running=1, waiting=0, kv_usage=KV_FULL))
+    assert not r.has_room()
+    r.observe(ReplicaLoad(running=1, waiting=0, kv_usage=0.5))
+    assert r.has_room()
+    r.breaker.failure()
+    r.breaker.failure()
+    assert not r.has_room()
+
+
+def test_a_request_ending_and_a_poll_that_opens_room_wake_the_waiters():
+    woken: list[str] = []
+    r = _replica(on_room=lambda: woken.append("room"))
+    r.in_flight = 3
+    assert woken == []
+    r.in_flight = 2
+    assert woken == ["room"]
+    r.observe(ReplicaLoad(running=2, waiting=0, kv_usage=None))
+    assert woken == ["room", "room"]
+
+
+def test_prefix_blocks_match_from_the_start_only():
+    r = _replica()
+    r.remember([1, 2, 3])
+    assert r.matched_blocks([1, 2, 3, 4]) == 3
+    assert r.matched_blocks([9, 2, 3]) == 0

@@ -1,0 +1,116 @@
+"""The router with an engine pool (`[[engines]]`): a pooled model is served by its replicas
+(`x-sluice-backend: engine:<name>`, priced at the local price), listed in /v1/models, spread over the
+replicas; when every replica is full past the tier's target it overflows to a provider or, with none,
+is refused early with 429; when every replica fails before the first token a provider answers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+
+from bench.mock_engine import EngineModel, make_app
+from bench.server import free_port
+from gateway.state import STATE
+from tests.fixtures.providers import chat, gateway, post, provider_cfg, stream_text
+
+POOLED = "pooled-model"
+
+
+async def _replica(**model) -> TestServer:
+    server = TestServer(make_app(EngineModel(**model), model_name=POOLED), host="127.0.0.1")
+    await server.start_server()
+    return server
+
+
+def _samples(metric, name: str) -> list[tuple[dict[str, str], float]]:
+    return [(s.labels, s.value) for fam in metric.collect() for s in fam.samples if s.name == name]
+
+
+def _cfg(name: str, port: int, **kw) -> dict:
+    return {"name": name, "base_url": f"http://127.0.0.1:{port}/v1", "kind": "vllm", "models": [POOLED], **kw}
+
+
+async def test_a_pooled_model_is_served_by_its_replicas_and_spread_over_them(tmp_path):
+    a, b = await _replica(max_running=4, decode_ms=20), await _replica(max_running=4, decode_ms=20)
+    try:
+        async with gateway(tmp_path, [], replicas=[_cfg("a", a.port), _cfg("b", b.port)],
+                           routing={"local_price": {"input_per_m": 1.0, "output_per_m": 1.0}}) as (base, app, *_):
+            async with aiohttp.ClientSession() as s, s.get(base + "/v1/models") as r:
+                assert POOLED in [m["id"] for m in (await r.json())["data"]]
+            answers = await asyncio.gather(*(post(base, chat(POOLED, f"q{i}", max_tokens=6, stream=i % 2 == 0))
+                                             for i in range(8)))
+            seen = set()
+            for i, (status, headers, body) in enumerate(answers):
+                assert status == 200, body
+                seen.add(headers["x-sluice-backend"])
+                text = stream_text(body) if i % 2 == 0 else body["choices"][0]["message"]["content"]
+                assert text == "".join(f" t{k}" for k in range(1, 7))
+            assert seen == {"engine:a", "engine:b"}
+            # Priced at the local price (1 per million tokens each way), by replica.
+            costs = _samples(app[STATE].metrics.usage_cost.metric, "sluice_usage_cost_total")
+            assert {lab["backend"] for lab, _ in costs} == {"engine:a", "engine:b"}
+            assert all(v > 0 for _, v in costs)
+            decisions = _samples(app[STATE].metrics.decisions.metric, "sluice_route_decisions_total")
+            assert sum(v for lab, v in decisions if lab["backend"] == "engine" and lab["reason"] == "pool") == 8
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_full_replicas_overflow_past_the_tier_target_or_are_refused_early(tmp_path, providers):
+    prov, _ = providers
+    server = await _replica(max_running=1, decode_ms=40, per_seq_ms=0)
+    tiers = {"pro": {"priority": 0, "max_queue_wait_ms": 300}, "standard": {"priority": 1, "max_queue_wait_ms": 200}}
+    try:
+        cfg = _cfg("a", server.port, max_in_flight=1)
+        async with gateway(tmp_path, [provider_cfg(prov, models={POOLED: "up-a"})], replicas=[cfg],
+                           tiers=tiers) as (base, *_):
+            busy = asyncio.create_task(post(base, chat(POOLED, max_tokens=30)))
+            await asyncio.sleep(0.1)
+            status, headers, body = await post(base, chat(POOLED, max_tokens=4))
+            assert status == 200 and headers["x-sluice-backend"] == "remote:a"
+            assert (await busy)[1]["x-sluice-backend"] == "engine:a"
+        async with gateway(tmp_path, [], replicas=[cfg], tiers=tiers) as (base, *_):
+            busy = asyncio.create_task(post(base, chat(POOLED, max_tokens=30)))
+            await asyncio.sleep(0.1)
+            status, headers, body = await post(base, chat(POOLED, max_tokens=4))
+            assert status == 429 and body["error"]["code"] == "engines_busy" and headers["Retry-After"] == "1"
+            assert (await busy)[0] == 200
+    finally:
+        await server.close()
+
+
+async def test_every_replica_failing_before_the_first_token_moves_the_request_to_a_provider(tmp_path, providers):
+    prov, _ = providers
+    dead = free_port()
+    async with gateway(tmp_path, [provider_cfg(prov, models={POOLED: "up-a"})], replicas=[_cfg("a", dead)],
+                       routing={"max_attempts": 1}) as (base, app, *_):
+        for stream in (False, True):
+            status, headers, body = await post(base, chat(POOLED, max_tokens=4, stream=stream))
+            assert status == 200 and headers["x-sluice-backend"] == "remote:a", body
+        decisions = _samples(app[STATE].metrics.decisions.metric, "sluice_route_decisions_total")
+        assert sum(v for lab, v in decisions if lab["backend"] == "remote" and lab["reason"] == "pool_failed") == 2
+
+
+async def test_the_embedded_engine_is_one_more_member_taking_requests_while_it_has_a_free_slot(tmp_path):
+    from tests.fixtures.fake_engine import FakeEngine
+    from tests.fixtures.providers import LOCAL_MODEL
+    replica = TestServer(make_app(EngineModel(max_running=8, decode_ms=5), model_name=LOCAL_MODEL), host="127.0.0.1")
+    await replica.start_server()
+    eng = FakeEngine(max_running_requests=2)
+    try:
+        cfg = {**_cfg("a", replica.port), "models": [LOCAL_MODEL]}
+        async with gateway(tmp_path, [], engine=eng, replicas=[cfg]) as (base, *_):
+            status, headers, _ = await post(base, chat(LOCAL_MODEL, max_tokens=3))
+            assert status == 200 and headers["x-sluice-backend"] == "local"  # idle embedded engine first
+            eng.gate.clear()  # hold the embedded engine's requests: its two slots fill
+            held = [asyncio.create_task(post(base, chat(LOCAL_MODEL, f"held {i}", max_tokens=3))) for i in range(2)]
+            await asyncio.sleep(0.3)
+            status, headers, body = await post(base, chat(LOCAL_MODEL, max_tokens=3))
+            assert status == 200 and headers["x-sluice-backend"] == "engine:a", body
+            eng.gate.set()
+            assert [h["x-sluice-backend"] for _, h, _ in await asyncio.gather(*held)] == ["local", "local"]
+    finally:
+        await replica.close()
