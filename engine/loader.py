@@ -207,7 +207,7 @@ def _gguf_q4(t: Any, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     assert blocks is not None
     if heads:
         blocks = tuple(_unpermute_rope_rows(b, heads) for b in blocks)
-    return tuple(torch.from_numpy(np.ascontiguousarray(b)) for b in blocks)  # type: ignore[return-value]
+    return tuple(torch.from_numpy(np.ascontiguousarray(b)) for b in blocks)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

@@ -130,7 +130,7 @@ def fused_blocks(parts: list[Q4Blocks | None]) -> Q4Blocks | None:
     """The 4-bit blocks of weights fused along their output rows (Q/K/V, gate/up), if all are 4-bit."""
     if any(b is None for b in parts):
         return None
-    return tuple(torch.cat([b[j] for b in parts if b is not None]) for j in range(3))  # type: ignore[return-value]
+    return tuple(torch.cat([b[j] for b in parts if b is not None]) for j in range(3))
 
 
 def native_fits(args: ModelArgs, q4_blocks: MutableMapping[str, Q4Blocks]) -> bool:
