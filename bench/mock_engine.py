@@ -12,7 +12,8 @@ It exports vLLM's metric names on /metrics: `vllm:num_requests_running`, `vllm:n
 `vllm:kv_cache_usage_perc` (running sequences' share of `--max-running`), `vllm:prefix_cache_queries` and
 `vllm:prefix_cache_hits` (prompt characters looked up and found), and answers `/v1/chat/completions`
 (streamed or not) and `/v1/models`. `--fail-after N` makes it drop every connection after N requests
-(a dead replica).
+(a dead replica). A request with vLLM's `continue_final_message` continues the final assistant message's
+" tK" tokens from K+1, as a real engine continues a partial answer.
 
     python -m bench.mock_engine --port 8501 [--max-running 8] [--policy fifo|priority]
 """
@@ -85,10 +86,11 @@ class MockEngine:
         self.hits += cached
         return cached
 
-    def submit(self, prompt: str, max_tokens: int, priority: int = 0) -> _Seq:
+    def submit(self, prompt: str, max_tokens: int, priority: int = 0, made: int = 0) -> _Seq:
+        """`made`: tokens of the answer already produced elsewhere (a continued answer numbers on from them)."""
         self.requests += 1
         prio = priority if self.m.policy == "priority" else 0
-        seq = _Seq((prio, next(self.arrivals)), len(prompt), self._cached(prompt), max_tokens)
+        seq = _Seq((prio, next(self.arrivals)), len(prompt), self._cached(prompt), made + max_tokens, made=made)
         heapq.heappush(self.waiting, seq)
         self.wake.set()
         return seq
@@ -129,7 +131,7 @@ class MockEngine:
 
 
 ENGINE = web.AppKey("engine", MockEngine)
-SETTINGS = web.AppKey("settings", dict)  # model (served name), tokens (default completion), fail_after
+SETTINGS = web.AppKey("settings", dict)  # model (served name), tokens (default completion), fail_after, cut_after
 
 
 def _prompt(body: dict) -> str:
@@ -145,10 +147,16 @@ async def chat(request: web.Request) -> web.StreamResponse:
         raise web.HTTPServiceUnavailable()
     body = await request.json()
     prompt = _prompt(body)
-    seq = eng.submit(prompt, int(body.get("max_tokens") or request.app[SETTINGS]["tokens"]), int(body.get("priority") or 0))
+    made = 0
+    msgs = body.get("messages") or []
+    if body.get("continue_final_message") and msgs and msgs[-1].get("role") == "assistant":
+        made = str(msgs[-1].get("content") or "").count(" t")  # the partial answer's tokens: go on from there
+    seq = eng.submit(prompt, int(body.get("max_tokens") or request.app[SETTINGS]["tokens"]),
+                     int(body.get("priority") or 0), made)
+    cut_after = request.app[SETTINGS].get("cut_after")
     model, rid, created = body.get("model", "mock"), f"chatcmpl-mock{seq.key[1]}", int(time.time())
-    usage = {"prompt_tokens": int(len(prompt) / eng.m.chars_per_token), "completion_tokens": seq.max_tokens,
-             "total_tokens": int(len(prompt) / eng.m.chars_per_token) + seq.max_tokens}
+    usage = {"prompt_tokens": int(len(prompt) / eng.m.chars_per_token), "completion_tokens": seq.max_tokens - made,
+             "total_tokens": int(len(prompt) / eng.m.chars_per_token) + seq.max_tokens - made}
     try:
         if not body.get("stream"):
             parts = []
@@ -165,8 +173,14 @@ async def chat(request: web.Request) -> web.StreamResponse:
                                            "model": model, "choices": [{"index": 0, "delta": delta,
                                                                         "finish_reason": finish}]}).encode() + b"\n\n"
         await resp.write(chunk({"role": "assistant", "content": ""}))
+        sent = 0
         while (piece := await seq.out.get()) is not None:
             await resp.write(chunk({"content": piece}))
+            sent += 1
+            if cut_after is not None and sent >= cut_after:  # the replica dies mid-stream
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
         await resp.write(chunk({}, "length"))
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -184,10 +198,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def make_app(model: EngineModel, *, model_name: str = "SmolLM2-135M-Instruct", tokens: int = 16,
-             fail_after: int | None = None) -> web.Application:
+             fail_after: int | None = None, cut_after: int | None = None) -> web.Application:
+    """`cut_after`: every stream's connection is dropped after that many tokens (a replica dying mid-stream)."""
     app = web.Application()
     app[ENGINE] = MockEngine(model)
-    app[SETTINGS] = {"model": model_name, "tokens": tokens, "fail_after": fail_after}
+    app[SETTINGS] = {"model": model_name, "tokens": tokens, "fail_after": fail_after, "cut_after": cut_after}
 
     async def loop(app: web.Application):
         task = asyncio.create_task(app[ENGINE].run())

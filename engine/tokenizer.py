@@ -131,12 +131,20 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # -- chat ------------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
+        """The conversation's prompt ids. `continue_final_message` (vLLM's and transformers' name): the last
+        message (a partial assistant answer) is left open, so generation continues its text; the
+        template's end-of-turn after it is cut off (and no generation prompt is added)."""
+        if continue_final_message:
+            add_generation_prompt = False
         if self._template is None:
             # No template in the model: a plain "role: content" transcript.
             text_parts: list[tuple[str, bool]] = []
             for m in messages:
                 text_parts += [(f"{m['role']}: ", True), (str(m.get("content") or ""), False), ("\n", True)]
+            if continue_final_message and text_parts:
+                text_parts.pop()
             if add_generation_prompt:
                 text_parts.append(("assistant: ", True))
             return [t for part, trusted in text_parts
@@ -152,6 +160,13 @@ class Tokenizer:
         rendered = self._template.render(
             messages=safe_messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token, eos_token=self.eos_token)
+        if continue_final_message and safe_messages:
+            last = str(safe_messages[-1]["content"])
+            cut = rendered.rfind(last)
+            if cut < 0:
+                raise ValueError("the chat template does not render the final message's content: it cannot be "
+                                 "continued")
+            rendered = rendered[:cut + len(last)]
         ids: list[int] = []
         start = 0  # positions into `rendered`, never slices of the rest: linear in the conversation's size
         while start < len(rendered):

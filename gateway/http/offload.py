@@ -117,7 +117,11 @@ def _child_parse(body: bytes, model: type[BaseModel], limits: RequestLimits) -> 
 
 def _child_tokenize(kind: str, payload: Any) -> tuple[Any, ...]:
     try:
-        ids = _TOKENIZER.apply_chat_template(payload) if kind == "chat" else _TOKENIZER.encode(payload)
+        if kind == "chat":
+            messages, options = payload
+            ids = _TOKENIZER.apply_chat_template(messages, **(options or {}))
+        else:
+            ids = _TOKENIZER.encode(payload)
     except ValueError as e:
         return ("error", 400, str(e), "messages", "invalid_messages")
     return ("ok", array("i", ids).tobytes())
@@ -236,12 +240,14 @@ class Offloader:
             return parse_request(body, model, self.limits)
         return await self._run(_child_parse, body, model, self.limits)
 
-    async def chat_prompt(self, tokenizer: Any, messages: list[dict[str, Any]]) -> Any:
-        """Token ids of the templated conversation (a list, or an `array('i')` when it was long)."""
+    async def chat_prompt(self, tokenizer: Any, messages: list[dict[str, Any]],
+                          options: dict[str, bool] | None = None) -> Any:
+        """Token ids of the templated conversation (a list, or an `array('i')` when it was long); `options`:
+        the template's `add_generation_prompt` and `continue_final_message` (default: a new assistant turn)."""
         chars = sum(len(str(m.get("content") or "")) for m in messages)
         if chars <= self.inline_prompt_chars:
-            return _apply_template(tokenizer, messages)
-        return await self._tokenize(tokenizer, "chat", messages)
+            return _apply_template(tokenizer, messages, options)
+        return await self._tokenize(tokenizer, "chat", (messages, options))
 
     async def encode(self, tokenizer: Any, text: str) -> Any:
         if len(text) <= self.inline_prompt_chars:
@@ -254,7 +260,7 @@ class Offloader:
         if self._tokenizer_bytes is None:
             async with self._slots:
                 return await asyncio.to_thread(
-                    lambda: _apply_template(tokenizer, payload) if kind == "chat" else tokenizer.encode(payload))
+                    lambda: _apply_template(tokenizer, *payload) if kind == "chat" else tokenizer.encode(payload))
         ids = array("i")
         ids.frombytes(await self._run(_child_tokenize, kind, payload))
         return ids
@@ -278,8 +284,11 @@ class Offloader:
 OFFLOAD: web.AppKey[Offloader] = web.AppKey("sluice_offload", Offloader)
 
 
-def _apply_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def _apply_template(tokenizer: Any, messages: list[dict[str, Any]],
+                    options: dict[str, bool] | None = None) -> list[int]:
     try:
+        if options and (options.get("continue_final_message") or not options.get("add_generation_prompt", True)):
+            return tokenizer.apply_chat_template(messages, **options)
         return tokenizer.apply_chat_template(messages)
     except ValueError as e:  # the model's chat template refuses this conversation
         raise APIError(400, str(e), param="messages", code="invalid_messages") from None

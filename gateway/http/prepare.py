@@ -169,7 +169,7 @@ async def chat(state: GatewayState, offload: Offloader, req: ChatCompletionReque
         messages = req.template_messages()
         if specs:
             messages = tools.with_tool_system(messages, specs)
-        ids = await offload.chat_prompt(pool.engine.tokenizer, messages)
+        ids = await offload.chat_prompt(pool.engine.tokenizer, messages, req.template_options())
         ids = prompt.fit_prompt(ids, pool.max_model_len, requested, req.prompt_truncation, _marker(pool))
         max_tokens = prompt.resolve_max_tokens(pool.max_model_len, len(ids), requested, None,
                                                room=pool.engine.max_output_tokens(len(ids)))

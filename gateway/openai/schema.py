@@ -312,6 +312,21 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_options: Any = None
     moderation: Any = None
     safety_identifier: str | None = Field(None, max_length=256)  # like `user`: logged, nothing else
+    # vLLM's extras: `continue_final_message` leaves the last (assistant) message open and continues its
+    # text (how a stream broken on one engine replica is resumed on another); `add_generation_prompt`
+    # false renders the conversation without the assistant turn's opening.
+    continue_final_message: bool | None = False
+    add_generation_prompt: bool | None = True
+
+    @model_validator(mode="after")
+    def _continue_an_assistant_message(self) -> ChatCompletionRequest:
+        if self.continue_final_message:
+            if self.add_generation_prompt is not False:
+                raise ValueError("`continue_final_message` needs `add_generation_prompt: false` (the final message "
+                                 "is continued, no new turn is opened)")
+            if self.messages[-1].role != "assistant":
+                raise ValueError("`continue_final_message` needs the last message to be the assistant's")
+        return self
 
     @field_validator(*_NOT_IMPLEMENTED_CHAT)
     @classmethod
@@ -376,6 +391,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.to_template() for m in self.messages]
+
+    def template_options(self) -> dict[str, bool]:
+        """How the chat template renders the conversation (vLLM's two extras), for the tokenizer."""
+        return {"add_generation_prompt": self.add_generation_prompt is not False,
+                "continue_final_message": bool(self.continue_final_message)}
 
 
 TokenIds = list[Annotated[int, Field(ge=0, le=INT32_MAX)]]

@@ -87,3 +87,29 @@ def test_chat_templating_is_linear_in_the_conversation():
     seconds(500)
     small, large = min(seconds(4000) for _ in range(2)), min(seconds(32000) for _ in range(2))
     assert large / small < 14, f"8x the messages took {large / small:.1f}x the time"
+
+
+def test_continuing_the_final_message_leaves_it_open_and_continues_the_greedy_answer(engine, tokenizer):
+    """`continue_final_message`: the prompt is the conversation with the partial assistant answer left open
+    (no end-of-turn, no new turn), so a greedy run continued from it gives the rest of the same answer."""
+    from engine import EngineRequest, SamplingParams
+
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    ids = tokenizer.apply_chat_template(msgs)
+    whole = engine.generate([EngineRequest("whole", ids, SamplingParams(max_tokens=24, temperature=0.0))])
+    text = "".join(o.text for o in whole["whole"])
+    cut = len(text) // 2
+    cut = text.rfind(" ", 0, cut) if text.rfind(" ", 0, cut) > 0 else cut  # a word boundary: tokens re-encode alike
+    partial = text[:cut]
+    cont_ids = tokenizer.apply_chat_template(msgs + [{"role": "assistant", "content": partial}],
+                                             continue_final_message=True)
+    rendered = tokenizer.decode(cont_ids, skip_special_tokens=False)
+    assert rendered.endswith("<|im_start|>assistant\n" + partial)  # open: no <|im_end|> after it
+    assert cont_ids[:len(ids)] == ids
+    rest = engine.generate([EngineRequest("rest", cont_ids, SamplingParams(max_tokens=24, temperature=0.0))])
+    continued = partial + "".join(o.text for o in rest["rest"])
+    assert continued[:len(text)] == text, (text, continued)  # the rest of the same answer, nothing repeated
+    # add_generation_prompt false alone: the conversation as it is, no assistant opening
+    closed = tokenizer.decode(tokenizer.apply_chat_template(msgs, add_generation_prompt=False),
+                              skip_special_tokens=False)
+    assert closed.endswith("<|im_end|>\n") and not closed.endswith("assistant\n")

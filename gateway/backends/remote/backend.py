@@ -50,7 +50,8 @@ log = logging.getLogger("sluice.remote")
 
 # Fields of Sluice's request models that providers do not know (extras of vLLM and Sluice).
 SLUICE_ONLY_FIELDS = frozenset({"top_k", "stop_token_ids", "ignore_eos", "prompt_truncation", "cache_salt",
-                                "repetition_penalty", "min_tokens", "guided_json"})
+                                "repetition_penalty", "min_tokens", "guided_json", "continue_final_message",
+                                "add_generation_prompt"})
 # Fields of Sluice's embeddings request that providers do not know.
 EMBEDDING_SLUICE_ONLY_FIELDS = frozenset({"truncate"})
 
@@ -139,6 +140,10 @@ class _Parsed:
     pending_finish: dict[int, str] = field(default_factory=dict)
     text_chunks: int = 0
     done: bool = False  # `data: [DONE]` seen
+    text: list[str] = field(default_factory=list)  # choice 0's text as relayed (a resumed stream continues it)
+    # A resumed stream: what the broken part(s) before it counted (the client is told the whole answer's usage).
+    prior_completion: int = 0
+    prior_prompt: int | None = None
 
 
 def _usage_into(parsed: _Parsed, usage: dict[str, Any] | None) -> None:
@@ -321,6 +326,8 @@ class RemoteStream(ChoiceStream):
                         text = ((c.get("delta") or {}).get("content") if chat else c.get("text")) or ""
                         if text:
                             parsed.text_chunks += 1
+                            if idx == 0:
+                                parsed.text.append(text)
                             outs.append(ChoiceOutput(idx, RequestOutput(request_id=rid, text=text)))
                         if c.get("finish_reason"):
                             parsed.pending_finish[idx] = c["finish_reason"]
@@ -335,8 +342,13 @@ class RemoteStream(ChoiceStream):
         yield self._finish(parsed)
 
     def _finish(self, parsed: _Parsed) -> list[ChoiceOutput]:
+        if parsed.prior_prompt is not None:  # resumed: the prompt the client sent, not the continuation's
+            parsed.prompt_tokens = parsed.prior_prompt
+        elif parsed.prior_completion and parsed.prompt_tokens:  # its usage came too late: the continuation's
+            parsed.prompt_tokens = max(0, parsed.prompt_tokens - parsed.prior_completion)  # less the partial answer
         self._prompt_tokens = parsed.prompt_tokens
         completion = parsed.completion_tokens if parsed.completion_tokens is not None else parsed.text_chunks
+        completion += parsed.prior_completion
         n = max(self._gen.n, max(parsed.pending_finish, default=0) + 1)
         outs = []
         for i in range(n):
@@ -363,29 +375,47 @@ class RemoteStream(ChoiceStream):
 
     # ---------------------------------------------------------------- the stream
 
+    def _broken(self, p: Provider, parsed: _Parsed, what: str) -> ChoiceOutput:
+        """The error that ends a stream broken mid-answer; its usage is what was relayed (what is billed)."""
+        self._prompt_tokens = parsed.prior_prompt if parsed.prior_prompt is not None else parsed.prompt_tokens
+        relayed = (parsed.completion_tokens or parsed.text_chunks) + parsed.prior_completion
+        return ChoiceOutput(0, ErrorOutput(
+            request_id=self._gen.request_id, finished=True, finish_reason="error",
+            error=f"The provider `{p.name}` failed mid-stream ({what}); the answer is incomplete.",
+            completion_tokens=relayed, prompt_tokens=self._prompt_tokens or 0,
+            cached_tokens=parsed.cached_tokens, error_code="provider_error", failure=Failure.PROVIDER))
+
+    async def _resume(self, p: Provider, parsed: _Parsed) -> tuple[Provider, TryResult] | None:  # noqa: ARG002 (subclasses read them)
+        """A stream that broke after its first text, continued elsewhere from what was relayed; None: it
+        cannot be (providers' APIs have no way to continue an answer; an engine pool's replicas do)."""
+        return None
+
     async def _run(self) -> AsyncGenerator[list[ChoiceOutput], None]:
         p, result = await self._tries.run(self._attempt)
         self._backend = f"{self.label}:{p.name}"
         parsed = result.parsed
         try:
             yield result.outputs
-            if result.rest is None:  # the whole answer is here (a JSON answer, or a stream read to its end)
-                return
-            try:
-                async for outs in result.rest:
-                    yield outs
-            except (Exception, StreamDropped) as e:  # committed: end with an error event, never silently
-                f = classify(p, e)
-                what = f.message if f else type(e).__name__
-                log.warning("provider %s failed mid-stream for %s: %s", p.name, self._gen.request_id, what)
-                self._prompt_tokens = parsed.prompt_tokens
-                relayed = parsed.completion_tokens or parsed.text_chunks
-                # The usage the client is told is the usage billed: the tokens relayed so far.
-                yield [ChoiceOutput(0, ErrorOutput(
-                    request_id=self._gen.request_id, finished=True, finish_reason="error",
-                    error=f"The provider `{p.name}` failed mid-stream ({what}); the answer is incomplete.",
-                    completion_tokens=relayed, prompt_tokens=parsed.prompt_tokens or 0,
-                    cached_tokens=parsed.cached_tokens, error_code="provider_error", failure=Failure.PROVIDER))]
+            rest = result.rest
+            while rest is not None:  # None: the whole answer is here (JSON, or a stream read to its end)
+                try:
+                    async for outs in rest:
+                        yield outs
+                    return
+                except (Exception, StreamDropped) as e:  # committed: continued elsewhere, or an error event
+                    f = classify(p, e)
+                    what = f.message if f else type(e).__name__
+                    log.warning("%s %s failed mid-stream for %s: %s", "provider" if self.label == "remote"
+                                else "replica", p.name, self._gen.request_id, what)
+                    resumed = await self._resume(p, parsed)
+                if resumed is None:  # never silently: the client is told the answer is incomplete
+                    yield [self._broken(p, parsed, what)]
+                    return
+                p, result = resumed
+                self._backend = f"{self.label}:{p.name}"
+                parsed = result.parsed
+                yield result.outputs
+                rest = result.rest
         finally:
             await self._release()
 

@@ -159,3 +159,46 @@ async def test_the_tier_is_passed_as_the_engines_priority_when_configured(routin
     finally:
         await pool.close()
         await server.close()
+
+
+async def test_a_stream_broken_on_one_replica_is_continued_on_another_without_repeats_or_gaps(routing):
+    dying = TestServer(make_app(EngineModel(max_running=4, decode_ms=5), model_name=MODEL, cut_after=4),
+                       host="127.0.0.1")
+    await dying.start_server()
+    healthy = await _replica(max_running=4, decode_ms=5)
+    pool = PoolBackend([_settings("a", dying), _settings("b", healthy)], routing)
+    try:
+        stream = await pool.submit(_gen(tokens=12))
+        pieces, finish = [], None
+        async with stream:
+            async for ch in stream:
+                pieces.append(ch.output.text)
+                if ch.output.finished:
+                    finish = ch.output
+        assert "".join(pieces) == "".join(f" t{i}" for i in range(1, 13))  # 4 from a, 8 from b
+        assert stream.backend == "engine:b"
+        assert finish is not None and finish.finish_reason == "length" and finish.completion_tokens == 12
+        # The replicas' own counts: a made 4 (then died), b was asked for the other 8 only.
+        assert pool.replicas[0].breaker.consecutive >= 1
+    finally:
+        await pool.close()
+        await dying.close()
+        await healthy.close()
+
+
+async def test_a_broken_stream_with_nowhere_to_continue_ends_with_an_error(routing):
+    dying = TestServer(make_app(EngineModel(max_running=4, decode_ms=5), model_name=MODEL, cut_after=3),
+                       host="127.0.0.1")
+    await dying.start_server()
+    pool = PoolBackend([_settings("a", dying)], routing)
+    try:
+        stream = await pool.submit(_gen(tokens=12))
+        outs = []
+        async with stream:
+            async for ch in stream:
+                outs.append(ch.output)
+        assert "".join(o.text for o in outs) == " t1 t2 t3"
+        assert outs[-1].finish_reason == "error" and outs[-1].completion_tokens == 3
+    finally:
+        await pool.close()
+        await dying.close()
