@@ -142,6 +142,8 @@ class EngineReplicaSettings(BaseModel):
     api_key_env: str | None = None
     # Its Prometheus text; None: base_url without its trailing /v1, plus /metrics.
     metrics_url: str | None = None
+    # The env var of the key its /metrics takes (a Sluice replica's needs an admin key); None: api_key_env's.
+    metrics_key_env: str | None = None
     timeout_s: float = Field(30.0, gt=0)  # per attempt: connect, and each read of the answer or stream
     # A hard cap on requests sent to it at once; below it, the room rule learns where its queue grows.
     max_in_flight: int = Field(256, ge=1)
@@ -162,6 +164,10 @@ class EngineReplicaSettings(BaseModel):
         return ProviderSettings(name=self.name, base_url=self.base_url, api_key_env=self.api_key_env,
                                 models={m: m for m in self.models}, timeout_s=self.timeout_s,
                                 max_concurrent=self.max_in_flight)
+
+    def metrics_key(self) -> str | None:
+        env = self.metrics_key_env or self.api_key_env
+        return os.environ.get(env) if env else None
 
     def metrics_endpoint(self) -> str | None:
         if self.kind == "openai" and self.metrics_url is None:

@@ -230,11 +230,21 @@ class PoolBackend(RemoteBackend):
         assert r.metrics_url is not None
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+        key = r.engine.metrics_key()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
-            async with self._session.get(r.metrics_url, headers={"Authorization": r.headers["Authorization"]}) as resp:
+            async with self._session.get(r.metrics_url, headers=headers) as resp:
+                if resp.status in (401, 403):  # our configuration, not the replica's health: load unknown
+                    if r.metrics_error is None:
+                        log.warning("replica %s refuses our key for %s (HTTP %d): its load is Sluice's own count "
+                                    "only; set metrics_key_env (a Sluice replica's /metrics needs an admin key)",
+                                    r.name, r.metrics_url, resp.status)
+                    r.metrics_error = f"metrics refused (HTTP {resp.status})"
+                    return
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}")
                 text = await resp.text()
+            r.metrics_error = None
             r.observe(parse_load(r.kind, text))
             if r.breaker.state != "closed" and r.breaker.allow():
                 r.breaker.success()  # its metrics answer again: a probe may go

@@ -46,6 +46,7 @@ class Replica(Provider):
         self.level = settings.max_in_flight  # learnt: in flight at which its queue grows
         self.learnt = False
         self.load: ReplicaLoad | None = None
+        self.metrics_error: str | None = None  # its /metrics refused our key: load unknown (shown in /ready)
         self.others = 0.0  # in flight on it not sent by this gateway, at the last poll
         self.reserved = 0
         self.polled_at = 0.0
@@ -115,7 +116,7 @@ class Replica(Provider):
 
     def status(self) -> dict[str, object]:
         out = dict(super().status())
-        out.update(kind=self.kind, room_level=self.level, reserved=self.reserved,
+        out.update(kind=self.kind, room_level=self.level, reserved=self.reserved, metrics_error=self.metrics_error,
                    load=None if self.load is None else {"running": self.load.running, "waiting": self.load.waiting,
                                                         "kv_usage": self.load.kv_usage})
         return out
