@@ -226,9 +226,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policy", choices=("fifo", "priority"), default="fifo")
     ap.add_argument("--tokens", type=int, default=16, help="completion tokens when a request sets no max_tokens")
     ap.add_argument("--fail-after", type=int, help="drop every connection after this many requests")
+    ap.add_argument("--block-chars", type=int, default=64, help="the prefix cache's block, in prompt characters")
+    ap.add_argument("--cache-blocks", type=int, default=4096, help="prefix cache size, in blocks (LRU)")
     args = ap.parse_args(argv)
     model = EngineModel(max_running=args.max_running, decode_ms=args.decode_ms, per_seq_ms=args.per_seq_ms,
-                        prefill_ms_per_token=args.prefill_ms_per_token, policy=args.policy)
+                        prefill_ms_per_token=args.prefill_ms_per_token, policy=args.policy,
+                        block_chars=args.block_chars, cache_blocks=args.cache_blocks)
     web.run_app(make_app(model, model_name=args.model, tokens=args.tokens, fail_after=args.fail_after),
                 host="127.0.0.1", port=args.port, print=None)
 

@@ -13,6 +13,7 @@ policy, whose balance thresholds are absolute and relative the same way). Otherw
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 
 from gateway.backends.pool.replica import Replica
@@ -21,6 +22,7 @@ BLOCK_CHARS = 256
 MIN_MATCH_BLOCKS = 2  # 512 characters (~128 tokens) shared: worth following
 BALANCE_ABS = 4
 BALANCE_REL = 1.5
+_turn = itertools.count()
 
 
 def prefix_hashes(text: str, block_chars: int = BLOCK_CHARS) -> list[int]:
@@ -34,9 +36,15 @@ def prefix_hashes(text: str, block_chars: int = BLOCK_CHARS) -> list[int]:
     return out
 
 
-def _score(r: Replica) -> float:
-    """Busy share of the room level (a lower one is less loaded)."""
-    return r.busy() / max(1, min(r.level, r.engine.max_in_flight))
+def _score(r: Replica, ref: int | None = None) -> float:
+    """Busy share of the room level (a lower one is less loaded). A replica whose level is not learnt yet
+    is measured against `ref`, the largest learnt level of the others (its cap would make it look empty)."""
+    level = r.level if r.learnt or ref is None else ref
+    return r.busy() / max(1, min(level, r.engine.max_in_flight))
+
+
+def _ref(replicas: Sequence[Replica]) -> int | None:
+    return max((r.level for r in replicas if r.learnt), default=None)
 
 
 def pick(replicas: Sequence[Replica], hashes: list[int]) -> Replica | None:
@@ -44,10 +52,14 @@ def pick(replicas: Sequence[Replica], hashes: list[int]) -> Replica | None:
     open_ = [r for r in replicas if r.has_room()]
     if not open_:
         return None
-    least = min(open_, key=lambda r: (_score(r), r.load.kv_usage if r.load and r.load.kv_usage is not None
-                                      else 0.0, r.busy()))
+    ref = _ref(replicas)
+    # Ties (common: equal counts) go round the ring from where the last pick was, not to the same replica.
+    start = next(_turn) % len(open_)
+    ring = open_[start:] + open_[:start]
+    least = min(ring, key=lambda r: (_score(r, ref), r.load.kv_usage if r.load and r.load.kv_usage is not None
+                                     else 0.0))
     if hashes:
-        best = max(open_, key=lambda r: (r.matched_blocks(hashes), -_score(r)))
+        best = max(open_, key=lambda r: (r.matched_blocks(hashes), -_score(r, ref)))
         if best is not least and best.matched_blocks(hashes) >= MIN_MATCH_BLOCKS:
             gap = best.busy() - least.busy()
             if gap <= BALANCE_ABS or best.busy() <= BALANCE_REL * least.busy():
@@ -57,4 +69,5 @@ def pick(replicas: Sequence[Replica], hashes: list[int]) -> Replica | None:
 
 def fallback_order(replicas: Sequence[Replica], first: Replica) -> list[Replica]:
     """`first`, then the others least loaded first: where a failed try moves on to."""
-    return [first] + sorted((r for r in replicas if r is not first), key=_score)
+    ref = _ref(replicas)
+    return [first] + sorted((r for r in replicas if r is not first), key=lambda r: _score(r, ref))

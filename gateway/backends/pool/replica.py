@@ -6,10 +6,13 @@ The room rule. An engine runs up to some number of sequences at once and queues 
 order (FIFO for most), where Sluice's tiers no longer count. So Sluice sends a replica a request only
 while it has room: its requests in flight (Sluice's and others', as its metrics count them) below the
 level at which its waiting queue grows. That level is learnt, not configured:
-  * a poll that sees requests waiting sets it to what was running then (the engine was full);
+  * two polls in a row that see `QUEUE` or more requests waiting set it to what was running then (the
+    engine was full; a poll often catches a request that arrived between two of the engine's steps, two
+    of them in two polls in a row only when it queues);
   * a poll that sees none waiting while Sluice had the replica at its level raises it by one (a probe:
     the engine may run more, e.g. after freeing KV cache), up to `max_in_flight`;
-  * a KV cache at `KV_FULL` or more leaves no room (the engine would queue or preempt).
+  * a KV cache at `KV_FULL` or more at the last poll leaves no room (the engine would queue or preempt)
+    until one of Sluice's requests on it ends.
 Until the first poll that sees a queue the level is `max_in_flight`. A replica whose metrics cannot be
 read counts as failing (its breaker), and one of kind `openai` (no known metrics) keeps `max_in_flight`.
 """
@@ -27,6 +30,7 @@ from gateway.settings import EngineReplicaSettings, RoutingSettings
 
 log = logging.getLogger("sluice.pool")
 
+QUEUE = 2  # requests waiting (in two polls in a row) that show an engine is full
 KV_FULL = 0.97  # at this share of its KV cache in use a replica takes nothing more
 PREFIX_BLOCKS = 8192  # prefix blocks remembered per replica (LRU)
 
@@ -48,6 +52,7 @@ class Replica(Provider):
         self.load: ReplicaLoad | None = None
         self.metrics_error: str | None = None  # its /metrics refused our key: load unknown (shown in /ready)
         self.others = 0.0  # in flight on it not sent by this gateway, at the last poll
+        self.ours_at_poll = 0  # Sluice's in flight on it when it was last polled
         self.reserved = 0
         self.polled_at = 0.0
         self.blocks: OrderedDict[int, None] = OrderedDict()  # prefix block hashes it has likely cached
@@ -73,8 +78,9 @@ class Replica(Provider):
     def has_room(self) -> bool:
         if not self.breaker.available() or time.monotonic() < self.not_before:
             return False
-        if self.load is not None and self.load.kv_usage is not None and self.load.kv_usage >= KV_FULL:
-            return False
+        if (self.load is not None and self.load.kv_usage is not None and self.load.kv_usage >= KV_FULL
+                and self._in_flight + self.reserved >= self.ours_at_poll):
+            return False  # full at the last poll, and none of ours has ended since
         return self.busy() < min(self.level, self.engine.max_in_flight)
 
     def observe(self, load: ReplicaLoad) -> None:
@@ -83,12 +89,16 @@ class Replica(Provider):
         total = load.running + load.waiting
         self.others = max(0.0, total - ours)
         before = self.level
-        if load.waiting > 0:
+        queued = load.waiting >= QUEUE and self.load is not None and self.load.waiting >= QUEUE
+        if queued:  # a queue over two polls: the engine is full
             self.level = max(1, int(load.running))
             self.learnt = True
+        elif load.waiting > 0:
+            pass  # perhaps full, perhaps requests that arrived between two of its steps: no probe
         elif ours + self.reserved >= self.level and self.level < self.engine.max_in_flight:
             self.level += 1
         self.load = load
+        self.ours_at_poll = ours
         self.polled_at = time.monotonic()
         if self.level != before:
             log.debug("replica %s: room level %d -> %d (running %g, waiting %g)", self.name, before,

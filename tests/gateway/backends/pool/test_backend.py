@@ -117,8 +117,7 @@ async def test_a_dead_replica_is_skipped_then_taken_back_when_it_answers_again(r
             while a.breaker.state != "closed" and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert a.breaker.state == "closed" and a.has_room()  # its metrics answered: back in the pool
-            backend, _ = await _answer(pool, _gen())
-            assert backend == "engine:a"
+            assert "engine:a" in {(await _answer(pool, _gen()))[0] for _ in range(4)}  # idle ties take turns
         finally:
             await revived.close()
     finally:
@@ -168,18 +167,19 @@ async def test_a_stream_broken_on_one_replica_is_continued_on_another_without_re
     healthy = await _replica(max_running=4, decode_ms=5)
     pool = PoolBackend([_settings("a", dying), _settings("b", healthy)], routing)
     try:
-        stream = await pool.submit(_gen(tokens=12))
-        pieces, finish = [], None
-        async with stream:
-            async for ch in stream:
-                pieces.append(ch.output.text)
-                if ch.output.finished:
-                    finish = ch.output
-        assert "".join(pieces) == "".join(f" t{i}" for i in range(1, 13))  # 4 from a, 8 from b
-        assert stream.backend == "engine:b"
-        assert finish is not None and finish.finish_reason == "length" and finish.completion_tokens == 12
-        # The replicas' own counts: a made 4 (then died), b was asked for the other 8 only.
-        assert pool.replicas[0].breaker.consecutive >= 1
+        for _ in range(2):  # idle replicas take turns: one of the two starts on a
+            stream = await pool.submit(_gen(tokens=12))
+            pieces, finish = [], None
+            async with stream:
+                async for ch in stream:
+                    pieces.append(ch.output.text)
+                    if ch.output.finished:
+                        finish = ch.output
+            # From a: 4 then it died, and b continued with the other 8 only; or all 12 from b.
+            assert "".join(pieces) == "".join(f" t{i}" for i in range(1, 13))
+            assert stream.backend == "engine:b"
+            assert finish is not None and finish.finish_reason == "length" and finish.completion_tokens == 12
+        assert pool.replicas[0].breaker.consecutive == 1  # a died mid-stream once
     finally:
         await pool.close()
         await dying.close()

@@ -47,8 +47,17 @@ def test_least_loaded_with_room():
 def test_load_is_measured_against_each_replicas_room():
     a, b = _replicas(2)
     a.level, b.level = 4, 16  # a queues at 4, b at 16
+    a.learnt = b.learnt = True
     a.in_flight, b.in_flight = 2, 6
     assert pick([a, b], []) is b  # 6/16 busy beats 2/4
+    c = _replicas(3, max_in_flight=256)[2]  # not learnt: measured against the others' largest level
+    c.in_flight = 7
+    assert pick([a, b, c], []) is b  # 7/16, not 7/256
+
+
+def test_ties_go_round_the_replicas():
+    rs = _replicas(4)
+    assert {pick(rs, []).name for _ in range(8)} == {"r0", "r1", "r2", "r3"}
 
 
 def test_prefix_affinity_unless_much_busier():
@@ -61,6 +70,7 @@ def test_prefix_affinity_unless_much_busier():
     assert pick([a, b], hashes) is a  # much busier: the prefix is not worth the queue
     short = _replicas(2)
     short[1].remember(hashes[:MIN_MATCH_BLOCKS - 1])
+    short[1].in_flight = 1
     assert pick(short, hashes) is short[0]  # too little shared to follow
 
 

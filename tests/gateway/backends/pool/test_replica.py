@@ -27,6 +27,8 @@ def test_a_queue_on_the_engine_sets_the_level_to_what_was_running():
     r = _replica()
     r.in_flight = 10
     r.observe(ReplicaLoad(running=8, waiting=2, kv_usage=0.5))
+    assert not r.learnt and r.level == 64  # one poll may catch requests between two engine steps
+    r.observe(ReplicaLoad(running=8, waiting=2, kv_usage=0.5))
     assert r.learnt and r.level == 8
     assert r.others == 0  # all 10 on it are ours
     assert not r.has_room()
@@ -38,6 +40,9 @@ def test_at_its_level_with_no_queue_the_level_is_probed_upward_to_the_cap():
     r = _replica(max_in_flight=10)
     r.in_flight = 4
     r.observe(ReplicaLoad(running=4, waiting=1, kv_usage=None))
+    assert r.level == 10  # one waiting: perhaps between two steps; no probe, nothing learnt
+    r.observe(ReplicaLoad(running=4, waiting=2, kv_usage=None))
+    r.observe(ReplicaLoad(running=4, waiting=2, kv_usage=None))
     assert r.level == 4
     r.observe(ReplicaLoad(running=4, waiting=0, kv_usage=None))
     assert r.level == 5
@@ -53,15 +58,19 @@ def test_at_its_level_with_no_queue_the_level_is_probed_upward_to_the_cap():
 def test_others_load_on_the_engine_takes_room():
     r = _replica()
     r.in_flight = 2
-    r.observe(ReplicaLoad(running=6, waiting=1, kv_usage=None))  # 5 of the 7 are another client's
-    assert r.others == 5 and r.level == 6
-    assert r.busy() == 7 and not r.has_room()
+    for _ in range(2):
+        r.observe(ReplicaLoad(running=6, waiting=2, kv_usage=None))  # 6 of the 8 are another client's
+    assert r.others == 6 and r.level == 6
+    assert r.busy() == 8 and not r.has_room()
 
 
 def test_a_full_kv_cache_or_an_open_breaker_leaves_no_room():
     r = _replica()
-    r.observe(ReplicaLoad(running=1, waiting=0, kv_usage=KV_FULL))
+    r.in_flight = 3
+    r.observe(ReplicaLoad(running=3, waiting=0, kv_usage=KV_FULL))
     assert not r.has_room()
+    r.in_flight = 2  # one of ours ended since that poll: its KV is free again
+    assert r.has_room()
     r.observe(ReplicaLoad(running=1, waiting=0, kv_usage=0.5))
     assert r.has_room()
     r.breaker.failure()

@@ -1,0 +1,301 @@
+"""Routing over engine replicas: Sluice's engine pool against round-robin, on simulated replicas.
+
+    python -m bench.pools [--replicas 4] [--seconds 40] [--parts tiers,prefix,overhead]
+
+Each replica is `bench/mock_engine.py` (a continuous-batching engine that costs no CPU: a concurrency
+limit, a FIFO waiting queue, a prefix cache, vLLM's metric names), so 2 cores can drive four of them. The
+same offered load (the same seeded arrival times and prompts) goes once to the replicas round-robin, as a
+client or a simple router would spread it, and once through `sluice serve --no-engine` with the replicas
+as `[[engines]]`. Parts:
+
+* tiers: Poisson load at `--load` (0.9) of the replicas' measured capacity, `--pro` (30%) of it from a pro
+  key: TTFT p50/p99 for pro, standard and all (goal: pro p99 <= 0.5x and overall p99 <= 0.8x of round-robin's).
+* prefix: a RAG-like load, each prompt one of `--docs` long documents plus a question, at half capacity,
+  with each replica's prefix cache holding about a quarter of the documents: the replicas' prefix hit rate
+  (characters found over characters looked up; goal: >= 2x round-robin's).
+* overhead: one request at a time, non-streamed, 1 token: p50 latency through the pool minus directly.
+
+Prints `lscpu`'s model name beside the figures; compare ratios within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from bench.common import pct
+from bench.server import ROOT, free_port, managed_server
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def cpu_name() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+
+
+@dataclass
+class Replicas:
+    ports: list[int]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+
+@contextlib.contextmanager
+def replicas(n: int, args: argparse.Namespace, cache_blocks: int = 4096):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ports = [free_port() for _ in range(n)]
+    with contextlib.ExitStack() as stack:
+        for p in ports:
+            stack.enter_context(managed_server(
+                [sys.executable, "-m", "bench.mock_engine", "--port", str(p), "--max-running", str(args.max_running),
+                 "--decode-ms", str(args.decode_ms), "--per-seq-ms", str(args.per_seq_ms),
+                 "--prefill-ms-per-token", str(args.prefill_ms_per_token), "--cache-blocks", str(cache_blocks)],
+                f"http://127.0.0.1:{p}/v1/models", env))
+        yield Replicas(ports)
+
+
+@contextlib.contextmanager
+def pool_gateway(reps: Replicas):
+    """`sluice serve --no-engine` with the replicas as [[engines]], a pro and a standard key."""
+    tmp = Path(tempfile.mkdtemp(prefix="sluice-pools-"))
+    cfg = tmp / "sluice.toml"
+    cfg.write_text("".join(f'[[engines]]\nname = "r{i}"\nbase_url = "{u}/v1"\nkind = "vllm"\nmodels = ["{MODEL}"]\n\n'
+                           for i, u in enumerate(reps.urls)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "SLUICE_CONFIG": str(cfg),
+           "SLUICE_AUTH__KEYS_FILE": str(tmp / "keys.json"), "SLUICE_USAGE__ENABLED": "false"}
+    keys = {}
+    for tier in ("pro", "standard"):
+        keys[tier] = subprocess.run([sys.executable, "-m", "gateway.cli", "keys", "create", "--name", tier, "--tier",
+                                     tier], env=env, cwd=ROOT, capture_output=True, text=True,
+                                    check=True).stdout.strip()
+    port = free_port()
+    with managed_server([sys.executable, "-m", "gateway.cli", "serve", "--no-engine", "--port", str(port)],
+                        f"http://127.0.0.1:{port}/ready", env, cwd=ROOT):
+        yield f"http://127.0.0.1:{port}", keys
+
+
+# ---------------------------------------------------------------- one request
+
+
+async def stream_ttft(s: aiohttp.ClientSession, url: str, prompt: str, tokens: int, key: str | None) -> float:
+    """Seconds to the first content chunk of a streamed chat request."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "stream": True}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    t0 = time.perf_counter()
+    ttft = None
+    async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+        async for line in r.content:
+            if ttft is None and b'"content": " t' in line or ttft is None and b'"content":" t' in line:
+                ttft = time.perf_counter() - t0
+    if ttft is None:
+        raise RuntimeError("no content")
+    return ttft
+
+
+@dataclass
+class Arrival:
+    at: float
+    prompt: str
+    tier: str
+
+
+def arrivals(rate: float, seconds: float, pro: float, prompts: list[str], seed: int) -> list[Arrival]:
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            return out
+        out.append(Arrival(t, rng.choice(prompts), "pro" if rng.random() < pro else "standard"))
+
+
+async def run_load(plan: list[Arrival], tokens: int, send) -> dict[str, list[float]]:
+    """Sends each arrival at its time with `send(s, i, arrival)`; TTFTs by tier ("all" too)."""
+    out: dict[str, list[float]] = {"pro": [], "standard": [], "all": []}
+    failures = 0
+    reasons: dict[str, int] = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        t0 = time.perf_counter()
+
+        async def one(i: int, a: Arrival) -> None:
+            nonlocal failures
+            await asyncio.sleep(max(0.0, t0 + a.at - time.perf_counter()))
+            try:
+                ttft = await send(s, i, a)
+            except (RuntimeError, aiohttp.ClientError) as e:
+                failures += 1
+                why = str(e)[:80]
+                reasons[why] = reasons.get(why, 0) + 1
+                return
+            out[a.tier].append(ttft)
+            out["all"].append(ttft)
+        await asyncio.gather(*(one(i, a) for i, a in enumerate(plan)))
+    if failures:
+        print(f"  ({failures} requests failed: {reasons})")
+    return out
+
+
+def round_robin(reps: Replicas, tokens: int):
+    async def send(s, i, a):
+        return await stream_ttft(s, reps.urls[i % len(reps.urls)], a.prompt, tokens, None)
+    return send
+
+
+def through_pool(base: str, keys: dict[str, str], tokens: int):
+    async def send(s, i, a):
+        return await stream_ttft(s, base, a.prompt, tokens, keys[a.tier])
+    return send
+
+
+async def capacity(reps: Replicas, tokens: int, prompts: list[str], seconds: float = 8.0) -> float:
+    """Requests per second the replicas finish under a closed loop at their total concurrency limit."""
+    done = 0
+    stop = time.perf_counter() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def worker(w: int) -> None:
+            nonlocal done
+            k = w
+            while time.perf_counter() < stop:
+                await stream_ttft(s, reps.urls[k % len(reps.urls)], prompts[k % len(prompts)], tokens, None)
+                done += 1
+                k += len(reps.urls)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(len(reps.urls) * 8)))
+    return done / (time.perf_counter() - t0)
+
+
+async def hit_rate(reps: Replicas) -> tuple[float, float]:
+    q = h = 0.0
+    async with aiohttp.ClientSession() as s:
+        for u in reps.urls:
+            async with s.get(u + "/metrics") as r:
+                for line in (await r.text()).splitlines():
+                    name, _, value = line.partition(" ")
+                    if name.startswith("vllm:prefix_cache_queries"):
+                        q += float(value)
+                    elif name.startswith("vllm:prefix_cache_hits"):
+                        h += float(value)
+    return q, h
+
+
+def summary(name: str, t: dict[str, list[float]]) -> str:
+    return (f"{name:12s} n={len(t['all']):4d}  " + "  ".join(
+        f"{k} p50 {pct(t[k], 50) * 1000:6.0f} ms p99 {pct(t[k], 99) * 1000:6.0f} ms" for k in ("pro", "standard", "all")))
+
+
+# ---------------------------------------------------------------- parts
+
+
+async def part_tiers(args: argparse.Namespace) -> None:
+    prompts = [f"Question {i}: tell me about item {i}." for i in range(64)]
+    with replicas(args.replicas, args) as reps:
+        cap = await capacity(reps, args.tokens, prompts)
+        rate = args.load * cap
+        print(f"capacity (closed loop, {args.replicas} replicas x {args.max_running}): {cap:.1f} requests/s; "
+              f"offered {rate:.1f}/s ({args.load:.0%}), {args.pro:.0%} pro, {args.seconds:.0f} s each")
+        plan = arrivals(rate, args.seconds, args.pro, prompts, seed=1)
+        rr = await run_load(plan, args.tokens, round_robin(reps, args.tokens))
+        print(summary("round-robin", rr))
+    with replicas(args.replicas, args) as reps, pool_gateway(reps) as (base, keys):
+        pool = await run_load(plan, args.tokens, through_pool(base, keys, args.tokens))
+        print(summary("sluice pool", pool))
+    print(f"ratios pool/round-robin: pro p99 {pct(pool['pro'], 99) / pct(rr['pro'], 99):.2f}x (goal <= 0.5), "
+          f"all p99 {pct(pool['all'], 99) / pct(rr['all'], 99):.2f}x (goal <= 0.8), "
+          f"standard p99 {pct(pool['standard'], 99) / pct(rr['standard'], 99):.2f}x")
+
+
+async def part_prefix(args: argparse.Namespace) -> None:
+    rng = random.Random(7)
+    docs = ["".join(rng.choice("abcdefghij klmnop") for _ in range(args.doc_chars)) for _ in range(args.docs)]
+    prompts = [f"{d}\nQuestion {q}?" for d in docs for q in range(8)]
+    blocks = args.doc_chars // 64  # the mock's 64-character blocks per document
+    cache = blocks * args.docs // args.replicas + blocks  # about a quarter of the documents each (4 replicas)
+    results = {}
+    for name in ("round-robin", "sluice pool"):
+        with replicas(args.replicas, args, cache_blocks=cache) as reps:
+            cap = await capacity(reps, args.tokens, prompts, seconds=4) if name == "round-robin" else cap
+            q0, h0 = await hit_rate(reps)
+            plan = arrivals(0.5 * cap, args.seconds, 0.0, prompts, seed=2)
+            if name == "round-robin":
+                t = await run_load(plan, args.tokens, round_robin(reps, args.tokens))
+            else:
+                with pool_gateway(reps) as (base, keys):
+                    t = await run_load(plan, args.tokens, through_pool(base, keys, args.tokens))
+            q1, h1 = await hit_rate(reps)
+            results[name] = (h1 - h0) / max(1.0, q1 - q0)
+            print(f"{name:12s} prefix hit rate {results[name]:.1%}  TTFT p50 {pct(t['all'], 50) * 1000:.0f} ms "
+                  f"p99 {pct(t['all'], 99) * 1000:.0f} ms  ({len(t['all'])} requests at {0.5 * cap:.1f}/s; "
+                  f"{args.docs} documents of {args.doc_chars} characters, cache {cache} blocks per replica)")
+    rr, pool = results["round-robin"], results["sluice pool"]
+    print(f"ratio pool/round-robin hit rate: {pool / rr if rr else float('inf'):.2f}x (goal >= 2)")
+
+
+async def part_overhead(args: argparse.Namespace) -> None:
+    fast = argparse.Namespace(**{**vars(args), "decode_ms": 0.0, "per_seq_ms": 0.0, "prefill_ms_per_token": 0.0})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with replicas(1, fast) as reps, pool_gateway(reps) as (base, keys):
+        async with aiohttp.ClientSession() as s:
+            async def timed(url: str, headers: dict[str, str]) -> list[float]:
+                out = []
+                for _ in range(args.overhead_requests):
+                    t0 = time.perf_counter()
+                    async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+                        await r.read()
+                        assert r.status == 200
+                    out.append(time.perf_counter() - t0)
+                return out
+            pool_h = {"Authorization": f"Bearer {keys['standard']}"}
+            await timed(base, pool_h)  # warm both paths
+            direct = await timed(reps.urls[0], {})
+            pooled = await timed(base, pool_h)
+            direct2 = await timed(reps.urls[0], {})
+    d = pct(direct + direct2, 50) * 1000
+    p = pct(pooled, 50) * 1000
+    print(f"overhead (c=1, {args.overhead_requests} requests, 1 token, non-streamed): direct p50 {d:.2f} ms, "
+          f"through the pool p50 {p:.2f} ms: +{p - d:.2f} ms (goal <= 1 ms)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--parts", default="tiers,prefix,overhead")
+    ap.add_argument("--seconds", type=float, default=40.0)
+    ap.add_argument("--load", type=float, default=0.9)
+    ap.add_argument("--pro", type=float, default=0.3)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--max-running", type=int, default=8)
+    ap.add_argument("--decode-ms", type=float, default=40.0)
+    ap.add_argument("--per-seq-ms", type=float, default=4.0)
+    ap.add_argument("--prefill-ms-per-token", type=float, default=0.5)
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--doc-chars", type=int, default=4096)
+    ap.add_argument("--overhead-requests", type=int, default=300)
+    args = ap.parse_args(argv)
+    print(f"bench.pools on {cpu_name()} ({os.cpu_count()} CPUs): simulated replicas (bench/mock_engine.py), "
+          f"max_running {args.max_running}, decode {args.decode_ms} ms + {args.per_seq_ms} ms/seq, "
+          f"prefill {args.prefill_ms_per_token} ms/token")
+    parts = {"tiers": part_tiers, "prefix": part_prefix, "overhead": part_overhead}
+    for name in args.parts.split(","):
+        print(f"== {name}")
+        asyncio.run(parts[name](args))
+
+
+if __name__ == "__main__":
+    main()
