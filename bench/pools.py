@@ -228,9 +228,11 @@ async def part_prefix(args: argparse.Namespace) -> None:
     blocks = args.doc_chars // 64  # the mock's 64-character blocks per document
     cache = blocks * args.docs // args.replicas + blocks  # about a quarter of the documents each (4 replicas)
     results = {}
+    cap = 0.0
     for name in ("round-robin", "sluice pool"):
         with replicas(args.replicas, args, cache_blocks=cache) as reps:
-            cap = await capacity(reps, args.tokens, prompts, seconds=4) if name == "round-robin" else cap
+            if name == "round-robin":
+                cap = await capacity(reps, args.tokens, prompts, seconds=4)
             q0, h0 = await hit_rate(reps)
             plan = arrivals(0.5 * cap, args.seconds, 0.0, prompts, seed=2)
             if name == "round-robin":
