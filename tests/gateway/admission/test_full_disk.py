@@ -77,7 +77,7 @@ def test_full_disk_keeps_every_request_and_the_budget_across_a_restart(tmp_path,
         cfg = write_config(tmp_path / "sluice.toml", port=port, mock_port=mport, tmp_path=tmp_path, extra=f"""
 [usage]
 ledger_path = "{disk / 'usage.sqlite3'}"
-flush_interval_s = 0.5
+flush_interval_s = 2.0
 ballast_mb = {ballast_mb}
 spill_dir = "{spill_dir}"
 [limits.keys.gina]
@@ -104,7 +104,7 @@ budget = {COST / 2}
                 else:
                     assert st == 503 and body["error"]["code"] == "usage_unavailable", body
                     refused += 1
-            assert served["frank"] > 0
+            assert served["frank"] > 0  # answered while the disk was full, before the first flush failed (<= 2 s)
             assert gw.stop() == 0
             log1 = gw.text()
 
