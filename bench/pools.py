@@ -10,6 +10,9 @@ as `[[engines]]`. Parts:
 
 * tiers: Poisson load at `--load` (0.9) of the replicas' measured capacity, `--pro` (30%) of it from a pro
   key: TTFT p50/p99 for pro, standard and all (goal: pro p99 <= 0.5x and overall p99 <= 0.8x of round-robin's).
+  Round-robin runs twice: from the client straight to the replicas, and through the same gateway with
+  `routing.pool_policy = "round_robin"` (on 2 shared cores the gateway's own CPU is part of every latency:
+  the second is the like-for-like baseline).
 * prefix: a RAG-like load, each prompt one of `--docs` long documents plus a question, at half capacity,
   with each replica's prefix cache holding about a quarter of the documents: the replicas' prefix hit rate
   (characters found over characters looked up; goal: >= 2x round-robin's).
@@ -70,14 +73,16 @@ def replicas(n: int, args: argparse.Namespace, cache_blocks: int = 4096):
 
 
 @contextlib.contextmanager
-def pool_gateway(reps: Replicas):
-    """`sluice serve --no-engine` with the replicas as [[engines]], a pro and a standard key."""
+def pool_gateway(reps: Replicas, policy: str = "least_loaded"):
+    """`sluice serve --no-engine` with the replicas as [[engines]], a pro and a standard key; `policy`:
+    `routing.pool_policy` (round_robin: the same gateway as a plain balancer, the fair baseline)."""
     tmp = Path(tempfile.mkdtemp(prefix="sluice-pools-"))
     cfg = tmp / "sluice.toml"
     cfg.write_text("".join(f'[[engines]]\nname = "r{i}"\nbase_url = "{u}/v1"\nkind = "vllm"\nmodels = ["{MODEL}"]\n\n'
                            for i, u in enumerate(reps.urls)))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "SLUICE_CONFIG": str(cfg),
-           "SLUICE_AUTH__KEYS_FILE": str(tmp / "keys.json"), "SLUICE_USAGE__ENABLED": "false"}
+           "SLUICE_AUTH__KEYS_FILE": str(tmp / "keys.json"), "SLUICE_USAGE__ENABLED": "false",
+           "SLUICE_ROUTING__POOL_POLICY": policy}
     keys = {}
     for tier in ("pro", "standard"):
         keys[tier] = subprocess.run([sys.executable, "-m", "gateway.cli", "keys", "create", "--name", tier, "--tier",
@@ -92,9 +97,17 @@ def pool_gateway(reps: Replicas):
 # ---------------------------------------------------------------- one request
 
 
+LENGTHS: dict[str, int] = {}  # a prompt's answer length (tokens), when the part gives prompts their own
+
+
+def answer_tokens(prompt: str, default: int) -> int:
+    return LENGTHS.get(prompt, default)
+
+
 async def stream_ttft(s: aiohttp.ClientSession, url: str, prompt: str, tokens: int, key: str | None) -> float:
     """Seconds to the first content chunk of a streamed chat request."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "stream": True}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": answer_tokens(prompt, tokens), "stream": True}
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     t0 = time.perf_counter()
     ttft = None
@@ -205,20 +218,30 @@ def summary(name: str, t: dict[str, list[float]]) -> str:
 
 async def part_tiers(args: argparse.Namespace) -> None:
     prompts = [f"Question {i}: tell me about item {i}." for i in range(64)]
+    # Chat-like answer lengths: most short, a few long (4 to 64 tokens, mean about 17): with every answer
+    # the same length the replicas run in lockstep and round-robin is already a perfect schedule.
+    rng = random.Random(5)
+    LENGTHS.update({p: min(64, max(4, round(4 * 16 ** (rng.random() ** 2)))) for p in prompts})
     with replicas(args.replicas, args) as reps:
         cap = await capacity(reps, args.tokens, prompts)
         rate = args.load * cap
-        print(f"capacity (closed loop, {args.replicas} replicas x {args.max_running}): {cap:.1f} requests/s; "
-              f"offered {rate:.1f}/s ({args.load:.0%}), {args.pro:.0%} pro, {args.seconds:.0f} s each")
+        mean = sum(LENGTHS.values()) / len(LENGTHS)
+        print(f"capacity (closed loop, {args.replicas} replicas x {args.max_running}, answers of 4-64 tokens, mean "
+              f"{mean:.1f}): {cap:.1f} requests/s; offered {rate:.1f}/s ({args.load:.0%}), {args.pro:.0%} pro, "
+              f"{args.seconds:.0f} s each")
         plan = arrivals(rate, args.seconds, args.pro, prompts, seed=1)
-        rr = await run_load(plan, args.tokens, round_robin(reps, args.tokens))
-        print(summary("round-robin", rr))
+        direct = await run_load(plan, args.tokens, round_robin(reps, args.tokens))
+        print(summary("rr direct", direct) + "  (the client to the replicas, no gateway)")
+    with replicas(args.replicas, args) as reps, pool_gateway(reps, "round_robin") as (base, keys):
+        rr = await run_load(plan, args.tokens, through_pool(base, keys, args.tokens))
+        print(summary("rr gateway", rr) + "  (the same gateway, pool_policy = round_robin)")
     with replicas(args.replicas, args) as reps, pool_gateway(reps) as (base, keys):
         pool = await run_load(plan, args.tokens, through_pool(base, keys, args.tokens))
         print(summary("sluice pool", pool))
-    print(f"ratios pool/round-robin: pro p99 {pct(pool['pro'], 99) / pct(rr['pro'], 99):.2f}x (goal <= 0.5), "
-          f"all p99 {pct(pool['all'], 99) / pct(rr['all'], 99):.2f}x (goal <= 0.8), "
-          f"standard p99 {pct(pool['standard'], 99) / pct(rr['standard'], 99):.2f}x")
+    for name, base_t in (("rr gateway", rr), ("rr direct", direct)):
+        print(f"ratios pool/{name}: pro p99 {pct(pool['pro'], 99) / pct(base_t['pro'], 99):.2f}x (goal <= 0.5), "
+              f"all p99 {pct(pool['all'], 99) / pct(base_t['all'], 99):.2f}x (goal <= 0.8), "
+              f"standard p99 {pct(pool['standard'], 99) / pct(base_t['standard'], 99):.2f}x")
 
 
 async def part_prefix(args: argparse.Namespace) -> None:

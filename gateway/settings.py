@@ -190,6 +190,9 @@ class RoutingSettings(BaseModel):
     breaker_cooldown_s: float = Field(10.0, gt=0)  # then one probe request (half-open)
     completion_window_s: float = Field(10.0, gt=0)  # local completion rate window (queue-wait estimate)
     local_price: dict[str, float] = Field(default_factory=dict)  # optional: {input_per_m, output_per_m}
+    # How engine pools pick a replica: "least_loaded" (room rule, tier order, prefix affinity), or
+    # "round_robin" (each replica in turn, sent at once: what a plain load balancer does; a baseline).
+    pool_policy: Literal["least_loaded", "round_robin"] = "least_loaded"
 
 
 class KeyLimits(BaseModel):

@@ -26,7 +26,7 @@ import aiohttp
 
 from gateway import jsonio
 from gateway.backends.base import ChoiceStream
-from gateway.backends.pool.balancer import fallback_order, pick, prefix_hashes
+from gateway.backends.pool.balancer import fallback_order, pick, prefix_hashes, round_robin
 from gateway.backends.pool.load import parse_load
 from gateway.backends.pool.replica import Replica
 from gateway.backends.remote.backend import RemoteBackend, RemoteStream, TryResult, _Parsed
@@ -146,7 +146,7 @@ class PoolBackend(RemoteBackend):
 
     def __init__(self, engines: list[EngineReplicaSettings], routing: RoutingSettings, metrics: Metrics | None = None):
         super().__init__([e.as_provider() for e in engines], routing, metrics)
-        self.replicas = [Replica(e, routing, self._wake) for e in engines]
+        self.replicas = [Replica(e, routing, self._wake, self._has_waiters) for e in engines]
         self.providers = list(self.replicas)
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
@@ -160,6 +160,9 @@ class PoolBackend(RemoteBackend):
         return chain  # PoolStream's chain is already in order (balancer.fallback_order)
 
     # ---------------------------------------------------------------- admission
+
+    def _has_waiters(self) -> bool:
+        return any(not f.done() for _, _, f in self._waiters)
 
     def _wake(self) -> None:
         """Room may have appeared: let the first waiter look (it wakes the next if room is left)."""
@@ -181,9 +184,10 @@ class PoolBackend(RemoteBackend):
             limit = min(limit, gen.deadline - time.time())
         until = time.monotonic() + max(0.0, limit)
         order = (gen.priority, next(self._seq))
+        plain = self.routing.pool_policy == "round_robin"
         while True:
             ahead = any(not f.done() and (p, s) < order for p, s, f in self._waiters)
-            r = None if ahead else pick(replicas, hashes)
+            r = round_robin(replicas) if plain else None if ahead else pick(replicas, hashes)
             if r is not None:
                 r.reserved += 1
                 r.remember(hashes)

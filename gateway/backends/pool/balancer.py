@@ -71,3 +71,9 @@ def fallback_order(replicas: Sequence[Replica], first: Replica) -> list[Replica]
     """`first`, then the others least loaded first: where a failed try moves on to."""
     ref = _ref(replicas)
     return [first] + sorted((r for r in replicas if r is not first), key=lambda r: _score(r, ref))
+
+
+def round_robin(replicas: Sequence[Replica]) -> Replica | None:
+    """The next replica in turn whose breaker lets a request through (no room rule: a plain balancer)."""
+    live = [r for r in replicas if r.breaker.available()]
+    return live[next(_turn) % len(live)] if live else None

@@ -6,11 +6,12 @@ The room rule. An engine runs up to some number of sequences at once and queues 
 order (FIFO for most), where Sluice's tiers no longer count. So Sluice sends a replica a request only
 while it has room: its requests in flight (Sluice's and others', as its metrics count them) below the
 level at which its waiting queue grows. That level is learnt, not configured:
-  * two polls in a row that see `QUEUE` or more requests waiting set it to what was running then (the
-    engine was full; a poll often catches a request that arrived between two of the engine's steps, two
-    of them in two polls in a row only when it queues);
-  * a poll that sees none waiting while Sluice had the replica at its level raises it by one (a probe:
-    the engine may run more, e.g. after freeing KV cache), up to `max_in_flight`;
+  * a poll that sees requests waiting sets it to the most the engine was ever seen running (its batch
+    limit; a poll that catches a request between two of its steps then costs nothing, as running is
+    compared with the peak, not taken as it is);
+  * a poll that sees none waiting while Sluice had the replica at its level, or had requests waiting for
+    room, raises it by a quarter (a probe: the engine may run more, e.g. after freeing KV cache), up to
+    `max_in_flight`; a probe too far shows as a queue at the next poll and is taken back;
   * a KV cache at `KV_FULL` or more at the last poll leaves no room (the engine would queue or preempt)
     until one of Sluice's requests on it ends.
 Until the first poll that sees a queue the level is `max_in_flight`. A replica whose metrics cannot be
@@ -30,7 +31,6 @@ from gateway.settings import EngineReplicaSettings, RoutingSettings
 
 log = logging.getLogger("sluice.pool")
 
-QUEUE = 2  # requests waiting (in two polls in a row) that show an engine is full
 KV_FULL = 0.97  # at this share of its KV cache in use a replica takes nothing more
 PREFIX_BLOCKS = 8192  # prefix blocks remembered per replica (LRU)
 
@@ -40,9 +40,10 @@ class Replica(Provider):
     admitted but not yet sent; `load` its last polled metrics."""
 
     def __init__(self, settings: EngineReplicaSettings, routing: RoutingSettings,
-                 on_room: Callable[[], None] = lambda: None):
+                 on_room: Callable[[], None] = lambda: None, wanted: Callable[[], bool] = lambda: False):
         self._in_flight = 0
         self._on_room = on_room
+        self._wanted = wanted  # requests wait in Sluice for room: a quiet engine is probed higher
         super().__init__(settings.as_provider(), routing)
         self.engine = settings
         self.kind = settings.kind
@@ -53,6 +54,7 @@ class Replica(Provider):
         self.metrics_error: str | None = None  # its /metrics refused our key: load unknown (shown in /ready)
         self.others = 0.0  # in flight on it not sent by this gateway, at the last poll
         self.ours_at_poll = 0  # Sluice's in flight on it when it was last polled
+        self.peak = 0  # the most requests it was seen running at once
         self.reserved = 0
         self.polled_at = 0.0
         self.blocks: OrderedDict[int, None] = OrderedDict()  # prefix block hashes it has likely cached
@@ -89,14 +91,12 @@ class Replica(Provider):
         total = load.running + load.waiting
         self.others = max(0.0, total - ours)
         before = self.level
-        queued = load.waiting >= QUEUE and self.load is not None and self.load.waiting >= QUEUE
-        if queued:  # a queue over two polls: the engine is full
-            self.level = max(1, int(load.running))
+        self.peak = max(self.peak, int(load.running))
+        if load.waiting > 0:  # it queues: it runs no more than the most it was ever seen running
+            self.level = max(1, self.peak)
             self.learnt = True
-        elif load.waiting > 0:
-            pass  # perhaps full, perhaps requests that arrived between two of its steps: no probe
-        elif ours + self.reserved >= self.level and self.level < self.engine.max_in_flight:
-            self.level += 1
+        elif (ours + self.reserved >= self.level or self._wanted()) and self.level < self.engine.max_in_flight:
+            self.level = min(self.engine.max_in_flight, self.level + max(1, self.level // 4))
         self.load = load
         self.ours_at_poll = ours
         self.polled_at = time.monotonic()

@@ -85,3 +85,14 @@ def test_fallback_order_keeps_the_pick_first_then_least_loaded():
     a, b, c = _replicas(3)
     a.in_flight, b.in_flight, c.in_flight = 9, 1, 5
     assert fallback_order([a, b, c], a) == [a, b, c]
+
+
+def test_round_robin_takes_each_live_replica_in_turn():
+    from gateway.backends.pool.balancer import round_robin
+    a, b, c = _replicas(3)
+    a.in_flight = 15  # busy or not: its turn comes
+    got = [round_robin([a, b, c]).name for _ in range(6)]
+    assert sorted(got) == ["r0", "r0", "r1", "r1", "r2", "r2"] and got[:3] == got[3:]
+    for _ in range(5):
+        b.breaker.failure()
+    assert {round_robin([a, b, c]).name for _ in range(4)} == {"r0", "r2"}

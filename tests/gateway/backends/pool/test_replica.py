@@ -23,43 +23,52 @@ def test_until_a_queue_is_seen_the_level_is_the_hard_cap():
     assert not r.has_room()  # admitted but not yet sent counts
 
 
-def test_a_queue_on_the_engine_sets_the_level_to_what_was_running():
+def test_a_queue_on_the_engine_sets_the_level_to_the_most_it_was_seen_running():
     r = _replica()
     r.in_flight = 10
-    r.observe(ReplicaLoad(running=8, waiting=2, kv_usage=0.5))
-    assert not r.learnt and r.level == 64  # one poll may catch requests between two engine steps
     r.observe(ReplicaLoad(running=8, waiting=2, kv_usage=0.5))
     assert r.learnt and r.level == 8
     assert r.others == 0  # all 10 on it are ours
     assert not r.has_room()
     r.in_flight = 7
     assert r.has_room()
+    # A poll that catches a request between two of its steps (5 running, 1 waiting): still 8, not 5.
+    r.observe(ReplicaLoad(running=5, waiting=1, kv_usage=0.3))
+    assert r.level == 8
 
 
 def test_at_its_level_with_no_queue_the_level_is_probed_upward_to_the_cap():
-    r = _replica(max_in_flight=10)
+    r = _replica(max_in_flight=12)
     r.in_flight = 4
     r.observe(ReplicaLoad(running=4, waiting=1, kv_usage=None))
-    assert r.level == 10  # one waiting: perhaps between two steps; no probe, nothing learnt
-    r.observe(ReplicaLoad(running=4, waiting=2, kv_usage=None))
-    r.observe(ReplicaLoad(running=4, waiting=2, kv_usage=None))
     assert r.level == 4
     r.observe(ReplicaLoad(running=4, waiting=0, kv_usage=None))
-    assert r.level == 5
-    r.in_flight = 3  # below its level: nothing learnt from a quiet engine
+    assert r.level == 5  # up by a quarter, at least one
+    r.in_flight = 3  # below its level and nothing waiting in Sluice: nothing to learn
     r.observe(ReplicaLoad(running=3, waiting=0, kv_usage=None))
     assert r.level == 5
-    r.level = 10
     r.in_flight = 10
+    r.level = 10
     r.observe(ReplicaLoad(running=10, waiting=0, kv_usage=None))
-    assert r.level == 10  # never past max_in_flight
+    assert r.level == 12  # never past max_in_flight
+    r.observe(ReplicaLoad(running=10, waiting=2, kv_usage=None))
+    assert r.level == 10  # the probe went too far: back to the most it ran
+
+
+def test_requests_waiting_in_sluice_probe_a_quiet_replica():
+    waiting = [True]
+    s = EngineReplicaSettings(name="a", base_url="http://127.0.0.1:9/v1", kind="vllm", models=["m"])
+    r = Replica(s, RoutingSettings(), wanted=lambda: waiting[0])
+    r.in_flight = 2
+    r.observe(ReplicaLoad(running=4, waiting=1, kv_usage=None))  # learnt 4 (2 are another client's)
+    r.observe(ReplicaLoad(running=2, waiting=0, kv_usage=None))
+    assert r.level == 5
 
 
 def test_others_load_on_the_engine_takes_room():
     r = _replica()
     r.in_flight = 2
-    for _ in range(2):
-        r.observe(ReplicaLoad(running=6, waiting=2, kv_usage=None))  # 6 of the 8 are another client's
+    r.observe(ReplicaLoad(running=6, waiting=2, kv_usage=None))  # 6 of the 8 are another client's
     assert r.others == 6 and r.level == 6
     assert r.busy() == 8 and not r.has_room()
 
