@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import pickle
 import threading
+import time
 from array import array
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -98,6 +99,15 @@ def _init_child(tokenizer_bytes: bytes | None, niceness: int) -> None:
     except OSError:  # not allowed here: run at the normal priority
         pass
     _TOKENIZER = pickle.loads(tokenizer_bytes) if tokenizer_bytes else None
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="sluice-helper-orphan", daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A gateway killed with SIGKILL cannot stop its helper: the helper leaves once it is reparented (else it
+    and the multiprocessing resource tracker, which holds its pipe open, outlive the gateway forever)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _ready() -> bool:

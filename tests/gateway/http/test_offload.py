@@ -112,6 +112,50 @@ async def test_the_preparation_helper_runs_at_a_lower_priority():
         off.close()
 
 
+def test_the_helper_leaves_when_its_gateway_is_killed(tmp_path):
+    """SIGKILL of the gateway process: its helper (and the resource tracker holding the helper's pipe) must not
+    live on as orphans."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.fixtures.servers import ROOT
+
+    script = (
+        "import asyncio, json, time\n"
+        "from gateway.http.offload import Offloader, RequestLimits\n"
+        "from gateway.openai.schema import CompletionRequest\n"
+        "async def main():\n"
+        "    off = Offloader(RequestLimits(), inline_body_bytes=16)\n"
+        "    await off.parse(json.dumps({'model': 'm', 'prompt': 'x' * 100}).encode(), CompletionRequest)\n"
+        "    print(*off._pool._processes, flush=True)\n"
+        "    time.sleep(60)\n"
+        "asyncio.run(main())\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        helper = int(proc.stdout.readline().split()[0])  # type: ignore[union-attr]
+        os.kill(helper, 0)  # alive
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                os.kill(helper, 0)
+            except ProcessLookupError:
+                break
+            # reparented to init (or a subreaper): reap it if it became our child
+            with __import__("contextlib").suppress(ChildProcessError):
+                os.waitpid(helper, os.WNOHANG)
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"the helper {helper} outlived its killed gateway")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 @pytest.mark.serial
 async def test_starting_the_helper_does_not_stall_the_event_loop():
     """The helper starts on first use with the pickled tokenizer (megabytes) written into a pipe that the
