@@ -24,8 +24,6 @@ from .request import EngineRequest, RequestOutput, RequestRejected
 from .sampler import Sampled
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
-from .step_cost import cached as cached_step_cost
-from .step_cost import machine_and_code
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,8 +69,7 @@ class LLMEngine:
         self.capacity_tokens = self.runner.num_blocks * config.block_size
         self.max_input_len = validate_limits(config, self.max_model_len, self.capacity_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.step_cost = cached_step_cost(self._step_cost_key(),
-                                          lambda: self.runner.measure_step_cost(self.max_model_len))
+        self.step_cost = self.runner.measure_step_cost(self.max_model_len)
         self.scheduler = Scheduler(config, self.block_manager, cost=self.step_cost)
         self._seqs: dict[str, Sequence] = {}
         self._compiling: dict[str, tuple[Sequence, CompileTicket]] = {}  # guided, waiting for their grammar
@@ -86,22 +83,6 @@ class LLMEngine:
                  self.capacity_tokens * self.runner.kv_bytes_per_token / 2**20,
                  str(self.runner.kv_dtype).removeprefix("torch."), config.max_running_requests,
                  time.perf_counter() - t0)
-
-    def _step_cost_key(self) -> dict[str, object]:
-        """What the step cost model depends on: the model (its file's size and time when it is a path), how
-        the runner holds it, the engine's settings, the threads, the CPU and this code."""
-        import torch
-
-        c = self.config
-        model_file: object = c.model
-        if c.model and os.path.exists(c.model):
-            st = os.stat(c.model)
-            model_file = (os.path.abspath(c.model), st.st_size, st.st_mtime_ns)
-        r = self.runner
-        return {"model": self.model_name, "file": model_file, "config": repr(c), "weights": r.describe_weights(),
-                "device": str(r.device), "dtype": str(r.dtype), "kv": str(r.kv_dtype), "blocks": r.num_blocks,
-                "max_model_len": self.max_model_len, "threads": torch.get_num_threads(),
-                **machine_and_code()}
 
     # -- the loop's API --------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:

@@ -14,18 +14,10 @@ token-count behaviour where nothing was measured.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import logging
 import math
-import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -133,63 +125,3 @@ class ChunkCalibration:
         sample = min(max(sample, self.limits[0]), self.limits[1])
         self.bias += self.alpha * (sample - self.bias)
         self.observed += 1
-
-
-# ---------------------------------------------------------------- measured once per machine and setup
-
-
-def machine_and_code() -> dict[str, str]:
-    """What else the cost depends on: the CPU (its model name and flags) and this engine's own code (the
-    engine's and the native step's sources), so an upgrade or another machine measures afresh."""
-    cpu = ""
-    try:
-        cpu = "\n".join(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                        if line.startswith(("model name", "flags")))[:4096]
-    except OSError:
-        pass
-    h = hashlib.sha256()
-    root = Path(__file__).resolve().parent
-    for p in sorted([*root.glob("*.py"), *(root.parent / "kernels").rglob("*.[ch]"),
-                     *(root.parent / "kernels").rglob("*.py")]):
-        try:
-            h.update(p.name.encode() + p.read_bytes())
-        except OSError:
-            pass
-    return {"cpu": cpu, "code": h.hexdigest()}
-
-
-def cache_path(key: dict[str, object]) -> Path | None:
-    """Where the cost measured under `key` is kept: `SLUICE_STEP_COST_CACHE` (a directory, or "off"), else
-    `$XDG_CACHE_HOME/sluice/step-cost` (~/.cache/sluice/step-cost)."""
-    where = os.environ.get("SLUICE_STEP_COST_CACHE")
-    if where == "off":
-        return None
-    base = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice" / \
-        "step-cost"
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    return base / f"{digest}.json"
-
-
-def cached(key: dict[str, object], measure: Callable[[], StepCost]) -> StepCost:
-    """The cost measured before under the same `key` (the model file, the CPU, the engine's settings), else
-    `measure()` kept for next time. Why: the timing takes seconds at every start (more on a loaded box: a
-    rolling restart, a test suite starting many servers), and the scheduler corrects the model's scale
-    from what steps really take (`ChunkCalibration`), so a cost from an earlier start loses nothing."""
-    path = cache_path(key)
-    if path is not None:
-        try:
-            got = StepCost(**json.loads(path.read_text()))
-            log.info("step cost model (scheduler): %s (measured at an earlier start: %s)", got.describe(), path)
-            return got
-        except (OSError, ValueError, TypeError):
-            pass
-    cost = measure()
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(dataclasses.asdict(cost)))
-            os.replace(tmp, path)  # atomic: a concurrent start reads the old file or the new one
-        except OSError as e:
-            log.debug("could not keep the step cost model in %s: %s", path, e)
-    return cost

@@ -85,28 +85,3 @@ def test_calibration_learns_a_chunks_real_cost_relative_to_decodes():
     for _ in range(100):
         c.observe(0.002, 0.008, 0.005, 60.0)  # a stall: capped
     assert c.bias == pytest.approx(c.limits[1], rel=1e-3)
-
-
-def test_a_measured_cost_is_kept_for_the_next_start_with_the_same_key_only(tmp_path, monkeypatch):
-    from engine.step_cost import cached
-
-    monkeypatch.setenv("SLUICE_STEP_COST_CACHE", str(tmp_path))
-    measured: list[StepCost] = []
-
-    def measure(c: StepCost):
-        def run() -> StepCost:
-            measured.append(c)
-            return c
-        return run
-
-    first = StepCost(base=0.003, per_row=0.0004, per_pair=3e-7)
-    assert cached({"model": "m", "threads": 2}, measure(first)) == first
-    assert cached({"model": "m", "threads": 2}, measure(StepCost())) == first  # kept: not measured again
-    other = StepCost(base=0.001, per_row=0.0002, per_pair=0.0)
-    assert cached({"model": "m", "threads": 4}, measure(other)) == other  # another setup: measured
-    assert measured == [first, other]
-    for f in tmp_path.iterdir():
-        f.write_text("not json")
-    assert cached({"model": "m", "threads": 2}, measure(other)) == other  # unreadable: measured again
-    monkeypatch.setenv("SLUICE_STEP_COST_CACHE", "off")
-    assert cached({"model": "m", "threads": 4}, measure(first)) == first
