@@ -46,8 +46,8 @@ async def test_rows_are_batched_and_flushed_off_the_request_path(tmp_path):
         ledger.append(_row(i))
     assert ledger.pending == 20 and _count(path) == 0  # append does no I/O
     ledger.start()
-    for _ in range(100):
-        if _count(path) == 20:
+    for _ in range(250):  # the flush thread commits the rows, then takes them off `pending`
+        if _count(path) == 20 and ledger.pending == 0:
             break
         await asyncio.sleep(0.02)
     assert _count(path) == 20 and ledger.pending == 0
