@@ -19,6 +19,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+LONG_ROUND_S = 1.5  # a measuring round this long is enough alone (`StepCost.measure`)
+
 
 @dataclass(frozen=True)
 class StepCost:
@@ -68,18 +70,25 @@ class StepCost:
 
     @classmethod
     def measure(cls, timed: Callable[[str], float], n: int, deep_start: int, repeats: int,
-                one_row_context: int = 16) -> StepCost:
+                one_row_context: int = 16, long_round_s: float = LONG_ROUND_S) -> StepCost:
         """`fit` from timings taken by `timed(kind)` (kind: "one", "zero" or "deep", the steps `fit` names).
         The chunks run in turns after a warm-up run of each, and the attention term comes from the median
         of their paired differences: contention that comes and goes (at start the other engines and the
         request helper load beside this) then slows both sides of a difference or only one round, where
-        the best of a few separate runs of each put the term anywhere from 0 to 7x its value."""
+        the best of a few separate runs of each put the term anywhere from 0 to 7x its value.
+
+        A round that takes `long_round_s` or more is the last (deterministic mode's per-token attention
+        takes ~3 s a round on an AVX2 box): contention of some milliseconds cannot move timings that
+        long, and each further round would add its seconds to every start."""
         timed("zero"), timed("deep")
         ones, zeros, extra = [], [], []
         for _ in range(repeats):
             ones.append(timed("one"))
             zeros.append(timed("zero"))
-            extra.append(timed("deep") - zeros[-1])
+            deep = timed("deep")
+            extra.append(deep - zeros[-1])
+            if ones[-1] + zeros[-1] + deep >= long_round_s:
+                break
         zero = statistics.median(zeros)
         return cls.fit(statistics.median(ones), zero, zero + statistics.median(extra), n, deep_start,
                        one_row_context)

@@ -85,3 +85,20 @@ def test_calibration_learns_a_chunks_real_cost_relative_to_decodes():
     for _ in range(100):
         c.observe(0.002, 0.008, 0.005, 60.0)  # a stall: capped
     assert c.bias == pytest.approx(c.limits[1], rel=1e-3)
+
+
+def test_measure_stops_after_a_round_too_long_for_contention_to_matter():
+    """Rounds of 3 s (deterministic mode on an AVX2 box) stop after the first; rounds of milliseconds
+    take all three, which the contention test above relies on."""
+    calls: list[str] = []
+
+    def timed(kind: str) -> float:
+        calls.append(kind)
+        return {"one": 0.3, "zero": 1.0, "deep": 1.7}[kind]
+
+    got = StepCost.measure(timed, 64, 1024, repeats=3)
+    assert calls == ["zero", "deep", "one", "zero", "deep"]
+    assert got.per_pair == pytest.approx(0.7 / (64 * 1024))
+    calls.clear()
+    StepCost.measure(lambda kind: calls.append(kind) or 0.01, 64, 1024, repeats=3)
+    assert len(calls) == 2 + 3 * 3
