@@ -1,6 +1,6 @@
 """Routing over engine replicas: Sluice's engine pool against round-robin, on simulated replicas.
 
-    python -m bench.pools [--replicas 4] [--seconds 40] [--parts tiers,prefix,overhead]
+    python -m bench.pools [--replicas 4] [--seconds 40] [--parts tiers,prefix,overhead,slo,fair]
 
 Each replica is `bench/mock_engine.py` (a continuous-batching engine that costs no CPU: a concurrency
 limit, a FIFO waiting queue, a prefix cache, vLLM's metric names), so 2 cores can drive four of them. The
@@ -17,6 +17,11 @@ as `[[engines]]`. Parts:
   with each replica's prefix cache holding about a quarter of the documents: the replicas' prefix hit rate
   (characters found over characters looked up; goal: >= 2x round-robin's).
 * overhead: one request at a time, non-streamed, 1 token: p50 latency through the pool minus directly.
+* slo: 30% pro at 0.5x, 1x, 2x and 3x the pool's capacity, with targets on time to first token (pro
+  `--pro-target-ms`, standard `--standard-target-ms`): each tier's p99 (goal: within its target + 20%),
+  where the answers came from, and the cost against sending everything to the provider (another simulated
+  engine as a paid provider); then the same without a provider, where the excess is refused early (429).
+* fair: two standard keys on the pool alone, one flooding at 2x capacity, one at 5%: the light key's p99.
 
 Prints `lscpu`'s model name beside the figures; compare ratios within one run only.
 """
@@ -73,19 +78,21 @@ def replicas(n: int, args: argparse.Namespace, cache_blocks: int = 4096):
 
 
 @contextlib.contextmanager
-def pool_gateway(reps: Replicas, policy: str = "least_loaded"):
+def pool_gateway(reps: Replicas, policy: str = "least_loaded", extra_toml: str = "",
+                 keys_by_name: dict[str, str] | None = None):
     """`sluice serve --no-engine` with the replicas as [[engines]], a pro and a standard key; `policy`:
-    `routing.pool_policy` (round_robin: the same gateway as a plain balancer, the fair baseline)."""
+    `routing.pool_policy` (round_robin: the same gateway as a plain balancer, the fair baseline);
+    `extra_toml`: more configuration (providers, tiers); `keys_by_name`: other keys (name -> tier)."""
     tmp = Path(tempfile.mkdtemp(prefix="sluice-pools-"))
     cfg = tmp / "sluice.toml"
     cfg.write_text("".join(f'[[engines]]\nname = "r{i}"\nbase_url = "{u}/v1"\nkind = "vllm"\nmodels = ["{MODEL}"]\n\n'
-                           for i, u in enumerate(reps.urls)))
+                           for i, u in enumerate(reps.urls)) + extra_toml)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "SLUICE_CONFIG": str(cfg),
            "SLUICE_AUTH__KEYS_FILE": str(tmp / "keys.json"), "SLUICE_USAGE__ENABLED": "false",
            "SLUICE_ROUTING__POOL_POLICY": policy}
     keys = {}
-    for tier in ("pro", "standard"):
-        keys[tier] = subprocess.run([sys.executable, "-m", "gateway.cli", "keys", "create", "--name", tier, "--tier",
+    for name, tier in (keys_by_name or {"pro": "pro", "standard": "standard"}).items():
+        keys[name] = subprocess.run([sys.executable, "-m", "gateway.cli", "keys", "create", "--name", name, "--tier",
                                      tier], env=env, cwd=ROOT, capture_output=True, text=True,
                                     check=True).stdout.strip()
     port = free_port()
@@ -104,8 +111,10 @@ def answer_tokens(prompt: str, default: int) -> int:
     return LENGTHS.get(prompt, default)
 
 
-async def stream_ttft(s: aiohttp.ClientSession, url: str, prompt: str, tokens: int, key: str | None) -> float:
-    """Seconds to the first content chunk of a streamed chat request."""
+async def stream_ttft(s: aiohttp.ClientSession, url: str, prompt: str, tokens: int, key: str | None,
+                      backends: list[str] | None = None) -> float:
+    """Seconds to the first content chunk of a streamed chat request (`backends`: gets the backend that
+    served it, from `x-sluice-backend`)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": answer_tokens(prompt, tokens), "stream": True}
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -114,6 +123,8 @@ async def stream_ttft(s: aiohttp.ClientSession, url: str, prompt: str, tokens: i
     async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+        if backends is not None:
+            backends.append(r.headers.get("x-sluice-backend", "?"))
         async for line in r.content:
             if ttft is None and b'"content": " t' in line or ttft is None and b'"content":" t' in line:
                 ttft = time.perf_counter() - t0
@@ -297,6 +308,114 @@ async def part_overhead(args: argparse.Namespace) -> None:
           f"through the pool p50 {p:.2f} ms: +{p - d:.2f} ms (goal <= 1 ms)")
 
 
+SLO_TOML = """
+[tiers.pro]
+priority = 0
+max_queue_wait_ms = {pro}
+
+[tiers.standard]
+priority = 1
+max_queue_wait_ms = {standard}
+"""
+
+
+def provider_toml(url: str) -> str:
+    return (f'\n[[providers]]\nname = "cloud"\nbase_url = "{url}/v1"\nmodels = {{"{MODEL}" = "{MODEL}"}}\n'
+            f'input_price_per_m = 0.15\noutput_price_per_m = 0.6\n')
+
+
+async def run_counted(plan: list[Arrival], send) -> tuple[dict[str, list[float]], dict[str, int], int]:
+    """Like `run_load`, with who served each answer counted (x-sluice-backend) and 429s apart."""
+    ttfts: dict[str, list[float]] = {"pro": [], "standard": [], "all": []}
+    served: dict[str, int] = {}
+    refused = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        t0 = time.perf_counter()
+
+        async def one(i: int, a: Arrival) -> None:
+            nonlocal refused
+            await asyncio.sleep(max(0.0, t0 + a.at - time.perf_counter()))
+            backends: list[str] = []
+            try:
+                ttft = await send(s, i, a, backends)
+            except RuntimeError as e:
+                if "HTTP 429" not in str(e):
+                    raise
+                refused += 1
+                return
+            ttfts[a.tier].append(ttft)
+            ttfts["all"].append(ttft)
+            kind = backends[0].split(":")[0] if backends else "?"
+            served[kind] = served.get(kind, 0) + 1
+        await asyncio.gather(*(one(i, a) for i, a in enumerate(plan)))
+    return ttfts, served, refused
+
+
+async def part_slo(args: argparse.Namespace) -> None:
+    prompts = [f"Question {i}: tell me about item {i}." for i in range(64)]
+    rng = random.Random(5)
+    LENGTHS.update({p: min(64, max(4, round(4 * 16 ** (rng.random() ** 2)))) for p in prompts})
+    targets = {"pro": args.pro_target_ms, "standard": args.standard_target_ms}
+    # The provider: a hosted API's scale (its batch does not slow it down), a step as fast as a replica's.
+    cloud = argparse.Namespace(**{**vars(args), "max_running": 4096, "per_seq_ms": 0.0})
+    print(f"targets (time to first token): pro {targets['pro']:.0f} ms, standard {targets['standard']:.0f} ms; "
+          f"goal: each tier's p99 <= its target + 20%; {args.slo_seconds:.0f} s per load, {args.pro:.0%} pro")
+    with replicas(args.replicas, args) as reps, replicas(1, cloud) as prov:
+        cap = await capacity(reps, args.tokens, prompts)
+        print(f"local capacity (the pool): {cap:.1f} requests/s")
+        for label, extra in (("with a provider", provider_toml(prov.urls[0])), ("pool only", "")):
+            with pool_gateway(reps, extra_toml=SLO_TOML.format(**targets) + extra) as (base, keys):
+                print(f"-- {label}")
+                for mult in (0.5, 1.0, 2.0, 3.0):
+                    plan = arrivals(mult * cap, args.slo_seconds, args.pro, prompts, seed=int(mult * 10))
+
+                    async def send(s, i, a, backends):
+                        return await stream_ttft(s, base, a.prompt, args.tokens, keys[a.tier], backends)
+
+                    t, served, refused = await run_counted(plan, send)
+                    n = len(plan)
+                    remote = served.get("remote", 0)
+                    cells = []
+                    for tier in ("pro", "standard"):
+                        p99 = pct(t[tier], 99) * 1000 if t[tier] else float("nan")
+                        ok = "ok" if p99 <= 1.2 * targets[tier] else "MISSED"
+                        cells.append(f"{tier} p99 {p99:6.0f} ms {ok}")
+                    print(f"  {mult:3.1f}x ({mult * cap:5.1f}/s, n={n:4d}): " + "  ".join(cells) +
+                          f"  local {served.get('engine', 0) / n:5.1%} remote {remote / n:5.1%} 429 {refused / n:5.1%}"
+                          f"  cost vs all-remote {remote / max(1, n - refused):.2f}x")
+
+
+async def part_fair(args: argparse.Namespace) -> None:
+    """Two standard keys on the pool alone: `heavy` floods at 2x the pool's capacity, `light` sends at 5%;
+    the light key's TTFT p99 against the standard target, and what the flood got."""
+    prompts = [f"Question {i}: tell me about item {i}." for i in range(64)]
+    LENGTHS.clear()
+    target = args.standard_target_ms
+    with replicas(args.replicas, args) as reps:
+        cap = await capacity(reps, args.tokens, prompts)
+        toml = SLO_TOML.format(pro=args.pro_target_ms, standard=target)
+        with pool_gateway(reps, extra_toml=toml, keys_by_name={"heavy": "standard", "light": "standard"}) as (base, keys):
+            heavy = arrivals(2.0 * cap, args.slo_seconds, 0.0, prompts, seed=7)
+            light = arrivals(0.05 * cap, args.slo_seconds, 0.0, prompts, seed=8)
+            plan = sorted([Arrival(a.at, a.prompt, "standard") for a in heavy], key=lambda a: a.at)
+            who = {id(a): "heavy" for a in plan}
+            for a in light:
+                b = Arrival(a.at, a.prompt, "pro")  # "pro" here only labels the light key's results
+                plan.append(b)
+                who[id(b)] = "light"
+
+            async def send(s, i, a, backends):
+                return await stream_ttft(s, base, a.prompt, args.tokens, keys[who[id(a)]], backends)
+
+            t, served, refused = await run_counted(sorted(plan, key=lambda a: a.at), send)
+    lp99 = pct(t["pro"], 99) * 1000
+    print(f"capacity {cap:.1f}/s; heavy key at 2x ({len(heavy)} requests), light key at 5% ({len(light)} requests)")
+    print(f"  light key: n={len(t['pro'])} p50 {pct(t['pro'], 50) * 1000:.0f} ms p99 {lp99:.0f} ms "
+          f"({'within' if lp99 <= 1.2 * target else 'MISSED'} its {target:.0f} ms target + 20%)")
+    print(f"  heavy key: served {len(t['standard'])}, p99 {pct(t['standard'], 99) * 1000:.0f} ms; "
+          f"refused early (429) {refused}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=4)
@@ -312,11 +431,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--docs", type=int, default=16)
     ap.add_argument("--doc-chars", type=int, default=4096)
     ap.add_argument("--overhead-requests", type=int, default=300)
+    ap.add_argument("--slo-seconds", type=float, default=20.0)
+    ap.add_argument("--pro-target-ms", type=float, default=1000.0)
+    ap.add_argument("--standard-target-ms", type=float, default=500.0)
     args = ap.parse_args(argv)
     print(f"bench.pools on {cpu_name()} ({os.cpu_count()} CPUs): simulated replicas (bench/mock_engine.py), "
           f"max_running {args.max_running}, decode {args.decode_ms} ms + {args.per_seq_ms} ms/seq, "
           f"prefill {args.prefill_ms_per_token} ms/token")
-    parts = {"tiers": part_tiers, "prefix": part_prefix, "overhead": part_overhead}
+    parts = {"tiers": part_tiers, "prefix": part_prefix, "overhead": part_overhead, "slo": part_slo, "fair": part_fair}
     for name in args.parts.split(","):
         print(f"== {name}")
         asyncio.run(parts[name](args))

@@ -182,6 +182,13 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + len(self._compiling)
 
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens admitted and not yet computed (waiting, compiling, or mid-prefill): the prefill
+        work ahead of a new request's first token. A racy read from another thread is fine (routing)."""
+        seqs = [*list(self.scheduler.waiting), *list(self.scheduler.running)]
+        n = sum(s.num_uncomputed for s in seqs if s.is_prefilling)
+        return n + sum(len(seq.prompt_token_ids) for seq, _ in list(self._compiling.values()))
+
     def _take_compiled(self, outputs: list[RequestOutput]) -> None:
         """Guided requests whose grammar is ready join the scheduler; those refused (or over the compile
         budget) end with a 400-class error output that names the grammar."""

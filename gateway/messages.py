@@ -169,6 +169,10 @@ class WorkerStats:
     step_errors: int = 0
     busy_seconds: float | None = None  # seconds spent inside engine steps (the busy ratio)
     kv_usage: float | None = None  # the share of the engine's KV pool that running requests hold
+    # Chat engines: prompt tokens admitted and not yet prefilled, and tokens prefilled so far (the rate at
+    # which that work drains: what the router's time-to-first-token estimate reads).
+    prefill_pending: int | None = None
+    prefill_tokens: int | None = None
     # Embedding engines: tokens of the inputs not yet embedded, by priority ("0": pro's), and tokens
     # embedded so far (with busy_seconds: the throughput); what the embedding router's wait estimate reads.
     pending_tokens: dict[str, int] | None = None
@@ -198,6 +202,7 @@ class QueueItem:
     tier: str
     enqueued_at: float = field(default_factory=time.time)
     deadline: float | None = None  # wall-clock time after which the request is no longer wanted
+    key: str | None = None  # the API key's name: keys of one tier share the engine fairly (queue/fair.py)
 
     @property
     def request_id(self) -> str:
@@ -209,7 +214,7 @@ class QueueItem:
 
     def to_dict(self) -> dict[str, Any]:
         d = {"request": self.request.to_dict(), "tier": self.tier, "enqueued_at": self.enqueued_at,
-             "deadline": self.deadline}
+             "deadline": self.deadline, "key": self.key}
         if isinstance(self.request, EmbeddingRequest):
             d["kind"] = "embedding"
         return d
@@ -218,7 +223,7 @@ class QueueItem:
     def from_dict(cls, d: dict[str, Any]) -> QueueItem:
         kind = EmbeddingRequest if d.get("kind") == "embedding" else EngineRequest
         return cls(request=kind.from_dict(d["request"]), tier=d["tier"],
-                   enqueued_at=d["enqueued_at"], deadline=d.get("deadline"))
+                   enqueued_at=d["enqueued_at"], deadline=d.get("deadline"), key=d.get("key"))
 
 
 @dataclass

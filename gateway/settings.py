@@ -180,6 +180,9 @@ class EngineReplicaSettings(BaseModel):
 
 class RoutingSettings(BaseModel):
     overflow: bool = True  # send local traffic remote when the local side cannot meet the tier's target
+    # A model only the local engine serves: refuse a request at once (429 + Retry-After) when its estimated
+    # time to first token is past its tier's target, instead of queueing it past the target.
+    refuse_past_target: bool = False
     local_retry_remote: bool = True  # a local failure before the first token is retried remotely
     request_timeout_s: float = Field(60.0, gt=0)  # the whole remote try chain (retries included) fits in it
     max_attempts: int = Field(3, ge=1)  # rounds over the provider chain

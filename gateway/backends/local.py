@@ -106,7 +106,7 @@ class LocalBackend(Backend):
             for er in engine_reqs:
                 subs.append(await self.queue.subscribe(er.request_id))
             for er in engine_reqs:
-                await self.queue.put(QueueItem(request=er, tier=req.tier, deadline=req.deadline))
+                await self.queue.put(QueueItem(request=er, tier=req.tier, deadline=req.deadline, key=req.key))
                 queued.append(er.request_id)
             stream = _LocalStream(self.queue, subs, req.deadline)
             ok = True
@@ -147,7 +147,7 @@ class LocalEmbeddings:
         try:
             req = EmbeddingRequest(rid, job.inputs, priority=job.priority, truncate=job.truncate,
                                    dimensions=job.dimensions)
-            await self.queue.put(QueueItem(request=req, tier=job.tier, deadline=job.deadline))
+            await self.queue.put(QueueItem(request=req, tier=job.tier, deadline=job.deadline, key=job.key))
             if job.deadline is not None:
                 expiry = asyncio.create_task(self._expire_at(rid, job.deadline))
             vectors: list[list[float] | None] = [None] * len(job.inputs)

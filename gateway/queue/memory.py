@@ -4,11 +4,13 @@ the engine thread never touches it (the worker hops to the loop first)."""
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
-from collections import deque
 
-from gateway.messages import AnyOutput, QueueItem, queue_timeout_output
+from gateway.messages import AnyOutput, EmbeddingRequest, QueueItem, queue_timeout_output
 from gateway.queue.base import CancellationInbox, QueueFull, RequestQueue, Subscription
+from gateway.queue.fair import FairShare, request_cost
 
 
 class _MemorySubscription(Subscription):
@@ -30,7 +32,10 @@ class _MemorySubscription(Subscription):
 class MemoryQueue(RequestQueue):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self._by_priority: dict[int, deque[QueueItem]] = {}
+        # Per priority, a heap of (fair-share tag, arrival, item): keys of one tier share it fairly (fair.py).
+        self._by_priority: dict[int, list[tuple[float, int, QueueItem]]] = {}
+        self._fair = FairShare()
+        self._arrivals = itertools.count()
         self._tier_depth: dict[str, int] = {}
         self._changed = asyncio.Condition()
         self._subs: dict[str, _MemorySubscription] = {}
@@ -47,13 +52,14 @@ class MemoryQueue(RequestQueue):
         depth = self._tier_depth.get(item.tier, 0)
         if depth >= limit:
             raise QueueFull(item.tier, depth, retry_after=max(1.0, self.max_wait_ms / 1000))
-        self._by_priority.setdefault(item.priority, deque()).append(item)
+        tag = self._fair.tag(item.priority, item.key, _cost(item))
+        heapq.heappush(self._by_priority.setdefault(item.priority, []), (tag, next(self._arrivals), item))
         self._tier_depth[item.tier] = depth + 1
         async with self._changed:
             self._changed.notify_all()
 
     def _pop_next(self) -> QueueItem | None:
-        heads = [(p, d[0]) for p, d in self._by_priority.items() if d]
+        heads = [(p, d[0][2]) for p, d in self._by_priority.items() if d]
         if not heads:
             return None
         now = self._clock()
@@ -62,7 +68,8 @@ class MemoryQueue(RequestQueue):
             _, prio = min(aged)
         else:
             prio = min(p for p, _ in heads)
-        item = self._by_priority[prio].popleft()
+        tag, _, item = heapq.heappop(self._by_priority[prio])
+        self._fair.served(prio, tag)
         self._tier_depth[item.tier] -= 1
         return item
 
@@ -113,9 +120,12 @@ class MemoryQueue(RequestQueue):
 
     def _remove_queued(self, request_id: str) -> bool:
         for d in self._by_priority.values():
-            for item in d:
+            for i, (tag, _, item) in enumerate(d):
                 if item.request_id == request_id:
-                    d.remove(item)
+                    d[i] = d[-1]
+                    d.pop()
+                    heapq.heapify(d)
+                    self._fair.withdraw(item.priority, item.key, tag, _cost(item))
                     self._tier_depth[item.tier] -= 1
                     return True
         return False
@@ -133,3 +143,12 @@ class MemoryQueue(RequestQueue):
 
     async def next_cancellations(self, timeout: float | None = None) -> list[str]:
         return await self._cancelled.take(timeout)
+
+
+def _cost(item: QueueItem) -> float:
+    """The item's fair-share cost in tokens: a chat request's prompt plus the most it may generate, an
+    embedding request's inputs."""
+    req = item.request
+    if isinstance(req, EmbeddingRequest):
+        return float(max(1, sum(len(x) for x in req.inputs)))
+    return request_cost(len(req.prompt_token_ids), req.sampling.max_tokens)

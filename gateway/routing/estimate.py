@@ -1,5 +1,6 @@
-"""How long would a new request wait in the local queue? The router's overflow decision and the
-`sluice_queue_wait_estimate_seconds` gauge both ask this.
+"""How long until a new request's first token on the local engines? The router's overflow decision and
+the `sluice_queue_wait_estimate_seconds` gauge both ask this. Two parts: the wait for a slot, and then the
+prefill ahead of its first token inside a busy engine.
 
 A request waits for the completions that free a slot for it, so
     wait = need / completion_rate,   need = ahead + 1 - free_slots   (0 when need <= 0)
@@ -11,6 +12,15 @@ window: a cold start, or long requests holding every slot) the rate comes from t
 with `step_seconds` measured from the workers' step counters (and busy time), `tokens_per_request` the
 average completion of past local requests (else the `max_tokens` of those running now). With neither
 known and no free slot the wait is unknown (infinite: overflow).
+
+A slot is not a first token: an engine running dozens of sequences prefills a new prompt in chunks that
+share its steps with the others' decodes, after the prompts admitted before it (under sustained load
+standard requests met free slots at once yet saw a p99 time to first token of 9 s). So the estimate adds
+    prefill = (pending + ahead * prompt_tokens_per_request + own prompt) / prefill_rate + step_seconds
+where `pending` is the prompt tokens the engines hold and have not computed (`WorkerStats.prefill_pending`)
+and `prefill_rate` the rate at which they compute prompt tokens while such work is pending (sampled from
+their `prefill_tokens` counters; an interval that begins with none pending says nothing of it). Until a
+rate is measured the term is 0 (the slot wait alone).
 """
 
 from __future__ import annotations
@@ -42,11 +52,18 @@ class WaitEstimator:
         self._step_sample: tuple[float, float, float | None] | None = None  # (time, steps, busy s)
         self._step_s: float | None = None  # seconds per engine step (decaying average)
         self._step_sums = (0.0, 0.0)  # decaying (seconds, steps) behind it
+        self._prompt_tokens: float | None = None  # EWMA of local requests' prompt tokens
+        self._prefill_sample: tuple[float, float, float] | None = None  # (time, prefilled, pending)
+        self._prefill_sums = (0.0, 0.0)  # decaying (tokens, seconds) while prefill work was pending
+        self._prefill_rate: float | None = None  # prompt tokens per second the engines compute under load
 
     # ------------------------------------------------------------ what the router tells it
 
-    def started_local(self, request_id: str, max_tokens: int) -> None:
+    def started_local(self, request_id: str, max_tokens: int, prompt_tokens: int = 0) -> None:
         self._in_flight_max_tokens[request_id] = max_tokens
+        if prompt_tokens > 0:
+            p = self._prompt_tokens
+            self._prompt_tokens = prompt_tokens if p is None else 0.8 * p + 0.2 * prompt_tokens
 
     def ended_local(self, request_id: str) -> None:
         self._in_flight_max_tokens.pop(request_id, None)
@@ -94,6 +111,29 @@ class WaitEstimator:
         self._step_sums = (0.5 * t_sum + d_time, 0.5 * s_sum + d_steps)
         self._step_s = self._step_sums[0] / self._step_sums[1]
 
+    def sample_prefill(self) -> None:
+        """Update the prefill rate from the engines' prefill counters (the module's docstring)."""
+        workers = self.local.worker_stats()
+        if not workers or any(w.prefill_tokens is None or w.prefill_pending is None for w in workers):
+            return
+        now = self._clock()
+        last = self._prefill_sample
+        if last is not None and now - last[0] < 0.2:
+            return
+        done = float(sum(w.prefill_tokens or 0 for w in workers))
+        pending = float(sum(w.prefill_pending or 0 for w in workers))
+        self._prefill_sample = (now, done, pending)
+        if last is None or last[2] <= 0 or done < last[1]:
+            return  # nothing was pending (or a worker restarted): the interval says nothing of the rate
+        tokens, seconds = self._prefill_sums
+        self._prefill_sums = (0.5 * tokens + (done - last[1]), 0.5 * seconds + (now - last[0]))
+        if self._prefill_sums[0] > 0:
+            self._prefill_rate = self._prefill_sums[0] / self._prefill_sums[1]
+
+    def prefill_rate(self) -> float | None:
+        """Prompt tokens per second the engines compute while prefill work waits (None: not measured)."""
+        return self._prefill_rate
+
     def step_seconds(self) -> float | None:
         """The measured seconds per engine step (None until an engine has stepped while sampled)."""
         return self._step_s
@@ -108,23 +148,38 @@ class WaitEstimator:
         t = self.tiers.get(tier)
         return t.priority if t is not None else max(x.priority for x in self.tiers.values())
 
-    async def estimate_wait(self, tier: str) -> float:
+    async def estimate_wait(self, tier: str, prompt_tokens: int = 0) -> float:
+        """Seconds to the first token of a request of `tier` with a prompt of `prompt_tokens` (0: the
+        wait alone, what a request of no known size meets)."""
         prio = self._priority(tier)
         ahead = 0
         for name, t in self.tiers.items():
             if t.priority <= prio:
                 ahead += await self.queue.depth(name)
+        self.sample_prefill()
+        prefill = self._prefill_wait(ahead, prompt_tokens)
         need = ahead + 1 - self.free_slots()
         if need <= 0:
-            return 0.0
+            return prefill
         self.sample_steps()
         rate = self.completion_rate()
         if len(self._completions) >= MIN_COMPLETIONS and rate > 0:
-            return need / rate
+            return need / rate + prefill
         est = self._wait_from_steps(need)  # completions are scarce: the engine's step rate
         if est is not None:
-            return est
-        return need / rate if rate > 0 else math.inf  # nothing known and no free slot
+            return est + prefill
+        return need / rate + prefill if rate > 0 else math.inf  # nothing known and no free slot
+
+    def _prefill_wait(self, ahead: int, prompt_tokens: int) -> float:
+        """The prefill between a slot and the first token (the module's docstring); 0 until measured."""
+        rate = self._prefill_rate
+        if rate is None:
+            return 0.0
+        pending = sum(w.prefill_pending or 0 for w in self.local.worker_stats())
+        work = pending + ahead * (self._prompt_tokens or 0.0) + prompt_tokens
+        if work <= 0:
+            return 0.0
+        return work / rate + (self._step_s or 0.0)
 
     def _wait_from_steps(self, need: int) -> float | None:
         tokens = self._tokens_per_request

@@ -5,8 +5,10 @@ Local first:
     providers serve (`remote_only`), any request when no engine worker is ready (`no_worker`), or a
     part the local model cannot serve (`capability`);
   * a model served both ways goes remote when the estimated queue wait for the request's tier exceeds
-    `tiers.<tier>.max_queue_wait_ms` (`queue_wait`; the estimate: routing/estimate.py) or the tier's
-    queue is full (`queue_full`);
+    `tiers.<tier>.max_queue_wait_ms` (`queue_wait`; the estimate of the time to its first token, the wait
+    for a slot and the prefill ahead of it: routing/estimate.py) or the tier's queue is full (`queue_full`);
+  * a model only the local engine serves queues (`local_only`), or with `routing.refuse_past_target` is
+    refused at once with 429 + Retry-After when that estimate is past the tier's target (`refused_late`);
   * a local failure before the first token is retried remotely (`local_failed`, routing/fallback.py).
 With an engine pool for the model (`[[engines]]`, backends/pool/): the embedded engine takes it while it has
 a free slot and nothing queued; else it waits, in tier order, for room on a replica (`pool`), at most
@@ -93,6 +95,8 @@ class Router(Backend):
             reason = RouteReason.REMOTE_ONLY if gen.model != self.side.local_model() else RouteReason.NO_WORKER
             return await self._remote(gen, reason, t0)
         if not self._has_providers(gen.model):
+            if self.routing.refuse_past_target and not gen.batch:
+                await self._refuse_if_late(gen)
             return self._local(await self.local.submit(gen), gen, t0, RouteReason.LOCAL_ONLY)
         if gen.batch:  # runs on idle local room; a refusal (queue full) is its runner's to retry later
             return self._local(await self.local.submit(gen), gen, t0, RouteReason.BATCH)
@@ -100,7 +104,7 @@ class Router(Backend):
             return await self._remote(gen, RouteReason.NO_WORKER, t0)
         target = self.estimator.tier_target_s(gen.tier)
         if self.routing.overflow and target is not None:
-            est = await self.estimator.estimate_wait(gen.tier)
+            est = await self.estimator.estimate_wait(gen.tier, len(gen.prompt_token_ids))
             if est > target:
                 return await self._remote(gen, RouteReason.QUEUE_WAIT, t0, est)
         try:
@@ -110,6 +114,20 @@ class Router(Backend):
         if self.routing.local_retry_remote and self.remote is not None:
             stream = FallbackStream(gen, stream, self.remote, self.metrics)
         return self._local(stream, gen, t0, RouteReason.LOCAL)
+
+    async def _refuse_if_late(self, gen: GenerationRequest) -> None:
+        """`routing.refuse_past_target`: a 429 now, rather than a first token past the tier's target."""
+        target = self.estimator.tier_target_s(gen.tier)
+        if target is None:
+            return
+        est = await self.estimator.estimate_wait(gen.tier, len(gen.prompt_token_ids))
+        if est > target:
+            self.metrics.decisions.labels(gen.tier, "local", RouteReason.REFUSED_LATE).inc()
+            known = math.isfinite(est)
+            late = f"{est:.1f} s" if known else "unknown"
+            raise APIError(429, f"The local engine cannot start this request within the {gen.tier} tier's "
+                                f"{target:g} s target (estimated time to first token: {late}); retry shortly.",
+                           code="engines_busy", retry_after=max(1, math.ceil(est - target)) if known else 1)
 
     def _embedded_can_take(self, gen: GenerationRequest) -> bool:
         return gen.target is Target.LOCAL and self.side.local_ready() and gen.model == self.side.local_model()
@@ -121,8 +139,12 @@ class Router(Backend):
         if embedded and sum(w.free_slots for w in self.side.worker_stats()) > 0 \
                 and await self.estimator.estimate_wait(gen.tier) == 0.0:
             return self._local(await self.local.submit(gen), gen, t0, RouteReason.LOCAL)
-        # At most the tier's target: then the embedded engine's queue, a provider, or an early 429.
+        # At most the tier's target (a time to first token) less what the next place takes to its first
+        # token: then the embedded engine's queue, a provider, or an early 429.
         wait = self.estimator.tier_target_s(gen.tier) if self.routing.overflow else None
+        if wait is not None and not embedded and self._has_providers(gen.model):
+            assert self.remote is not None
+            wait = max(0.0, wait - (self.remote.first_token_s(gen.model) or 0.0))
         try:
             stream = await self.pool.submit(gen, wait)
         except PoolBusy:
@@ -150,7 +172,8 @@ class Router(Backend):
     def _local(self, stream: ChoiceStream, gen: GenerationRequest, t0: float, reason: RouteReason) -> ChoiceStream:
         assert gen.sampling is not None  # a local request carries the engine's parameters
         self.metrics.decisions.labels(gen.tier, "local", reason).inc()
-        self.estimator.started_local(gen.request_id, gen.sampling.max_tokens * max(1, gen.n))
+        self.estimator.started_local(gen.request_id, gen.sampling.max_tokens * max(1, gen.n),
+                                     len(gen.prompt_token_ids))
         return self.accountant.wrap(stream, gen, t0)
 
     async def _remote(self, gen: GenerationRequest, reason: RouteReason, t0: float,

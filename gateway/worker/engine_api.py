@@ -69,6 +69,10 @@ class Engine(ModelFrontend, StepEngine, Protocol):
 
     def step(self) -> list[RequestOutput]: ...
 
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens admitted and not yet computed (the router's time-to-first-token estimate)."""
+        ...
+
 
 class EmbeddingModel(Protocol):
     """What the HTTP layer needs of an embedding model: `engine.EmbeddingEngine`, or

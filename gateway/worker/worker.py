@@ -95,6 +95,13 @@ class EngineWorker:
                          steps=self.steps, step_errors=self.step_errors,
                          busy_seconds=float(self.engine.stats.busy_seconds), kv_usage=float(self.engine.kv_usage()),
                          draining=self._stopping)
+        prefill = getattr(self.engine, "pending_prefill_tokens", None)  # a chat engine
+        if prefill is not None:
+            try:
+                st.prefill_pending = int(prefill())
+            except RuntimeError:  # the engine thread changed a list meanwhile: report none this time
+                st.prefill_pending = None
+            st.prefill_tokens = int(getattr(self.engine.stats, "prefill_tokens", 0))
         pending = getattr(self.engine, "pending_tokens", None)  # an embedding engine
         if pending is not None:
             try:

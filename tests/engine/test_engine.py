@@ -161,6 +161,25 @@ def test_kv_usage_is_the_share_of_blocks_held(engine):
     assert engine.kv_usage() == 0.0
 
 
+def test_pending_prefill_counts_the_prompt_tokens_not_yet_computed(configured):
+    """What the router's time-to-first-token estimate reads: a 300-token prompt in chunks of 128 leaves
+    300, then 172, then 44, then none, while the decoding request beside it adds nothing."""
+    engine = configured(chunked_prefill_size=128, max_num_batched_tokens=128)
+    decoding = EngineRequest("dec", engine.tokenizer.encode("Hi"), SamplingParams(temperature=0, max_tokens=8))
+    engine.add_request(decoding)
+    engine.step()
+    assert engine.pending_prefill_tokens() == 0
+    long = EngineRequest("long", [1000 + i for i in range(300)], SamplingParams(temperature=0, max_tokens=2))
+    engine.add_request(long)
+    seen = [engine.pending_prefill_tokens()]
+    while engine.pending_prefill_tokens() > 0:
+        engine.step()
+        seen.append(engine.pending_prefill_tokens())
+    assert seen[0] == 300 and seen[-1] == 0 and seen == sorted(seen, reverse=True) and len(seen) >= 3, seen
+    engine.abort("dec")
+    engine.abort("long")
+
+
 def test_resumed_request_generates_only_the_rest(engine):
     ids = chat(engine, PROMPTS[6])
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

@@ -3,9 +3,12 @@
 `submit` waits, in tier order (then arrival), until some replica serving the model has room
 (replica.py's room rule), picks one (balancer.py), and relays the request there with the remote
 layer's machinery: a failure before the first text moves it to the next replica, least loaded first,
-with the breakers taking a failing replica out and probing it back. Waiting is bounded by `max_wait_s`
-(the router passes the tier's target when something else could take the request) and by the request's
-deadline; past it `PoolBusy` is raised and the router sends the request elsewhere.
+with the breakers taking a failing replica out and probing it back. Inside a tier, the keys share the
+pool fairly (queue/fair.py: a key flooding it cannot push another key's request behind its flood).
+Waiting is bounded by the request's deadline and by `max_wait_s` (the router passes the tier's target,
+a time to first token) less the replicas' own first-token time (slo.py); a request that expects to wait
+longer than that for room leaves at once. Then `PoolBusy` is raised and the router sends the request
+elsewhere (or refuses it with a 429 where nothing else serves the model).
 
 Each replica's `/metrics` is polled every `POLL_S`; a poll that fails counts as a failure on the
 replica's breaker, so a replica that stops answering them is taken out like one that refuses requests.
@@ -29,6 +32,7 @@ from gateway.backends.base import ChoiceStream
 from gateway.backends.pool.balancer import fallback_order, pick, prefix_hashes, round_robin
 from gateway.backends.pool.load import parse_load
 from gateway.backends.pool.replica import Replica
+from gateway.backends.pool.slo import Completions, expected_wait, wait_budget
 from gateway.backends.remote.backend import RemoteBackend, RemoteStream, TryResult, _Parsed
 from gateway.backends.remote.provider import Provider
 from gateway.backends.remote.tries import TryChain
@@ -36,6 +40,7 @@ from gateway.errors import APIError
 from gateway.messages import GenerationRequest
 from gateway.observability.metrics import Metrics
 from gateway.openai.schema import ChatCompletionRequest
+from gateway.queue.fair import FairShare, request_cost
 from gateway.settings import EngineReplicaSettings, ProviderSettings, RoutingSettings
 
 log = logging.getLogger("sluice.pool")
@@ -75,6 +80,7 @@ class PoolStream(RemoteStream):
         self._pool = pool
         self._held: Replica | None = held
         self._continuation: tuple[str, int] | None = None  # (the answer so far, its tokens) once resumed
+        self._ended = False
 
     @property
     def provider_settings(self) -> ProviderSettings | None:
@@ -87,6 +93,7 @@ class PoolStream(RemoteStream):
 
     async def _attempt(self, p: Provider, deadline: float) -> TryResult:
         self._unhold()  # the try holds an in-flight slot now
+        self._times_first_token = self._continuation is None
         return await super()._attempt(p, deadline)
 
     def _body(self, p: Provider) -> dict[str, Any]:
@@ -139,6 +146,9 @@ class PoolStream(RemoteStream):
             await super().aclose()
         finally:
             self._unhold()
+            if not self._ended:
+                self._ended = True
+                self._pool.completions.ended()
 
 
 class PoolBackend(RemoteBackend):
@@ -148,7 +158,9 @@ class PoolBackend(RemoteBackend):
         super().__init__([e.as_provider() for e in engines], routing, metrics)
         self.replicas = [Replica(e, routing, self._wake, self._has_waiters) for e in engines]
         self.providers = list(self.replicas)
-        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._waiters: list[tuple[int, float, int, asyncio.Future[None]]] = []  # (priority, fair tag, arrival, ...)
+        self._fair = FairShare()
+        self.completions = Completions()
         self._seq = itertools.count()
         self._poller: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -162,53 +174,74 @@ class PoolBackend(RemoteBackend):
     # ---------------------------------------------------------------- admission
 
     def _has_waiters(self) -> bool:
-        return any(not f.done() for _, _, f in self._waiters)
+        return any(not w[-1].done() for w in self._waiters)
 
     def _wake(self) -> None:
         """Room may have appeared: let the first waiter look (it wakes the next if room is left)."""
-        while self._waiters and self._waiters[0][2].done():
+        while self._waiters and self._waiters[0][-1].done():
             heapq.heappop(self._waiters)
         if self._waiters:
-            self._waiters[0][2].set_result(None)
+            self._waiters[0][-1].set_result(None)
 
     async def admit(self, gen: GenerationRequest, max_wait_s: float | None = None) -> Replica:
         """The replica the request goes to, its room held (`reserved`) until its first try starts; waits
-        in (priority, arrival) order for room; raises PoolBusy past `max_wait_s` or the deadline."""
+        in (priority, fair share, arrival) order for room; raises PoolBusy once waiting longer could not
+        meet `max_wait_s` (a time to first token: the module's docstring), or past the deadline."""
         replicas = [r for r in self.replicas if gen.model in r.settings.models]
         if not replicas:
             raise APIError(404, f"The model `{gen.model}` does not exist.", param="model", code="model_not_found")
         self.start()
-        hashes = prefix_hashes(prompt_text(gen))
-        limit = self.routing.request_timeout_s if max_wait_s is None else max_wait_s
+        text = prompt_text(gen)
+        hashes = prefix_hashes(text)
+        if max_wait_s is None:
+            limit = self.routing.request_timeout_s
+        else:
+            limit = wait_budget(max_wait_s, self.replicas_first_token_s(replicas))
         if gen.deadline is not None:
             limit = min(limit, gen.deadline - time.time())
         until = time.monotonic() + max(0.0, limit)
-        order = (gen.priority, next(self._seq))
+        cost = request_cost(len(text) // 4, _max_tokens(gen))
+        tag = self._fair.tag(gen.priority, gen.key, cost)
+        order = (gen.priority, tag, next(self._seq))
         plain = self.routing.pool_policy == "round_robin"
         while True:
-            ahead = any(not f.done() and (p, s) < order for p, s, f in self._waiters)
+            ahead = sum(1 for *o, f in self._waiters if not f.done() and tuple(o) < order)
             r = round_robin(replicas) if plain else None if ahead else pick(replicas, hashes)
             if r is not None:
                 r.reserved += 1
                 r.remember(hashes)
+                self._fair.served(gen.priority, tag)
                 self._wake()  # room may be left for the next waiter
                 return r
             left = until - time.monotonic()
+            if max_wait_s is not None:
+                expect = expected_wait(ahead, self.completions.rate())
+                if expect is not None and expect > left:
+                    left = 0.0  # it would not get room in time: elsewhere now, not after waiting in vain
             if left <= 0:
+                self._fair.withdraw(gen.priority, gen.key, tag, cost)  # not served: no share used
                 self._wake()
                 raise PoolBusy(gen.model)
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._waiters, (order[0], order[1], fut))
+            heapq.heappush(self._waiters, (order[0], order[1], order[2], fut))
             try:
                 # Polls may open room without a request ending: look again at least every poll.
                 await asyncio.wait_for(asyncio.shield(fut), min(left, POLL_S))
             except TimeoutError:
                 pass
+            except BaseException:  # the client left while it waited
+                self._fair.withdraw(gen.priority, gen.key, tag, cost)
+                raise
             finally:
                 if not fut.done():
                     fut.cancel()
-                self._waiters = [w for w in self._waiters if w[2] is not fut]
+                self._waiters = [w for w in self._waiters if w[-1] is not fut]
                 heapq.heapify(self._waiters)
+
+    def replicas_first_token_s(self, replicas: list[Replica]) -> float | None:
+        """The replicas' learnt first-token time (the mean of those known): what a request sent now pays."""
+        known = [t for t in (r.first_token.estimate() for r in replicas) if t is not None]
+        return sum(known) / len(known) if known else None
 
     async def submit(self, gen: GenerationRequest, max_wait_s: float | None = None) -> ChoiceStream:
         r = await self.admit(gen, max_wait_s)
@@ -267,3 +300,15 @@ class PoolBackend(RemoteBackend):
         if self._session is not None:
             await self._session.close()
         await super().close()
+
+
+def _max_tokens(gen: GenerationRequest) -> int | None:
+    """The most the request may generate (its fair-share cost): the engine's parameters, else the API's."""
+    if gen.sampling is not None:
+        return gen.sampling.max_tokens
+    api = gen.api
+    for name in ("max_completion_tokens", "max_tokens"):
+        v = getattr(api, name, None)
+        if isinstance(v, int):
+            return v
+    return None

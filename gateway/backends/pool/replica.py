@@ -11,7 +11,10 @@ level at which its waiting queue grows. That level is learnt, not configured:
     compared with the peak, not taken as it is);
   * a poll that sees none waiting while Sluice had the replica at its level, or had requests waiting for
     room, raises it by a quarter (a probe: the engine may run more, e.g. after freeing KV cache), up to
-    `max_in_flight`; a probe too far shows as a queue at the next poll and is taken back;
+    `max_in_flight`; a probe too far shows as a queue at the next poll and is taken back. Not within
+    `PROBE_HOLD_S` of a poll that saw a queue: each probe past an engine's batch limit leaves requests in
+    its FIFO for a whole request's time, and under sustained load (requests always waiting in Sluice)
+    probing at every quiet poll put those waits in every tier's p99 time to first token;
   * a KV cache at `KV_FULL` or more at the last poll leaves no room (the engine would queue or preempt)
     until one of Sluice's requests on it ends.
 Until the first poll that sees a queue the level is `max_in_flight`. A replica whose metrics cannot be
@@ -26,12 +29,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from gateway.backends.pool.load import ReplicaLoad
+from gateway.backends.pool.slo import FirstTokenTimes
 from gateway.backends.remote.provider import Provider
 from gateway.settings import EngineReplicaSettings, RoutingSettings
 
 log = logging.getLogger("sluice.pool")
 
 KV_FULL = 0.97  # at this share of its KV cache in use a replica takes nothing more
+PROBE_HOLD_S = 30.0  # no probe upward this soon after a poll saw the engine queue
 PREFIX_BLOCKS = 8192  # prefix blocks remembered per replica (LRU)
 
 
@@ -40,10 +45,13 @@ class Replica(Provider):
     admitted but not yet sent; `load` its last polled metrics."""
 
     def __init__(self, settings: EngineReplicaSettings, routing: RoutingSettings,
-                 on_room: Callable[[], None] = lambda: None, wanted: Callable[[], bool] = lambda: False):
+                 on_room: Callable[[], None] = lambda: None, wanted: Callable[[], bool] = lambda: False,
+                 clock: Callable[[], float] = time.monotonic):
         self._in_flight = 0
         self._on_room = on_room
         self._wanted = wanted  # requests wait in Sluice for room: a quiet engine is probed higher
+        self._clock = clock
+        self.queued_at = -PROBE_HOLD_S  # when a poll last saw requests waiting in the engine
         super().__init__(settings.as_provider(), routing)
         self.engine = settings
         self.kind = settings.kind
@@ -58,6 +66,7 @@ class Replica(Provider):
         self.reserved = 0
         self.polled_at = 0.0
         self.blocks: OrderedDict[int, None] = OrderedDict()  # prefix block hashes it has likely cached
+        self.first_token = FirstTokenTimes()  # from sending a request to its first token (slo.py)
 
     # in_flight is written by the tries (+1 when one starts, -1 when it ends): a drop frees room.
     @property
@@ -92,14 +101,17 @@ class Replica(Provider):
         self.others = max(0.0, total - ours)
         before = self.level
         self.peak = max(self.peak, int(load.running))
+        now = self._clock()
         if load.waiting > 0:  # it queues: it runs no more than the most it was ever seen running
             self.level = max(1, self.peak)
             self.learnt = True
-        elif (ours + self.reserved >= self.level or self._wanted()) and self.level < self.engine.max_in_flight:
+            self.queued_at = now
+        elif ((ours + self.reserved >= self.level or self._wanted()) and self.level < self.engine.max_in_flight
+              and now - self.queued_at >= PROBE_HOLD_S):
             self.level = min(self.engine.max_in_flight, self.level + max(1, self.level // 4))
         self.load = load
         self.ours_at_poll = ours
-        self.polled_at = time.monotonic()
+        self.polled_at = now
         if self.level != before:
             log.debug("replica %s: room level %d -> %d (running %g, waiting %g)", self.name, before,
                       self.level, load.running, load.waiting)

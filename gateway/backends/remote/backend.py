@@ -182,6 +182,7 @@ class RemoteStream(ChoiceStream):
         self._ready: collections.deque[ChoiceOutput] = collections.deque()  # read, not yet handed out
         self._resp: aiohttp.ClientResponse | None = None
         self._closed = False
+        self._times_first_token = True  # off for a continuation: its first text is not a request's
 
     @property
     def provider(self) -> Provider | None:
@@ -249,12 +250,17 @@ class RemoteStream(ChoiceStream):
     # ---------------------------------------------------------------- one try
 
     async def _attempt(self, p: Provider, deadline: float) -> TryResult:
-        """One try for the TryChain: a failed one leaves no upstream response open."""
+        """One try for the TryChain: a failed one leaves no upstream response open. A stream's try returns
+        at its first text: its time is the provider's first-token time (`Provider.first_token`)."""
+        t0 = time.monotonic()
         try:
-            return await self._try(p, deadline)
+            result = await self._try(p, deadline)
         except BaseException:
             await self._release_resp()
             raise
+        if self._times_first_token and getattr(self._gen.api, "stream", False):
+            p.first_token.observe(time.monotonic() - t0)
+        return result
 
     async def _try(self, p: Provider, deadline: float) -> TryResult:
         """One call to one provider: its answer, whole (JSON), or as far as the first real text (a stream)."""
@@ -483,6 +489,12 @@ class RemoteBackend(Backend):
                 g.sort(key=lambda p: -random.random() ** (1.0 / p.settings.weight))
             out.extend(g)
         return out
+
+    def first_token_s(self, model: str) -> float | None:
+        """The providers' learnt first-token time for the model (the fastest known): what a request sent
+        to them after waiting elsewhere still has to pay."""
+        known = [t for t in (p.first_token.estimate() for p in self.chain(model)) if t is not None]
+        return min(known) if known else None
 
     def on_attempt(self, p: Provider, outcome: str, seconds: float) -> None:
         if self.metrics is not None:

@@ -27,6 +27,7 @@ import aiohttp
 import httpx2
 import openai
 
+from gateway.backends.latency import FirstTokenTimes
 from gateway.backends.remote.breaker import CircuitBreaker
 from gateway.settings import ProviderSettings, RoutingSettings
 
@@ -110,6 +111,7 @@ class Provider:
         self.name = settings.name
         self.breaker = CircuitBreaker(routing.breaker_failures, routing.breaker_cooldown_s)
         self.in_flight = 0
+        self.first_token = FirstTokenTimes()  # sending a stream to its first text (learnt: latency.py)
         self.not_before = 0.0  # monotonic time before which its Retry-After asks us not to call
         self.not_before_reason = "retry_after"  # "rate_limited" when that Retry-After came with a 429
         # A configuration problem (an unset key, credentials refused): shown in /ready until it answers.

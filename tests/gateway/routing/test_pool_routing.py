@@ -114,3 +114,34 @@ async def test_the_embedded_engine_is_one_more_member_taking_requests_while_it_h
             assert [h["x-sluice-backend"] for _, h, _ in await asyncio.gather(*held)] == ["local", "local"]
     finally:
         await replica.close()
+
+
+async def test_a_full_pool_leaves_the_providers_first_token_time_out_of_the_wait(tmp_path, providers):
+    """The tier's target is a time to first token: a request that will overflow after waiting for room
+    waits the target less the provider's learnt first-token time, not the whole target."""
+    prov, _ = providers
+    server = await _replica(max_running=1, decode_ms=40, per_seq_ms=0)
+    tiers = {"pro": {"priority": 0, "max_queue_wait_ms": 3000}, "standard": {"priority": 1, "max_queue_wait_ms": 600}}
+    try:
+        cfg = _cfg("a", server.port, max_in_flight=1)
+        async with gateway(tmp_path, [provider_cfg(prov, models={POOLED: "up-a"})], replicas=[cfg],
+                           tiers=tiers) as (base, app, *_):
+            remote = app[STATE].remote
+            assert remote is not None and remote.first_token_s(POOLED) is None
+            status, _, body = await post(base, chat(POOLED, max_tokens=4, stream=True))  # the pool is free
+            assert status == 200
+            for _ in range(3):
+                remote.providers[0].first_token.observe(0.5)  # as if its streams took 0.5 s to start
+            assert remote.first_token_s(POOLED) == 0.5
+            busy = asyncio.create_task(post(base, chat(POOLED, max_tokens=60)))
+            await asyncio.sleep(0.1)
+            t0 = asyncio.get_running_loop().time()
+            status, headers, _ = await post(base, chat(POOLED, max_tokens=4, stream=True))
+            waited = asyncio.get_running_loop().time() - t0
+            assert status == 200 and headers["x-sluice-backend"] == "remote:a"
+            assert waited < 0.45, waited  # 0.1 s of waiting (0.6 - 0.5), not 0.6 s
+            mean = remote.providers[0].first_token.mean
+            assert mean is not None and mean < 0.5  # the stream it served is learnt (it started far sooner)
+            await busy
+    finally:
+        await server.close()

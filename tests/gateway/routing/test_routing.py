@@ -12,7 +12,7 @@ from gateway.admission.limits import MemoryLimiter
 from gateway.admission.usage import UsageStore
 from gateway.backends.base import Backend, ChoiceStream
 from gateway.backends.remote.backend import RemoteBackend
-from gateway.errors import Failure
+from gateway.errors import APIError, Failure
 from gateway.messages import ChoiceOutput, GenerationRequest, QueueItem, Target, WorkerStats, error_output
 from gateway.observability.metrics import Metrics
 from gateway.queue.base import QueueFull
@@ -94,6 +94,46 @@ async def test_scarce_completions_fall_back_on_the_step_rate():
 async def test_nothing_known_and_no_free_slot_is_an_infinite_wait():
     est = WaitEstimator(Side(), await _queue(), TIERS, RoutingSettings())
     assert math.isinf(await est.estimate_wait("standard"))
+
+
+def _busy_engine(clock: Clock, est: WaitEstimator, worker: WorkerStats, tokens_per_s: float, pending: int) -> None:
+    """Two samples one second apart: the engine computed `tokens_per_s` prompt tokens with `pending` left."""
+    worker.prefill_tokens, worker.prefill_pending = 0, pending
+    est.sample_prefill()
+    clock.t += 1.0
+    worker.prefill_tokens = int(tokens_per_s)
+    est.sample_prefill()
+
+
+async def test_a_free_slot_in_a_busy_engine_still_waits_for_the_prefill_ahead():
+    clock = Clock()
+    worker = WorkerStats(capacity=64, in_flight=10)  # 54 free slots: the slot wait alone says 0
+    est = WaitEstimator(Side([worker]), await _queue(), TIERS, RoutingSettings(), clock=clock)
+    assert await est.estimate_wait("standard", 500) == 0.0  # no prefill rate measured yet
+    _busy_engine(clock, est, worker, 1000, 3000)
+    assert est.prefill_rate() == pytest.approx(1000)
+    # 3000 pending + its own 500, at 1000 tokens/s
+    assert await est.estimate_wait("standard", 500) == pytest.approx(3.5)
+    worker.prefill_pending = 0
+    assert await est.estimate_wait("standard") == 0.0  # nothing pending and no prompt: no wait
+
+
+async def test_prompts_queued_ahead_count_at_the_average_prompt_length():
+    clock = Clock()
+    worker = WorkerStats(capacity=4, in_flight=0)  # free slots for both queued and this one
+    est = WaitEstimator(Side([worker]), await _queue(pro=1, standard=1), TIERS, RoutingSettings(), clock=clock)
+    est.started_local("x", 16, prompt_tokens=400)
+    _busy_engine(clock, est, worker, 800, 100)
+    # 2 queued ahead (of a standard request) x 400 + 100 pending + its own 200, at 800 tokens/s
+    assert await est.estimate_wait("standard", 200) == pytest.approx((2 * 400 + 100 + 200) / 800)
+
+
+async def test_an_interval_that_began_with_nothing_pending_says_nothing_of_the_prefill_rate():
+    clock = Clock()
+    worker = WorkerStats(capacity=4)
+    est = WaitEstimator(Side([worker]), await _queue(), TIERS, RoutingSettings(), clock=clock)
+    _busy_engine(clock, est, worker, 50, 0)  # 50 tokens in a second, but it was idle at the start
+    assert est.prefill_rate() is None
 
 
 # ---------------------------------------------------------------- the decision
@@ -222,6 +262,36 @@ async def test_remote_only_no_worker_and_queue_full():
     router, remote, metrics = _router(Side([WorkerStats(capacity=8)]), await _queue(), Local(full=True))
     assert (await router.submit(_gen("c"))).backend == "remote:p"
     assert _decisions(metrics, "standard", "remote", "queue_full") == 1
+
+
+async def test_prefill_ahead_in_a_busy_engine_overflows_a_request_despite_free_slots():
+    clock = Clock()
+    worker = WorkerStats(capacity=64, in_flight=40)
+    router, remote, metrics = _router(Side([worker]), await _queue(), local := Local(), clock=clock)
+    _busy_engine(clock, router.estimator, worker, 500, 2000)  # 4 s of prefill ahead: past standard's 2 s
+    assert (await router.submit(_gen("s", "standard"))).backend == "remote:p"
+    assert (await router.submit(_gen("p", "pro"))).backend == "local"  # within pro's 10 s
+    assert remote.submitted == ["s"] and local.submitted == ["p"]
+    assert _decisions(metrics, "standard", "remote", "queue_wait") == 1
+
+
+async def test_refuse_past_target_answers_429_instead_of_queueing_past_the_tier_target():
+    clock = Clock()
+    worker = WorkerStats(capacity=64, in_flight=40)
+    router, remote, metrics = _router(Side([worker]), await _queue(), local := Local(), clock=clock,
+                                      refuse_past_target=True)
+    router.remote = None  # the local engine alone serves the model
+    assert (await router.submit(_gen("early", "standard"))).backend == "local"  # nothing known: it queues
+    _busy_engine(clock, router.estimator, worker, 500, 2000)
+    with pytest.raises(APIError) as e:
+        await router.submit(_gen("s", "standard"))
+    assert e.value.status == 429 and e.value.code == "engines_busy" and e.value.retry_after == 3  # 4 s - 2 s, up
+    assert "standard tier's 2 s target" in e.value.message
+    assert (await router.submit(_gen("p", "pro"))).backend == "local"
+    assert local.submitted == ["early", "p"]
+    assert _decisions(metrics, "standard", "local", "refused_late") == 1
+    router.routing.refuse_past_target = False  # the default: it queues
+    assert (await router.submit(_gen("q", "standard"))).backend == "local"
 
 
 # ---------------------------------------------------------------- accounting

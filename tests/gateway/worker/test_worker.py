@@ -9,7 +9,7 @@ import pytest
 
 from engine import EngineRequest, SamplingParams
 from gateway.errors import Failure
-from gateway.messages import ErrorOutput, QueueItem
+from gateway.messages import ErrorOutput, QueueItem, WorkerStats
 from gateway.queue.memory import MemoryQueue
 from gateway.worker.engine_api import Engine
 from gateway.worker.worker import EngineWorker
@@ -66,6 +66,9 @@ async def test_stats_report_what_the_engine_declares(setup):
     assert stats.busy_seconds == engine.stats.busy_seconds > 0
     assert stats.kv_usage == engine.kv_usage() == 0.0
     assert stats.to_dict()["kv_usage"] == 0.0  # it travels in heartbeats
+    assert stats.prefill_tokens == engine.stats.prefill_tokens > 0  # the prompt was computed
+    assert stats.prefill_pending == engine.pending_prefill_tokens() == 0
+    assert WorkerStats.from_dict(stats.to_dict()).prefill_tokens == stats.prefill_tokens
 
 
 async def test_pulls_only_up_to_capacity(setup):

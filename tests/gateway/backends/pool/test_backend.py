@@ -34,11 +34,12 @@ def _settings(name: str, server: TestServer | None, port: int | None = None, **k
                                  **kw)
 
 
-def _gen(tier: str = "standard", priority: int = 1, tokens: int = 5, text: str = "hi") -> GenerationRequest:
+def _gen(tier: str = "standard", priority: int = 1, tokens: int = 5, text: str = "hi",
+         key: str | None = None) -> GenerationRequest:
     api = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=tokens,
                                 stream=True)
     return GenerationRequest(request_id=f"r{next(_ids)}", target=Target.RELAY, model=MODEL, api=api, tier=tier,
-                             priority=priority)
+                             priority=priority, key=key)
 
 
 async def _answer(pool: PoolBackend, gen: GenerationRequest, events: list | None = None) -> tuple[str, str]:
@@ -137,6 +138,72 @@ async def test_full_replicas_hold_a_request_no_longer_than_allowed(routing):
         assert 0.15 < time.monotonic() - t0 < 1.0
         assert pool._waiters == [] and pool.replicas[0].reserved == 0
         await busy
+    finally:
+        await pool.close()
+        await server.close()
+
+
+async def test_a_key_flooding_the_pool_cannot_push_another_keys_request_behind_its_flood(routing):
+    server = await _replica(max_running=1, decode_ms=10, per_seq_ms=0)
+    pool = PoolBackend([_settings("a", server, max_in_flight=1)], routing)
+    try:
+        order: list[str] = []
+
+        async def one(key: str, i: int) -> None:
+            gen = _gen(tokens=3, key=key)
+            stream = await pool.submit(gen)
+            order.append(f"{key}{i}")
+            async with stream:
+                async for _ in stream:
+                    pass
+
+        flood = [asyncio.create_task(one("heavy", i)) for i in range(6)]
+        await asyncio.sleep(0.05)  # heavy0 runs, heavy1-5 wait for room
+        light = asyncio.create_task(one("light", 0))
+        await asyncio.gather(*flood, light)
+        # Arrival order would send it 7th; fair share sends it after the flood's next request.
+        assert order.index("light0") <= 2, order
+        assert [o for o in order if o.startswith("heavy")] == [f"heavy{i}" for i in range(6)]
+    finally:
+        await pool.close()
+        await server.close()
+
+
+async def test_the_wait_for_room_is_the_target_less_the_replicas_first_token_time(routing):
+    server = await _replica(max_running=1, decode_ms=30, per_seq_ms=0)
+    pool = PoolBackend([_settings("a", server, max_in_flight=1)], routing)
+    try:
+        for s in (0.2, 0.2, 0.2):
+            pool.replicas[0].first_token.observe(s)  # its first token takes 0.2 s once sent
+        busy = asyncio.create_task(_answer(pool, _gen(tokens=20)))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(PoolBusy):
+            await pool.submit(_gen(), max_wait_s=0.5)  # 0.3 s of waiting for room, not 0.5
+        assert 0.2 < time.monotonic() - t0 < 0.45
+        await busy
+    finally:
+        await pool.close()
+        await server.close()
+
+
+async def test_a_request_that_cannot_get_room_in_time_leaves_at_once(routing):
+    server = await _replica(max_running=1, decode_ms=20, per_seq_ms=0)
+    pool = PoolBackend([_settings("a", server, max_in_flight=1)], routing)
+    try:
+        for _ in range(3):  # three completions of ~0.1 s: room opens about 10 times a second
+            await _answer(pool, _gen(tokens=4))
+        waiting = [asyncio.create_task(_answer(pool, _gen(tokens=4))) for _ in range(6)]
+        await asyncio.sleep(0.03)
+        t0 = time.monotonic()
+        with pytest.raises(PoolBusy):  # 6 ahead at ~10/s: ~0.7 s, past its 0.3 s
+            await pool.submit(_gen(), max_wait_s=0.3)
+        assert time.monotonic() - t0 < 0.1
+        await asyncio.gather(*waiting)
+        t0 = time.monotonic()
+        stream = await pool.submit(_gen(), max_wait_s=0.3)  # nobody ahead: room now
+        await stream.aclose()
+        assert time.monotonic() - t0 < 0.1
     finally:
         await pool.close()
         await server.close()

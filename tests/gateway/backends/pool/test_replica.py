@@ -4,14 +4,15 @@ queue grows, a level learnt from its metrics."""
 from __future__ import annotations
 
 from gateway.backends.pool.load import ReplicaLoad
-from gateway.backends.pool.replica import KV_FULL, Replica
+from gateway.backends.pool.replica import KV_FULL, PROBE_HOLD_S, Replica
 from gateway.settings import EngineReplicaSettings, RoutingSettings
+from tests.fixtures.clock import Clock
 
 
-def _replica(max_in_flight: int = 64, on_room=lambda: None) -> Replica:
+def _replica(max_in_flight: int = 64, on_room=lambda: None, clock: Clock | None = None) -> Replica:
     s = EngineReplicaSettings(name="a", base_url="http://127.0.0.1:9/v1", kind="vllm", models=["m"],
                               max_in_flight=max_in_flight)
-    return Replica(s, RoutingSettings(breaker_failures=2), on_room)
+    return Replica(s, RoutingSettings(breaker_failures=2), on_room, clock=clock or Clock())
 
 
 def test_until_a_queue_is_seen_the_level_is_the_hard_cap():
@@ -38,10 +39,15 @@ def test_a_queue_on_the_engine_sets_the_level_to_the_most_it_was_seen_running():
 
 
 def test_at_its_level_with_no_queue_the_level_is_probed_upward_to_the_cap():
-    r = _replica(max_in_flight=12)
+    clock = Clock()
+    r = _replica(max_in_flight=12, clock=clock)
     r.in_flight = 4
     r.observe(ReplicaLoad(running=4, waiting=1, kv_usage=None))
     assert r.level == 4
+    clock.t += PROBE_HOLD_S - 0.5
+    r.observe(ReplicaLoad(running=4, waiting=0, kv_usage=None))
+    assert r.level == 4  # it queued moments ago: no probe yet
+    clock.t += 0.5
     r.observe(ReplicaLoad(running=4, waiting=0, kv_usage=None))
     assert r.level == 5  # up by a quarter, at least one
     r.in_flight = 3  # below its level and nothing waiting in Sluice: nothing to learn
@@ -53,14 +59,18 @@ def test_at_its_level_with_no_queue_the_level_is_probed_upward_to_the_cap():
     assert r.level == 12  # never past max_in_flight
     r.observe(ReplicaLoad(running=10, waiting=2, kv_usage=None))
     assert r.level == 10  # the probe went too far: back to the most it ran
+    r.observe(ReplicaLoad(running=10, waiting=0, kv_usage=None))
+    assert r.level == 10  # and held there for a while
 
 
 def test_requests_waiting_in_sluice_probe_a_quiet_replica():
     waiting = [True]
     s = EngineReplicaSettings(name="a", base_url="http://127.0.0.1:9/v1", kind="vllm", models=["m"])
-    r = Replica(s, RoutingSettings(), wanted=lambda: waiting[0])
+    clock = Clock()
+    r = Replica(s, RoutingSettings(), wanted=lambda: waiting[0], clock=clock)
     r.in_flight = 2
     r.observe(ReplicaLoad(running=4, waiting=1, kv_usage=None))  # learnt 4 (2 are another client's)
+    clock.t += PROBE_HOLD_S
     r.observe(ReplicaLoad(running=2, waiting=0, kv_usage=None))
     assert r.level == 5
 

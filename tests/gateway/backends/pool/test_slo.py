@@ -1,0 +1,35 @@
+"""gateway/backends/pool/slo.py: the first-token time learnt per replica, the completion rate, and the
+wait they allow."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.backends.pool.slo import Completions, FirstTokenTimes, expected_wait, wait_budget
+
+
+def test_first_token_times_estimate_a_high_quantile_not_the_mean():
+    t = FirstTokenTimes()
+    assert t.estimate() is None
+    for s in [0.1, 0.3] * 50:
+        t.observe(s)
+    est = t.estimate()
+    assert est is not None and 0.3 <= est <= 0.45  # about mean 0.2 + 2 x deviation 0.1
+
+
+def test_completions_give_a_rate_only_once_a_few_are_seen_in_the_window():
+    now = [100.0]
+    c = Completions(clock=lambda: now[0])
+    now[0] += 10
+    c.ended()
+    c.ended()
+    assert c.rate() is None
+    c.ended()
+    assert c.rate() == pytest.approx(0.3)
+    now[0] += 11  # the window slid past them
+    assert c.rate() is None
+
+
+def test_the_wait_allowed_is_the_target_less_the_first_token_time():
+    assert wait_budget(2.0, 0.5) == 1.5 and wait_budget(2.0, None) == 2.0 and wait_budget(0.3, 0.5) == 0.0
+    assert expected_wait(4, 2.0) == 2.5 and expected_wait(0, None) is None
