@@ -408,12 +408,16 @@ async def part_fair(args: argparse.Namespace) -> None:
                 return await stream_ttft(s, base, a.prompt, args.tokens, keys[who[id(a)]], backends)
 
             t, served, refused = await run_counted(sorted(plan, key=lambda a: a.at), send)
+            async with aiohttp.ClientSession() as s, s.get(base + "/ready") as r:
+                ready = await r.json()
+            learnt = [e.get("first_token_s") for e in ready.get("engines", {}).values()]
+            levels = [e.get("room_level") for e in ready.get("engines", {}).values()]
     lp99 = pct(t["pro"], 99) * 1000
     print(f"capacity {cap:.1f}/s; heavy key at 2x ({len(heavy)} requests), light key at 5% ({len(light)} requests)")
     print(f"  light key: n={len(t['pro'])} p50 {pct(t['pro'], 50) * 1000:.0f} ms p99 {lp99:.0f} ms "
           f"({'within' if lp99 <= 1.2 * target else 'MISSED'} its {target:.0f} ms target + 20%)")
     print(f"  heavy key: served {len(t['standard'])}, p99 {pct(t['standard'], 99) * 1000:.0f} ms; "
-          f"refused early (429) {refused}")
+          f"refused early (429) {refused}; replicas' learnt first-token s {learnt}, room levels {levels}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -588,3 +588,32 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def engine_only_fields(api: BaseModel | None) -> list[str]:
+    """The fields of vLLM's and Sluice's extras this request sets to a value that changes its answer: an
+    engine applies them (the local one, a vLLM/SGLang/Sluice replica), an OpenAI-style provider does not
+    know them, so a request that sets one is never relayed to a provider with the field dropped."""
+    if api is None:
+        return []
+    v = api.__dict__
+    out = []
+    if v.get("top_k") not in (None, 0, -1):
+        out.append("top_k")
+    if v.get("stop_token_ids"):
+        out.append("stop_token_ids")
+    if v.get("ignore_eos"):
+        out.append("ignore_eos")
+    if v.get("prompt_truncation") == "middle":
+        out.append("prompt_truncation")
+    if v.get("repetition_penalty") not in (None, 1, 1.0):
+        out.append("repetition_penalty")
+    if v.get("min_tokens"):
+        out.append("min_tokens")
+    if v.get("guided_json") is not None:
+        out.append("guided_json")
+    if v.get("continue_final_message"):
+        out.append("continue_final_message")
+    if v.get("add_generation_prompt") is False:
+        out.append("add_generation_prompt")
+    return out

@@ -18,4 +18,5 @@ class RouteReason(enum.StrEnum):
     LOCAL_FAILED = "local_failed"  # the local engine failed before the first token (routing/fallback.py)
     POOL = "pool"  # an engine replica of the model's pool had room (or the request waited for it)
     POOL_FAILED = "pool_failed"  # every replica failed before the first token: the embedded engine or a provider
+    ENGINE_FIELD = "engine_field"  # it sets a field only an engine applies (vLLM's extras): never overflows
     REFUSED_LATE = "refused_late"  # `routing.refuse_past_target`: a 429, its first token would come too late

@@ -33,6 +33,7 @@ from gateway.backends.remote.backend import RemoteBackend
 from gateway.errors import APIError
 from gateway.messages import GenerationRequest, Target
 from gateway.observability.metrics import Metrics
+from gateway.openai.schema import engine_only_fields
 from gateway.queue.base import QueueFull
 from gateway.routing.accounting import Accountant
 from gateway.routing.capacity import LocalSide
@@ -87,12 +88,18 @@ class Router(Backend):
 
     async def _route(self, gen: GenerationRequest) -> ChoiceStream:
         t0 = time.monotonic()
+        extras = engine_only_fields(gen.api)  # only an engine applies them: never a provider
         if gen.needs_remote is not None:  # a capability the local model lacks (an image part, ...)
+            self._no_provider_for(extras, "needs a provider (it sends " + gen.needs_remote + ")")
             return await self._remote(gen, RouteReason.CAPABILITY, t0)
         if self._pooled(gen.model) and not gen.batch:
             return await self._pooled_route(gen, t0)
         if gen.target is Target.RELAY:  # not tokenized here: the local side cannot take it
             reason = RouteReason.REMOTE_ONLY if gen.model != self.side.local_model() else RouteReason.NO_WORKER
+            if extras and reason is RouteReason.NO_WORKER:
+                raise APIError(503, f"No engine worker is ready, and `{extras[0]}` is applied only by an engine, "
+                                    "not by the remote providers; retry shortly.", code="not_ready", retry_after=1)
+            self._no_provider_for(extras, "is served only by remote providers")
             return await self._remote(gen, reason, t0)
         if not self._has_providers(gen.model):
             if self.routing.refuse_past_target and not gen.batch:
@@ -100,6 +107,9 @@ class Router(Backend):
             return self._local(await self.local.submit(gen), gen, t0, RouteReason.LOCAL_ONLY)
         if gen.batch:  # runs on idle local room; a refusal (queue full) is its runner's to retry later
             return self._local(await self.local.submit(gen), gen, t0, RouteReason.BATCH)
+        if extras:  # a provider would drop the field: the local engine, however long its queue
+            stream = await self.local.submit(gen)
+            return self._local(stream, gen, t0, RouteReason.ENGINE_FIELD)
         if not self.side.local_ready():
             return await self._remote(gen, RouteReason.NO_WORKER, t0)
         target = self.estimator.tier_target_s(gen.tier)
@@ -114,6 +124,14 @@ class Router(Backend):
         if self.routing.local_retry_remote and self.remote is not None:
             stream = FallbackStream(gen, stream, self.remote, self.metrics)
         return self._local(stream, gen, t0, RouteReason.LOCAL)
+
+    @staticmethod
+    def _no_provider_for(extras: list[str], why: str) -> None:
+        """A 400 naming the first engine-only field when the request can only go to a provider."""
+        if extras:
+            raise APIError(400, f"`{extras[0]}` is applied only by an engine (vLLM's and Sluice's extra), and this "
+                                f"request {why}, which would drop it. Remove `{extras[0]}`.",
+                           param=extras[0], code="unsupported_parameter")
 
     async def _refuse_if_late(self, gen: GenerationRequest) -> None:
         """`routing.refuse_past_target`: a 429 now, rather than a first token past the tier's target."""
@@ -150,7 +168,7 @@ class Router(Backend):
         except PoolBusy:
             if embedded:
                 return self._local(await self.local.submit(gen), gen, t0, RouteReason.QUEUE_WAIT)
-            if self._has_providers(gen.model):
+            if self._has_providers(gen.model) and not engine_only_fields(gen.api):
                 return await self._remote(gen, RouteReason.QUEUE_WAIT, t0)
             raise APIError(429, f"Every engine replica serving `{gen.model}` is busy; retry shortly.",
                            code="engines_busy", retry_after=1) from None
@@ -163,7 +181,7 @@ class Router(Backend):
         if self._embedded_can_take(gen):
             self.metrics.decisions.labels(gen.tier, "local", RouteReason.POOL_FAILED).inc()
             return await self.local.submit(gen)
-        if self._has_providers(gen.model):
+        if self._has_providers(gen.model) and not engine_only_fields(gen.api):
             assert self.remote is not None
             self.metrics.decisions.labels(gen.tier, "remote", RouteReason.POOL_FAILED).inc()
             return await self.remote.submit(gen)

@@ -39,7 +39,7 @@ from gateway.backends.remote.tries import TryChain
 from gateway.errors import APIError
 from gateway.messages import GenerationRequest
 from gateway.observability.metrics import Metrics
-from gateway.openai.schema import ChatCompletionRequest
+from gateway.openai.schema import ChatCompletionRequest, engine_only_fields
 from gateway.queue.fair import FairShare, request_cost
 from gateway.settings import EngineReplicaSettings, ProviderSettings, RoutingSettings
 
@@ -47,7 +47,9 @@ log = logging.getLogger("sluice.pool")
 
 POLL_S = 0.5
 LABEL = "engine"
-CONTINUES = ("vllm", "sglang", "sluice")  # kinds that take vLLM's `continue_final_message`
+CONTINUES = ("vllm", "sglang", "sluice")  # kinds that take vLLM's extras (`continue_final_message`, `top_k`, ...)
+ENGINE_EXTRAS = ("top_k", "stop_token_ids", "ignore_eos", "repetition_penalty", "min_tokens", "guided_json",
+                 "continue_final_message", "add_generation_prompt")
 
 
 class PoolBusy(Exception):
@@ -98,6 +100,10 @@ class PoolStream(RemoteStream):
 
     def _body(self, p: Provider) -> dict[str, Any]:
         body = super()._body(p)
+        if isinstance(p, Replica) and p.kind in CONTINUES and self._gen.api is not None:
+            # vLLM's extras, which these engines apply (a Sluice replica salts its own prefix cache by key)
+            sent = self._gen.api.model_dump(exclude_unset=True, include=set(ENGINE_EXTRAS))
+            body.update({k: v for k, v in sent.items() if v is not None})
         if isinstance(p, Replica) and p.engine.pass_priority:
             body["priority"] = -self._gen.priority if p.kind == "sglang" else self._gen.priority
         if self._continuation is not None and isinstance(p, Replica):
@@ -190,6 +196,13 @@ class PoolBackend(RemoteBackend):
         replicas = [r for r in self.replicas if gen.model in r.settings.models]
         if not replicas:
             raise APIError(404, f"The model `{gen.model}` does not exist.", param="model", code="model_not_found")
+        extras = engine_only_fields(gen.api)
+        if extras:  # only the replicas that apply vLLM's extras (llama-server and plain OpenAI ones would drop them)
+            replicas = [r for r in replicas if r.kind in CONTINUES]
+            if not replicas:
+                raise APIError(400, f"`{extras[0]}` is applied only by vLLM, SGLang or Sluice engines, and no replica "
+                                    f"serving `{gen.model}` is one. Remove `{extras[0]}`.",
+                               param=extras[0], code="unsupported_parameter")
         self.start()
         text = prompt_text(gen)
         hashes = prefix_hashes(text)

@@ -11,10 +11,11 @@ level at which its waiting queue grows. That level is learnt, not configured:
     compared with the peak, not taken as it is);
   * a poll that sees none waiting while Sluice had the replica at its level, or had requests waiting for
     room, raises it by a quarter (a probe: the engine may run more, e.g. after freeing KV cache), up to
-    `max_in_flight`; a probe too far shows as a queue at the next poll and is taken back. Not within
-    `PROBE_HOLD_S` of a poll that saw a queue: each probe past an engine's batch limit leaves requests in
-    its FIFO for a whole request's time, and under sustained load (requests always waiting in Sluice)
-    probing at every quiet poll put those waits in every tier's p99 time to first token;
+    `max_in_flight`; a probe too far shows as a queue at the next poll and is taken back. Within
+    `PROBE_HOLD_S` of a poll that saw a queue, no probe reaches the load that queued then (running plus
+    waiting): each probe past an engine's batch limit leaves requests in its FIFO for a whole request's
+    time, and under sustained load (requests always waiting in Sluice) probing at every quiet poll put
+    those waits in every tier's p99 time to first token;
   * a KV cache at `KV_FULL` or more at the last poll leaves no room (the engine would queue or preempt)
     until one of Sluice's requests on it ends.
 Until the first poll that sees a queue the level is `max_in_flight`. A replica whose metrics cannot be
@@ -52,6 +53,7 @@ class Replica(Provider):
         self._wanted = wanted  # requests wait in Sluice for room: a quiet engine is probed higher
         self._clock = clock
         self.queued_at = -PROBE_HOLD_S  # when a poll last saw requests waiting in the engine
+        self.queued_load = 0.0  # running + waiting at that poll: more than the engine runs at once
         super().__init__(settings.as_provider(), routing)
         self.engine = settings
         self.kind = settings.kind
@@ -105,10 +107,12 @@ class Replica(Provider):
         if load.waiting > 0:  # it queues: it runs no more than the most it was ever seen running
             self.level = max(1, self.peak)
             self.learnt = True
-            self.queued_at = now
-        elif ((ours + self.reserved >= self.level or self._wanted()) and self.level < self.engine.max_in_flight
-              and now - self.queued_at >= PROBE_HOLD_S):
-            self.level = min(self.engine.max_in_flight, self.level + max(1, self.level // 4))
+            self.queued_at, self.queued_load = now, total
+        elif (ours + self.reserved >= self.level or self._wanted()) and self.level < self.engine.max_in_flight:
+            probe = min(self.engine.max_in_flight, self.level + max(1, self.level // 4))
+            if now - self.queued_at < PROBE_HOLD_S:
+                probe = min(probe, int(self.queued_load) - 1)  # not up to the load that queued just now
+            self.level = max(self.level, probe)
         self.load = load
         self.ours_at_poll = ours
         self.polled_at = now
@@ -138,7 +142,9 @@ class Replica(Provider):
 
     def status(self) -> dict[str, object]:
         out = dict(super().status())
+        ft = self.first_token.estimate()
         out.update(kind=self.kind, room_level=self.level, reserved=self.reserved, metrics_error=self.metrics_error,
+                   first_token_s=None if ft is None else round(ft, 3),
                    load=None if self.load is None else {"running": self.load.running, "waiting": self.load.waiting,
                                                         "kv_usage": self.load.kv_usage})
         return out

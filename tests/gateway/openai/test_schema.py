@@ -99,3 +99,18 @@ def test_canonical_logit_bias_keys_map_to_their_ids():
     body = {"model": "m", "prompt": "x", "logit_bias": {"0": -1, "28": 5, "2147483647": 1}}
     req = parse_request(json.dumps(body).encode(), CompletionRequest, RequestLimits())
     assert req.logit_bias_ids() == {0: -1.0, 28: 5.0, 2147483647: 1.0}
+
+
+def test_engine_only_fields_are_those_set_to_a_value_that_changes_the_answer():
+    from gateway.openai.schema import ChatCompletionRequest, CompletionRequest, engine_only_fields
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert engine_only_fields(ChatCompletionRequest(model="m", messages=msgs)) == []
+    assert engine_only_fields(ChatCompletionRequest(model="m", messages=msgs, top_k=-1, ignore_eos=False,
+                                                    repetition_penalty=1.0, min_tokens=0)) == []
+    got = engine_only_fields(ChatCompletionRequest(model="m", messages=msgs, top_k=3, stop_token_ids=[2],
+                                                   prompt_truncation="middle", repetition_penalty=1.1))
+    assert got == ["top_k", "stop_token_ids", "prompt_truncation", "repetition_penalty"]
+    guided = CompletionRequest(model="m", prompt="x", guided_json={"type": "object"})
+    assert engine_only_fields(guided) == ["guided_json"]
+    assert engine_only_fields(None) == []

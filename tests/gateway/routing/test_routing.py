@@ -15,6 +15,7 @@ from gateway.backends.remote.backend import RemoteBackend
 from gateway.errors import APIError, Failure
 from gateway.messages import ChoiceOutput, GenerationRequest, QueueItem, Target, WorkerStats, error_output
 from gateway.observability.metrics import Metrics
+from gateway.openai.schema import ChatCompletionRequest
 from gateway.queue.base import QueueFull
 from gateway.queue.memory import MemoryQueue
 from gateway.routing.accounting import Accountant
@@ -292,6 +293,33 @@ async def test_refuse_past_target_answers_429_instead_of_queueing_past_the_tier_
     assert _decisions(metrics, "standard", "local", "refused_late") == 1
     router.routing.refuse_past_target = False  # the default: it queues
     assert (await router.submit(_gen("q", "standard"))).backend == "local"
+
+
+def _with(gen: GenerationRequest, **fields: object) -> GenerationRequest:
+    gen.api = ChatCompletionRequest(model="local-m", messages=[{"role": "user", "content": "hi"}], **fields)
+    return gen
+
+
+async def test_a_field_only_an_engine_applies_keeps_the_request_off_providers():
+    clock = Clock()
+    router, remote, metrics = _router(Side(), await _queue(standard=7), local := Local(), clock=clock)
+    clock.t += 10
+    for _ in range(20):
+        router.estimator.completed_local(10)  # standard waits 4 s > its 2 s target: it would overflow
+    assert (await router.submit(_with(_gen("k"), top_k=5))).backend == "local"
+    assert (await router.submit(_with(_gen("plain"), top_k=0))).backend == "remote:p"  # 0: off, nothing to drop
+    assert local.submitted == ["k"] and remote.submitted == ["plain"]
+    assert _decisions(metrics, "standard", "local", "engine_field") == 1
+    router.side.model = "another"  # type: ignore[attr-defined]
+    with pytest.raises(APIError) as e:  # served only by providers: refused, not relayed without it
+        await router.submit(_with(_gen("r", target=Target.RELAY), ignore_eos=True))
+    assert e.value.status == 400 and e.value.param == "ignore_eos" and e.value.code == "unsupported_parameter"
+    gen = _with(_gen("img"), min_tokens=4)
+    gen.needs_remote = "an image part"
+    with pytest.raises(APIError) as e:
+        await router.submit(gen)
+    assert e.value.param == "min_tokens"
+    assert remote.submitted == ["plain"]
 
 
 # ---------------------------------------------------------------- accounting

@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestServer
 from bench.mock_engine import EngineModel, make_app
 from bench.server import free_port
 from gateway.backends.pool.backend import PoolBackend, PoolBusy
+from gateway.errors import APIError
 from gateway.messages import GenerationRequest, Target
 from gateway.openai.schema import ChatCompletionRequest
 from gateway.settings import EngineReplicaSettings, RoutingSettings
@@ -30,8 +31,8 @@ async def _replica(**model) -> TestServer:
 
 def _settings(name: str, server: TestServer | None, port: int | None = None, **kw) -> EngineReplicaSettings:
     port = port if port is not None else server.port  # type: ignore[union-attr]
-    return EngineReplicaSettings(name=name, base_url=f"http://127.0.0.1:{port}/v1", kind="vllm", models=[MODEL],
-                                 **kw)
+    return EngineReplicaSettings(name=name, base_url=f"http://127.0.0.1:{port}/v1", models=[MODEL],
+                                 **{"kind": "vllm", **kw})
 
 
 def _gen(tier: str = "standard", priority: int = 1, tokens: int = 5, text: str = "hi",
@@ -207,6 +208,30 @@ async def test_a_request_that_cannot_get_room_in_time_leaves_at_once(routing):
     finally:
         await pool.close()
         await server.close()
+
+
+async def test_vllms_extras_go_to_replicas_that_apply_them_and_keep_away_from_others(routing):
+    from gateway.backends.pool.backend import PoolStream
+
+    pool = PoolBackend([_settings("v", None, port=9), _settings("l", None, port=9, kind="llama-server")], routing)
+    try:
+        gen = _gen(tokens=4)
+        gen.api = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                        top_k=5, ignore_eos=True, stream=True)
+        v, llama = pool.replicas
+        stream = PoolStream(pool, gen, [v], v)
+        body = stream._body(v)
+        assert body["top_k"] == 5 and body["ignore_eos"] is True
+        await stream.aclose()
+        assert (await pool.admit(gen, 0.1)) is v  # the llama-server replica would drop them
+        v.reserved -= 1
+        only_llama = PoolBackend([_settings("l", None, port=9, kind="llama-server")], routing)
+        with pytest.raises(APIError) as e:
+            await only_llama.admit(gen, 0.1)
+        assert e.value.status == 400 and e.value.param == "top_k"
+        await only_llama.close()
+    finally:
+        await pool.close()
 
 
 async def test_the_tier_is_passed_as_the_engines_priority_when_configured(routing):

@@ -46,7 +46,7 @@ def test_at_its_level_with_no_queue_the_level_is_probed_upward_to_the_cap():
     assert r.level == 4
     clock.t += PROBE_HOLD_S - 0.5
     r.observe(ReplicaLoad(running=4, waiting=0, kv_usage=None))
-    assert r.level == 4  # it queued moments ago: no probe yet
+    assert r.level == 4  # 5 in flight queued moments ago: no probe up to 5 yet
     clock.t += 0.5
     r.observe(ReplicaLoad(running=4, waiting=0, kv_usage=None))
     assert r.level == 5  # up by a quarter, at least one
@@ -60,7 +60,28 @@ def test_at_its_level_with_no_queue_the_level_is_probed_upward_to_the_cap():
     r.observe(ReplicaLoad(running=10, waiting=2, kv_usage=None))
     assert r.level == 10  # the probe went too far: back to the most it ran
     r.observe(ReplicaLoad(running=10, waiting=0, kv_usage=None))
-    assert r.level == 10  # and held there for a while
+    assert r.level == 11  # probed, but not up to the 12 in flight that queued just now
+    r.observe(ReplicaLoad(running=11, waiting=0, kv_usage=None))
+    assert r.level == 11
+
+
+def test_a_level_caught_low_is_probed_back_up_to_below_the_load_that_queued():
+    """A poll that caught the engine between steps (6 running, 3 waiting, though it runs 8) sets the level
+    to 6; probes may go back up to 8 at once, not to the 9 that queued, until the hold is over."""
+    clock = Clock()
+    r = _replica(max_in_flight=64, clock=clock)
+    r.in_flight = 9
+    r.observe(ReplicaLoad(running=6, waiting=3, kv_usage=None))
+    assert r.level == 6
+    r.observe(ReplicaLoad(running=8, waiting=0, kv_usage=None))
+    assert r.level == 7
+    r.observe(ReplicaLoad(running=8, waiting=0, kv_usage=None))
+    assert r.level == 8
+    r.observe(ReplicaLoad(running=8, waiting=0, kv_usage=None))
+    assert r.level == 8  # 9 queued moments ago
+    clock.t += PROBE_HOLD_S
+    r.observe(ReplicaLoad(running=8, waiting=0, kv_usage=None))
+    assert r.level == 10
 
 
 def test_requests_waiting_in_sluice_probe_a_quiet_replica():
