@@ -32,7 +32,7 @@ from gateway.backends.base import ChoiceStream
 from gateway.backends.pool.balancer import fallback_order, pick, prefix_hashes, round_robin
 from gateway.backends.pool.load import parse_load
 from gateway.backends.pool.replica import Replica
-from gateway.backends.pool.slo import Completions, expected_wait, wait_budget
+from gateway.backends.pool.slo import Durations, expected_wait, wait_budget
 from gateway.backends.remote.backend import RemoteBackend, RemoteStream, TryResult, _Parsed
 from gateway.backends.remote.provider import Provider
 from gateway.backends.remote.tries import TryChain
@@ -83,6 +83,7 @@ class PoolStream(RemoteStream):
         self._held: Replica | None = held
         self._continuation: tuple[str, int] | None = None  # (the answer so far, its tokens) once resumed
         self._ended = False
+        self._admitted_at = time.monotonic()
 
     @property
     def provider_settings(self) -> ProviderSettings | None:
@@ -154,7 +155,7 @@ class PoolStream(RemoteStream):
             self._unhold()
             if not self._ended:
                 self._ended = True
-                self._pool.completions.ended()
+                self._pool.durations.ended(time.monotonic() - self._admitted_at)
 
 
 class PoolBackend(RemoteBackend):
@@ -166,7 +167,7 @@ class PoolBackend(RemoteBackend):
         self.providers = list(self.replicas)
         self._waiters: list[tuple[int, float, int, asyncio.Future[None]]] = []  # (priority, fair tag, arrival, ...)
         self._fair = FairShare()
-        self.completions = Completions()
+        self.durations = Durations()
         self._seq = itertools.count()
         self._poller: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -228,7 +229,8 @@ class PoolBackend(RemoteBackend):
                 return r
             left = until - time.monotonic()
             if max_wait_s is not None:
-                expect = expected_wait(ahead, self.completions.rate())
+                slots = sum(min(r.level, r.engine.max_in_flight) for r in replicas if r.breaker.available())
+                expect = expected_wait(ahead, self.durations.drain_rate(slots))
                 if expect is not None and expect > left:
                     left = 0.0  # it would not get room in time: elsewhere now, not after waiting in vain
             if left <= 0:

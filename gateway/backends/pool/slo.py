@@ -10,43 +10,40 @@ cannot get room in time is better sent elsewhere at once than after waiting in v
     token takes once a request is sent (a high quantile, not the typical case);
   * the wait allowed for room is the target less that time, and less the provider's where the request
     would go to one after waiting (`wait_budget`; the router passes the target less the provider's);
-  * `Completions` counts the pool's requests ending (the rate at which room opens); a request that
-    arrives behind `ahead` others waiting for room expects to wait about (ahead + 1) / rate, and when
-    that exceeds its budget it leaves at once (overflow, or an early 429 where nothing else serves).
+  * `Durations` learns how long a pooled request holds its replica; with the replicas' room levels that
+    is the rate at which room opens when they are full, so a request that arrives behind `ahead` others
+    waiting for room expects to wait about (ahead + 1) / rate, and when that exceeds its budget it leaves
+    at once (overflow, or an early 429 where nothing else serves).
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from collections.abc import Callable
-
 from gateway.backends.latency import FirstTokenTimes
 
-__all__ = ["Completions", "FirstTokenTimes", "expected_wait", "wait_budget"]
+__all__ = ["Durations", "FirstTokenTimes", "expected_wait", "wait_budget"]
 
-WINDOW_S = 10.0  # completions counted over this long
-MIN_COMPLETIONS = 3  # fewer in the window: the rate is unknown (nothing is refused early)
+ALPHA = 0.1  # weight of each new request duration
+MIN_DURATIONS = 3  # fewer requests ended: the drain rate is unknown (nothing is refused early)
 
 
-class Completions:
-    """Ends of pooled requests over the last `WINDOW_S`: the rate at which replicas free room."""
+class Durations:
+    """How long the pool's requests hold a replica (admitted to ended): with the room the replicas have,
+    the rate at which room opens while they are full. (Completions per second over a window would be
+    the arrival rate at part load, far below that: a burst at half load then looked hopeless.)"""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self._clock = clock
-        self._ends: deque[float] = deque()
-        self._started = clock()
+    def __init__(self) -> None:
+        self.mean: float | None = None
+        self.count = 0
 
-    def ended(self) -> None:
-        self._ends.append(self._clock())
+    def ended(self, seconds: float) -> None:
+        self.count += 1
+        self.mean = seconds if self.mean is None else self.mean + ALPHA * (seconds - self.mean)
 
-    def rate(self) -> float | None:
-        now = self._clock()
-        while self._ends and now - self._ends[0] > WINDOW_S:
-            self._ends.popleft()
-        if len(self._ends) < MIN_COMPLETIONS:
+    def drain_rate(self, slots: float) -> float | None:
+        """Requests per second that end when `slots` requests run (None: too few seen)."""
+        if self.mean is None or self.count < MIN_DURATIONS or slots <= 0:
             return None
-        return len(self._ends) / min(WINDOW_S, max(1e-3, now - self._started))
+        return slots / max(self.mean, 1e-3)
 
 
 def wait_budget(target_s: float, first_token_s: float | None) -> float:

@@ -192,7 +192,7 @@ async def test_a_request_that_cannot_get_room_in_time_leaves_at_once(routing):
     server = await _replica(max_running=1, decode_ms=20, per_seq_ms=0)
     pool = PoolBackend([_settings("a", server, max_in_flight=1)], routing)
     try:
-        for _ in range(3):  # three completions of ~0.1 s: room opens about 10 times a second
+        for _ in range(3):  # three requests of ~0.1 s on its one slot: room opens about 10 times a second
             await _answer(pool, _gen(tokens=4))
         waiting = [asyncio.create_task(_answer(pool, _gen(tokens=4))) for _ in range(6)]
         await asyncio.sleep(0.03)

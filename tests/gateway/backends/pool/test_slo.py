@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.backends.pool.slo import Completions, FirstTokenTimes, expected_wait, wait_budget
+from gateway.backends.pool.slo import Durations, FirstTokenTimes, expected_wait, wait_budget
 
 
 def test_first_token_times_estimate_a_high_quantile_not_the_mean():
@@ -17,17 +17,14 @@ def test_first_token_times_estimate_a_high_quantile_not_the_mean():
     assert est is not None and 0.3 <= est <= 0.45  # about mean 0.2 + 2 x deviation 0.1
 
 
-def test_completions_give_a_rate_only_once_a_few_are_seen_in_the_window():
-    now = [100.0]
-    c = Completions(clock=lambda: now[0])
-    now[0] += 10
-    c.ended()
-    c.ended()
-    assert c.rate() is None
-    c.ended()
-    assert c.rate() == pytest.approx(0.3)
-    now[0] += 11  # the window slid past them
-    assert c.rate() is None
+def test_durations_give_the_rate_room_opens_at_when_the_replicas_are_full():
+    d = Durations()
+    d.ended(0.5)
+    d.ended(0.5)
+    assert d.drain_rate(16) is None  # too few seen
+    d.ended(0.5)
+    assert d.drain_rate(16) == pytest.approx(32.0)  # 16 slots each freed every 0.5 s
+    assert d.drain_rate(0) is None
 
 
 def test_the_wait_allowed_is_the_target_less_the_first_token_time():
