@@ -37,7 +37,7 @@ from gateway.settings import EngineReplicaSettings, RoutingSettings
 log = logging.getLogger("sluice.pool")
 
 KV_FULL = 0.97  # at this share of its KV cache in use a replica takes nothing more
-PROBE_HOLD_S = 30.0  # no probe upward this soon after a poll saw the engine queue
+PROBE_HOLD_S = 5.0  # no probe up to the load that queued this soon after a poll saw it
 PREFIX_BLOCKS = 8192  # prefix blocks remembered per replica (LRU)
 
 
