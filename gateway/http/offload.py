@@ -166,6 +166,7 @@ class Offloader:
         self._slots = asyncio.Semaphore(max_pending)
         self._starting = asyncio.Lock()
         self._warming: asyncio.Task[Any] | None = None
+        self._start_thread: threading.Thread | None = None
         self._closed = False
 
     def set_tokenizer(self, tokenizer: Any) -> None:
@@ -229,7 +230,8 @@ class Offloader:
                         if pool is not None:
                             pool.shutdown(wait=False)
 
-                threading.Thread(target=start, name="sluice-helper-start", daemon=True).start()
+                self._start_thread = threading.Thread(target=start, name="sluice-helper-start", daemon=True)
+                self._start_thread.start()
                 await asyncio.shield(started)
             assert self._pool is not None
             return self._pool
@@ -284,10 +286,16 @@ class Offloader:
                 log.warning("the request-preparation helper did not start: %s", e)
         self._warming = asyncio.create_task(start(), name="sluice-helper-warm")
 
-    def close(self) -> None:
+    def close(self, start_wait_s: float = 10.0) -> None:
+        """Stops the helper. One still starting is waited for (at most `start_wait_s`): a process that
+        exits while its new helper still reads its start-up pipe leaves that helper a stack trace
+        (its semaphores gone) in the server's log."""
         self._closed = True
         if self._warming is not None:
             self._warming.cancel()
+        thread = self._start_thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(start_wait_s)
         self._restart_pool()
 
 

@@ -188,3 +188,26 @@ async def test_starting_the_helper_does_not_stall_the_event_loop():
         off.close()
     assert len(gaps) > 5, "the helper started too fast to tell"
     assert max(gaps) < 0.15, f"the event loop stalled {max(gaps):.2f}s while the helper started"
+
+
+def test_a_gateway_stopping_while_its_helper_starts_leaves_no_stack_trace():
+    """Stopped right after start (SIGTERM at once after /ready), the gateway exited while the new helper
+    still unpickled its start-up arguments, and the helper printed a FileNotFoundError stack trace."""
+    import subprocess
+    import sys
+
+    script = (
+        "import asyncio\n"
+        "from gateway.http.offload import Offloader, RequestLimits\n"
+        "from tests.fixtures.big_tokenizer import BigTokenizer\n"
+        "async def main():\n"
+        "    off = Offloader(RequestLimits())\n"
+        "    off.set_tokenizer(BigTokenizer())\n"
+        "    off.warm()\n"
+        "    await asyncio.sleep(0.05)\n"
+        "    off.close()\n"
+        "asyncio.run(main())\n"
+        "print('closed')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "closed" in out.stdout, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
