@@ -324,11 +324,15 @@ def provider_toml(url: str) -> str:
             f'input_price_per_m = 0.15\noutput_price_per_m = 0.6\n')
 
 
+REFUSED: dict[str, list[str]] = {}  # tier label -> the 429 answers' error codes
+
+
 async def run_counted(plan: list[Arrival], send) -> tuple[dict[str, list[float]], dict[str, int], int]:
     """Like `run_load`, with who served each answer counted (x-sluice-backend) and 429s apart."""
     ttfts: dict[str, list[float]] = {"pro": [], "standard": [], "all": []}
     served: dict[str, int] = {}
     refused = 0
+    REFUSED.clear()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         t0 = time.perf_counter()
 
@@ -342,6 +346,8 @@ async def run_counted(plan: list[Arrival], send) -> tuple[dict[str, list[float]]
                 if "HTTP 429" not in str(e):
                     raise
                 refused += 1
+                code = str(e).split('"code":')[-1].split(",")[0].strip(' "}') if '"code"' in str(e) else "?"
+                REFUSED.setdefault(a.tier, []).append(code)
                 return
             ttfts[a.tier].append(ttft)
             ttfts["all"].append(ttft)
@@ -414,7 +420,8 @@ async def part_fair(args: argparse.Namespace) -> None:
             levels = [e.get("room_level") for e in ready.get("engines", {}).values()]
     lp99 = pct(t["pro"], 99) * 1000
     print(f"capacity {cap:.1f}/s; heavy key at 2x ({len(heavy)} requests), light key at 5% ({len(light)} requests)")
-    print(f"  light key: n={len(t['pro'])} p50 {pct(t['pro'], 50) * 1000:.0f} ms p99 {lp99:.0f} ms "
+    light_refused = REFUSED.get("pro", [])
+    print(f"  light key: refused {len(light_refused)} {sorted(set(light_refused))}; n={len(t['pro'])} p50 {pct(t['pro'], 50) * 1000:.0f} ms p99 {lp99:.0f} ms "
           f"({'within' if lp99 <= 1.2 * target else 'MISSED'} its {target:.0f} ms target + 20%)")
     print(f"  heavy key: served {len(t['standard'])}, p99 {pct(t['standard'], 99) * 1000:.0f} ms; "
           f"refused early (429) {refused}; replicas' learnt first-token s {learnt}, room levels {levels}")

@@ -9,13 +9,14 @@ level at which its waiting queue grows. That level is learnt, not configured:
   * a poll that sees requests waiting sets it to the most the engine was ever seen running (its batch
     limit; a poll that catches a request between two of its steps then costs nothing, as running is
     compared with the peak, not taken as it is);
-  * a poll that sees none waiting while Sluice had the replica at its level, or had requests waiting for
-    room, raises it by a quarter (a probe: the engine may run more, e.g. after freeing KV cache), up to
-    `max_in_flight`; a probe too far shows as a queue at the next poll and is taken back. Within
-    `PROBE_HOLD_S` of a poll that saw a queue, no probe reaches the load that queued then (running plus
-    waiting): each probe past an engine's batch limit leaves requests in its FIFO for a whole request's
-    time, and under sustained load (requests always waiting in Sluice) probing at every quiet poll put
-    those waits in every tier's p99 time to first token;
+  * a poll that sees none waiting while the replica was at its level (its load, Sluice's and others',
+    reached it) and Sluice had it at its level or had requests waiting for room, raises it by a quarter
+    (a probe: the engine may run more, e.g. after freeing KV cache), up to `max_in_flight`; a probe too
+    far shows as a queue at the next poll and is taken back. Within `PROBE_HOLD_S` of a poll that saw a
+    queue, no probe reaches the load that queued then (running plus waiting): each probe past an
+    engine's batch limit leaves requests in its FIFO for a whole request's time, and under sustained
+    load (requests always waiting in Sluice) probing at every quiet poll put those waits in every
+    tier's p99 time to first token;
   * a KV cache at `KV_FULL` or more at the last poll leaves no room (the engine would queue or preempt)
     until one of Sluice's requests on it ends.
 Until the first poll that sees a queue the level is `max_in_flight`. A replica whose metrics cannot be
@@ -108,7 +109,8 @@ class Replica(Provider):
             self.level = max(1, self.peak)
             self.learnt = True
             self.queued_at, self.queued_load = now, total
-        elif (ours + self.reserved >= self.level or self._wanted()) and self.level < self.engine.max_in_flight:
+        elif (total + self.reserved >= self.level and (ours + self.reserved >= self.level or self._wanted())
+              and self.level < self.engine.max_in_flight):
             probe = min(self.engine.max_in_flight, self.level + max(1, self.level // 4))
             if now - self.queued_at < PROBE_HOLD_S:
                 probe = min(probe, int(self.queued_load) - 1)  # not up to the load that queued just now

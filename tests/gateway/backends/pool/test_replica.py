@@ -84,7 +84,7 @@ def test_a_level_caught_low_is_probed_back_up_to_below_the_load_that_queued():
     assert r.level == 10
 
 
-def test_requests_waiting_in_sluice_probe_a_quiet_replica():
+def test_requests_waiting_in_sluice_probe_a_replica_that_others_keep_at_its_level():
     waiting = [True]
     s = EngineReplicaSettings(name="a", base_url="http://127.0.0.1:9/v1", kind="vllm", models=["m"])
     clock = Clock()
@@ -93,7 +93,9 @@ def test_requests_waiting_in_sluice_probe_a_quiet_replica():
     r.observe(ReplicaLoad(running=4, waiting=1, kv_usage=None))  # learnt 4 (2 are another client's)
     clock.t += PROBE_HOLD_S
     r.observe(ReplicaLoad(running=2, waiting=0, kv_usage=None))
-    assert r.level == 5
+    assert r.level == 4  # 2 in flight of 4: it has room, nothing to probe (a breaker-open replica idles so)
+    r.observe(ReplicaLoad(running=4, waiting=0, kv_usage=None))
+    assert r.level == 5  # at its level with ours and others', no queue, Sluice waiting: probed
 
 
 def test_others_load_on_the_engine_takes_room():
