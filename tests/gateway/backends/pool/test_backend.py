@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestServer
 from bench.mock_engine import EngineModel, make_app
 from bench.server import free_port
 from gateway.backends.pool.backend import PoolBackend, PoolBusy
+from gateway.backends.pool.replica import START_LEVEL
 from gateway.errors import APIError
 from gateway.messages import GenerationRequest, Target
 from gateway.openai.schema import ChatCompletionRequest
@@ -83,7 +84,7 @@ async def test_the_room_level_is_learnt_from_the_engines_queue(routing):
     pool = PoolBackend([_settings("a", server)], routing)
     try:
         r = pool.replicas[0]
-        assert r.level == 256
+        assert r.level == START_LEVEL  # a slow start: nothing learnt yet
         tasks = [asyncio.create_task(_answer(pool, _gen(tokens=40))) for _ in range(5)]
         deadline = time.monotonic() + 5
         while not r.learnt and time.monotonic() < deadline:

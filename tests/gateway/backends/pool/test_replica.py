@@ -4,7 +4,7 @@ queue grows, a level learnt from its metrics."""
 from __future__ import annotations
 
 from gateway.backends.pool.load import ReplicaLoad
-from gateway.backends.pool.replica import KV_FULL, PROBE_HOLD_S, Replica
+from gateway.backends.pool.replica import KV_FULL, PROBE_HOLD_S, START_LEVEL, Replica
 from gateway.settings import EngineReplicaSettings, RoutingSettings
 from tests.fixtures.clock import Clock
 
@@ -136,3 +136,15 @@ def test_prefix_blocks_match_from_the_start_only():
     r.remember([1, 2, 3])
     assert r.matched_blocks([1, 2, 3, 4]) == 3
     assert r.matched_blocks([9, 2, 3]) == 0
+
+
+def test_a_replica_starts_at_a_few_requests_and_is_probed_up_while_kept_full():
+    """A slow start: a burst before the first poll sends at most START_LEVEL to an engine whose limit
+    is unknown; one without metrics (kind openai) has only max_in_flight to go by."""
+    r = _replica(max_in_flight=64)
+    assert r.level == START_LEVEL
+    r.in_flight = START_LEVEL
+    r.observe(ReplicaLoad(running=START_LEVEL, waiting=0, kv_usage=None))
+    assert r.level == START_LEVEL + START_LEVEL // 4
+    s = EngineReplicaSettings(name="o", base_url="http://127.0.0.1:9/v1", kind="openai", models=["m"], max_in_flight=64)
+    assert Replica(s, RoutingSettings()).level == 64
