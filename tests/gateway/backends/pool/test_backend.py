@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 from bench.mock_engine import EngineModel, make_app
 from bench.server import free_port
 from gateway.backends.pool.backend import PoolBackend, PoolBusy
-from gateway.backends.pool.replica import START_LEVEL
+from gateway.backends.pool.replica import HEADROOM, START_LEVEL
 from gateway.errors import APIError
 from gateway.messages import GenerationRequest, Target
 from gateway.openai.schema import ChatCompletionRequest
@@ -89,7 +89,7 @@ async def test_the_room_level_is_learnt_from_the_engines_queue(routing):
         deadline = time.monotonic() + 5
         while not r.learnt and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        assert r.learnt and r.level == 2  # the engine ran 2 and queued the rest
+        assert r.learnt and r.level == 2 + HEADROOM  # the engine ran 2 and queued the rest
         late = asyncio.create_task(_answer(pool, _gen(tokens=2)))
         await asyncio.sleep(0.1)
         assert r.reserved == 0 and not late.done() and len(pool._waiters) == 1  # held in Sluice, not the engine
