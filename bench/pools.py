@@ -395,7 +395,10 @@ async def part_fair(args: argparse.Namespace) -> None:
     """Two standard keys on the pool alone: `heavy` floods at 2x the pool's capacity, `light` sends at 5%;
     the light key's TTFT p99 against the standard target, and what the flood got."""
     prompts = [f"Question {i}: tell me about item {i}." for i in range(64)]
-    LENGTHS.clear()
+    # Chat-like answer lengths (as the tiers part): with every answer as long, a replica's batch ends in
+    # lockstep and a request queued in it waits a whole answer for a slot.
+    rng = random.Random(5)
+    LENGTHS.update({p: min(64, max(4, round(4 * 16 ** (rng.random() ** 2)))) for p in prompts})
     target = args.standard_target_ms
     with replicas(args.replicas, args) as reps:
         cap = await capacity(reps, args.tokens, prompts)

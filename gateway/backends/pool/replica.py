@@ -11,7 +11,10 @@ level at which its waiting queue grows. That level is learnt, not configured:
     as running is compared with the peak, not taken as it is) plus `HEADROOM`: one request waiting in
     the engine starts the moment a slot frees, where one held in Sluice waits for the stream's end to be
     relayed, Sluice's admission and the engine's next step (at 90% load, holding every replica at its
-    batch limit exactly made the standard tier's p99 time to first token 3.9x round-robin's);
+    batch limit exactly made the standard tier's p99 time to first token 3.9x round-robin's). Not while
+    requests wait in Sluice for room (overload): then the one in the engine's queue waits for a slot
+    too, and its time went into every first-token estimate (0.75 s against 0.15 s), leaving the tiers
+    no time to wait;
   * a poll that sees none waiting while the replica was at its level (its load, Sluice's and others',
     reached it) and Sluice had it at its level or had requests waiting for room, raises it by a quarter
     (a probe: the engine may run more, e.g. after freeing KV cache), up to `max_in_flight`; a probe too
@@ -104,7 +107,8 @@ class Replica(Provider):
         if (self.load is not None and self.load.kv_usage is not None and self.load.kv_usage >= KV_FULL
                 and self._in_flight + self.reserved >= self.ours_at_poll):
             return False  # full at the last poll, and none of ours has ended since
-        return self.busy() < min(self.level, self.engine.max_in_flight)
+        level = self.level - HEADROOM if self.learnt and self._wanted() else self.level
+        return self.busy() < min(level, self.engine.max_in_flight)
 
     def observe(self, load: ReplicaLoad) -> None:
         """A poll's load: learn the level (the module's docstring) and what others run on it."""

@@ -150,3 +150,20 @@ def test_a_replica_starts_at_a_few_requests_and_is_probed_up_while_kept_full():
     assert r.level == START_LEVEL + START_LEVEL // 4
     s = EngineReplicaSettings(name="o", base_url="http://127.0.0.1:9/v1", kind="openai", models=["m"], max_in_flight=64)
     assert Replica(s, RoutingSettings()).level == 64
+
+
+def test_the_headroom_is_left_empty_while_requests_wait_in_sluice():
+    """One request may wait in the engine beyond its batch while Sluice has nothing waiting; under
+    overload it would wait there for a slot too, so room stops at the batch."""
+    waiting = [False]
+    s = EngineReplicaSettings(name="a", base_url="http://127.0.0.1:9/v1", kind="vllm", models=["m"])
+    r = Replica(s, RoutingSettings(), wanted=lambda: waiting[0], clock=Clock())
+    r.in_flight = 10
+    r.observe(ReplicaLoad(running=8, waiting=2, kv_usage=None))
+    assert r.level == 8 + HEADROOM
+    r.in_flight = 8
+    assert r.has_room()
+    waiting[0] = True
+    assert not r.has_room()
+    r.in_flight = 7
+    assert r.has_room()
