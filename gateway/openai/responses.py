@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.errors import APIError
 
@@ -32,6 +32,14 @@ class TextFormat(_Strict):
     description: str | None = None
     strict: bool | None = None
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _schema_named(self) -> TextFormat:
+        # Checked with the request, not when the answer is made: a `background` response was accepted
+        # (queued) with a json_schema format that had no schema, and failed only later.
+        if self.type == "json_schema" and (self.schema_ is None or self.name is None):
+            raise ValueError("a `text.format` of type json_schema needs `name` and `schema`")
+        return self
 
 
 class TextParam(_Strict):

@@ -194,6 +194,7 @@ async def test_function_calls_and_their_outputs_round_trip_as_items(tmp_path):
     ({"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "input[0].content[0]"),
     ({"input": ""}, "input"),
     ({"text": {"format": {"type": "json_schema"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema"}}, "background": True}, "text.format"),  # not queued first
     ({"background": True, "store": False}, "background"),
     ({"previous_response_id": "resp_nope"}, "previous_response_id"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
