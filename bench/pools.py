@@ -107,6 +107,13 @@ def pool_gateway(reps: Replicas, policy: str = "least_loaded", extra_toml: str =
 LENGTHS: dict[str, int] = {}  # a prompt's answer length (tokens), when the part gives prompts their own
 
 
+def chat_lengths(prompts: list[str]) -> None:
+    """Chat-like answer lengths for the prompts (4 to 64 tokens, most short, mean about 17), seeded: with
+    every answer as long, replicas end their batches in lockstep and round-robin is already perfect."""
+    rng = random.Random(5)
+    LENGTHS.update({p: min(64, max(4, round(4 * 16 ** (rng.random() ** 2)))) for p in prompts})
+
+
 def answer_tokens(prompt: str, default: int) -> int:
     return LENGTHS.get(prompt, default)
 
@@ -229,10 +236,7 @@ def summary(name: str, t: dict[str, list[float]]) -> str:
 
 async def part_tiers(args: argparse.Namespace) -> None:
     prompts = [f"Question {i}: tell me about item {i}." for i in range(64)]
-    # Chat-like answer lengths: most short, a few long (4 to 64 tokens, mean about 17): with every answer
-    # the same length the replicas run in lockstep and round-robin is already a perfect schedule.
-    rng = random.Random(5)
-    LENGTHS.update({p: min(64, max(4, round(4 * 16 ** (rng.random() ** 2)))) for p in prompts})
+    chat_lengths(prompts)
     with replicas(args.replicas, args) as reps:
         cap = await capacity(reps, args.tokens, prompts)
         rate = args.load * cap
@@ -359,8 +363,7 @@ async def run_counted(plan: list[Arrival], send) -> tuple[dict[str, list[float]]
 
 async def part_slo(args: argparse.Namespace) -> None:
     prompts = [f"Question {i}: tell me about item {i}." for i in range(64)]
-    rng = random.Random(5)
-    LENGTHS.update({p: min(64, max(4, round(4 * 16 ** (rng.random() ** 2)))) for p in prompts})
+    chat_lengths(prompts)
     targets = {"pro": args.pro_target_ms, "standard": args.standard_target_ms}
     # The provider: a hosted API's scale (its batch does not slow it down), a step as fast as a replica's.
     cloud = argparse.Namespace(**{**vars(args), "max_running": 4096, "per_seq_ms": 0.0})
@@ -395,10 +398,7 @@ async def part_fair(args: argparse.Namespace) -> None:
     """Two standard keys on the pool alone: `heavy` floods at 2x the pool's capacity, `light` sends at 5%;
     the light key's TTFT p99 against the standard target, and what the flood got."""
     prompts = [f"Question {i}: tell me about item {i}." for i in range(64)]
-    # Chat-like answer lengths (as the tiers part): with every answer as long, a replica's batch ends in
-    # lockstep and a request queued in it waits a whole answer for a slot.
-    rng = random.Random(5)
-    LENGTHS.update({p: min(64, max(4, round(4 * 16 ** (rng.random() ** 2)))) for p in prompts})
+    chat_lengths(prompts)  # (uniform lengths: a request queued in a replica waits a whole answer)
     target = args.standard_target_ms
     with replicas(args.replicas, args) as reps:
         cap = await capacity(reps, args.tokens, prompts)
