@@ -10,6 +10,7 @@ own terms (a 429 with Retry-After, a 503 naming its cause) without importing the
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 from aiohttp import web
@@ -53,7 +54,9 @@ class APIError(Exception):
     def to_response(self) -> web.Response:
         headers = {}
         if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, int(round(self.retry_after))))
+            # Up, not to the nearest: a provider's 120 s window read 0.6 s later is 119.4 s, and a client
+            # told 119 would come back before the window ends.
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after - 1e-6)))
         return web.json_response(self.body(), status=self.status, headers=headers)
 
 
