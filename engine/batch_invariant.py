@@ -31,8 +31,12 @@ from kernels import AttentionMetadata, write_kv
 CHUNK = 16  # rows per matmul call: padding a lone decode to 16 rows costs less than more calls per prefill
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T computed in fixed-shape chunks of CHUNK rows (x: [M, K], weight: [N, K])."""
+def linear(x: torch.Tensor, weight: torch.Tensor, multiply_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ weight.T computed in fixed-shape chunks of CHUNK rows (x: [M, K], weight: [N, K]).
+    `multiply_dtype`: both converted to it first (float32 for bf16 weights on a CPU without bf16 units,
+    where the emulated bf16 matmul is ~5x slower; the weight is converted once per call, not kept)."""
+    if multiply_dtype is not None and multiply_dtype != weight.dtype:
+        x, weight = x.to(multiply_dtype), weight.to(multiply_dtype)
     m = x.shape[0]
     pad = -m % CHUNK
     if pad:

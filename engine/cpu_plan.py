@@ -29,6 +29,7 @@ import torch
 from kernels.dispatch import native_cpu_allowed
 
 ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # a CPU with these multiplies bf16 in hardware
 # Fewer threads than all must be this much faster to be chosen (timing noise at start aside, the
 # attention and elementwise ops of larger steps, which are not timed, gain from all threads).
 FEWER_THREADS_MARGIN = 1.1
@@ -48,11 +49,15 @@ class CpuKernels:
     native: bool = False
     threads: int = 1
     amx_min_rows: int = 0
+    # The CPU multiplies bf16 in hardware (AVX512-BF16, AMX); without it oneDNN emulates a bf16 matmul
+    # ~5x slower than float32, so the deterministic path multiplies bf16 weights in float32 instead.
+    bf16_units: bool = False
 
     @staticmethod
     def decide(device: torch.device) -> CpuKernels:
         """Native kernels where the device is a CPU and they are allowed; this process's torch threads."""
-        return CpuKernels(native=device.type == "cpu" and native_cpu_allowed(), threads=torch.get_num_threads())
+        return CpuKernels(native=device.type == "cpu" and native_cpu_allowed(), threads=torch.get_num_threads(),
+                          bf16_units=device.type == "cpu" and cpu_has_bf16_units())
 
 
 @dataclass(frozen=True)
@@ -83,12 +88,35 @@ class Plan:
     def describe(self) -> str:
         return ", ".join(f"<={r}: {c}" for r, c in zip(self.rows, self.choices)) + f", above: {self.above}"
 
+    def to_json(self) -> dict[str, object]:
+        """For the tuning cache (engine/tuning_cache.py)."""
+        return {"rows": list(self.rows), "choices": [[c.packed, c.threads] for c in self.choices],
+                "above": [self.above.packed, self.above.threads]}
+
+    @staticmethod
+    def from_json(d: dict) -> Plan:
+        return Plan(tuple(int(r) for r in d["rows"]), tuple(Choice(bool(p), int(t)) for p, t in d["choices"]),
+                    Choice(bool(d["above"][0]), int(d["above"][1])))
+
     @staticmethod
     def fixed(threads: int, packed_max_rows: int = 0) -> Plan:
         """No measurement: packed weights up to `packed_max_rows`, `threads` threads throughout."""
         if packed_max_rows <= 0:
             return Plan((), (), Choice(False, threads))
         return Plan((packed_max_rows,), (Choice(True, threads),), Choice(False, threads))
+
+
+def cpu_has_bf16_units() -> bool:
+    """The CPU's flags list bf16 dot-product units (what oneDNN may use; see engine/embedding/precision.py
+    for why the embedding engine also times them)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return any(flag in line.split() for flag in NATIVE_BF16_FLAGS)
+    except OSError:
+        pass
+    return False
 
 
 def thread_candidates(max_threads: int) -> list[int]:

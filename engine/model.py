@@ -104,6 +104,10 @@ class LlamaModel(nn.Module):
         # (Not in deterministic mode: the output layer stays one full-precision batch-invariant matmul.)
         use_q4 = bool(q4_blocks) and int4_available(device) and not det
         self.cos, self.sin = rope_tables(args, device)
+        # Deterministic bf16 weights on a CPU without bf16 units: the fixed-shape chunks multiply in float32
+        # (oneDNN's emulated bf16 matmul is ~5x slower); still batch-invariant, and still bf16 in memory.
+        mul = torch.float32 if det and wdt == torch.bfloat16 and device.type == "cpu" and \
+            not self.kernels.bf16_units else None
 
         def q4(name: str) -> Q4Blocks | None:
             """The 4-bit blocks of a weight, if it has them and they still match the weight given (a caller
@@ -145,10 +149,10 @@ class LlamaModel(nn.Module):
             self.layers.append(LayerWeights(
                 attn_norm=w(p + "input_layernorm.weight"),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                qkv=Linear(qkv, qkv_bias, wdt, det, packed=qkv4),
-                o=Linear(w(p + "self_attn.o_proj.weight"), None, wdt, det, packed=o4),
-                gate_up=Linear(gate_up, None, wdt, det, packed=gate_up4),
-                down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det, packed=down4),
+                qkv=Linear(qkv, qkv_bias, wdt, det, packed=qkv4, multiply_dtype=mul),
+                o=Linear(w(p + "self_attn.o_proj.weight"), None, wdt, det, packed=o4, multiply_dtype=mul),
+                gate_up=Linear(gate_up, None, wdt, det, packed=gate_up4, multiply_dtype=mul),
+                down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det, packed=down4, multiply_dtype=mul),
             ))
             drop_layer(i)
         # With the native step the output layer is native too: only its int8 copy, in the kernel's

@@ -97,17 +97,19 @@ class Linear:
     CPU's bf16 matmul (AMX / AVX512-BF16) than dequantising (see engine/cpu_plan.py)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: torch.dtype,
-                 invariant: bool = False, packed: PackedWeight | None = None):
+                 invariant: bool = False, packed: PackedWeight | None = None,
+                 multiply_dtype: torch.dtype | None = None):
         self.weight = weight.to(weight_dtype).contiguous()
         self.bias = bias
         self.invariant = invariant  # fixed-shape matmuls: a row's result ignores the rest of the batch
+        self.multiply_dtype = multiply_dtype  # invariant only: the dtype its chunks multiply in (None: the weight's)
         self.packed = packed
 
     def __call__(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
         if packed and self.packed is not None:
             y = self.packed.mm(x).to(x.dtype)
         elif self.invariant:
-            y = batch_invariant.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+            y = batch_invariant.linear(x.to(self.weight.dtype), self.weight, self.multiply_dtype).to(x.dtype)
         else:
             y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         return y + self.bias if self.bias is not None else y

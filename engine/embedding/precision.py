@@ -16,19 +16,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+from ..cpu_plan import cpu_has_bf16_units
+
 BF16_MARGIN = 1.3  # bf16 must be this much faster than float32 (it is ~2x where the units work)
-
-
-def cpu_has_bf16_units() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return any(flag in line.split() for flag in NATIVE_BF16_FLAGS)
-    except OSError:
-        pass
-    return False
 
 
 def bf16_measured_faster(hidden: int = 384, rows: int = 256) -> bool:
