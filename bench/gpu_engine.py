@@ -51,6 +51,7 @@ def random_llama(shape: str, device: str, dtype: torch.dtype):
                   p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
                   p + "mlp.down_proj.weight": rnd(h, i)})
     base.args, base.weights, base.name = args, w, f"random-llama-{shape}"
+    base.source = None  # no file behind these weights: nothing of theirs is kept in the tuning cache
     return base
 
 

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from .tuning_cache import file_fingerprint
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -111,6 +113,9 @@ class LoadedModel:
     # GGUF: the block types of the layers' matrices (type name -> how many), what decides whether the native
     # CPU step can read the file (it reads Q4_0 and Q4_1) and what the start-up log names when it cannot.
     layer_types: dict[str, int] = field(default_factory=dict)
+    # The file or folder the weights came from, as path, size and modification time (None: weights made in
+    # memory): with the shapes, what names this model in the tuning cache (engine/tuning_cache.py).
+    source: str | None = None
 
 
 def default_model_path() -> Path:
@@ -298,6 +303,7 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
         chat_template=_field(reader, "tokenizer.chat_template"),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=sorted({int(x) for x in (eos, eot) if x is not None}),
+        source=file_fingerprint(path),
     )
 
 
@@ -359,4 +365,5 @@ def _load_hf_folder(path: Path, with_weights: bool = True) -> LoadedModel:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=[int(e) for e in eos_ids],
         generation_defaults=defaults,
+        source=file_fingerprint(path),
     )

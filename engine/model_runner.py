@@ -5,6 +5,7 @@ It only reads the sequences (tokens, progress, block tables); the scheduler appl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import mmap
@@ -15,7 +16,7 @@ import torch
 from kernels import AttentionMetadata
 
 from .config import EngineConfig
-from .cpu_plan import ROW_CANDIDATES, CpuKernels, amx_min_rows
+from .cpu_plan import ROW_CANDIDATES, CpuKernels, Plan, amx_min_rows
 from .cuda_graphs import DecodeGraphs
 from .guide import Guides
 from .loader import LoadedModel
@@ -23,11 +24,13 @@ from .model import LlamaModel
 from .sampler import Sampled, sample
 from .sequence import Sequence
 from .step_cost import StepCost
+from .tuning_cache import TuningCache, machine_key
 from .weights import int4_available
 
 log = logging.getLogger(__name__)
 
 # The step cost model's timing at start: a chunk of this many tokens at position 0 and from position DEEP.
+KEPT = " (kept from an earlier start: engine/tuning_cache.py)"
 STEP_COST_CHUNK = 64
 STEP_COST_DEEP = 1024
 STEP_COST_REPEATS = 3
@@ -125,6 +128,9 @@ class ModelRunner:
         # Native CPU kernels or not, their threads and AMX rows: decided here, once, for the model and the sampler.
         self.kernels = CpuKernels.decide(self.device)
         args = loaded.args
+        # Start-up timings kept from an earlier start of this model and configuration on this machine.
+        self.tuning = TuningCache.from_env()
+        self._model_key = None if loaded.source is None else {"model": loaded.source, "args": repr(args)}
         self.weight_dtype = pick_weight_dtype(config)
         self.int4 = use_int4(config, loaded, self.device)
         self.kv_dtype = pick_kv_dtype(config, self.device, self.dtype, self.weight_dtype)
@@ -169,22 +175,45 @@ class ModelRunner:
 
     def _plan_cpu_steps(self) -> None:
         """Which weights (packed low-bit or dense) and how many threads each step size uses, measured
-        here at start (engine/cpu_plan.py), and logged."""
+        here at start (engine/cpu_plan.py) or kept from an earlier start (engine/tuning_cache.py), and logged."""
         cfg, model = self.config, self.model
         threads = self.kernels.threads
         forced = cfg.int4_max_batch if model.has_packed else None
-        times = model.plan_cpu_steps(threads, forced)
-        assert model.layer_plan is not None and model.head_plan is not None
-        self.int4_max_rows = model.layer_plan.packed_max_rows() if forced is None else forced
-        log.info("CPU steps (%d threads): layers %s; output layer %s", threads, model.layer_plan.describe(),
-                 model.head_plan.describe())
-        log.debug("CPU step timings: %s", times)
+        times: dict[str, str] = {}
+
+        def measure() -> tuple[Plan, Plan]:
+            times.update(model.plan_cpu_steps(threads, forced))
+            assert model.layer_plan is not None and model.head_plan is not None
+            return model.layer_plan, model.head_plan
+
+        (layers, head), kept = self.tuning.remember(
+            "cpu-plan", self._tuning_key(forced_packed_rows=forced), measure,
+            lambda plans: [p.to_json() for p in plans], lambda d: (Plan.from_json(d[0]), Plan.from_json(d[1])))
+        model.layer_plan, model.head_plan = layers, head
+        self.int4_max_rows = layers.packed_max_rows() if forced is None else forced
+        log.info("CPU steps (%d threads): layers %s; output layer %s%s", threads, layers.describe(),
+                 head.describe(), KEPT if kept else "")
+        if times:
+            log.debug("CPU step timings: %s", times)
+
+    def _tuning_key(self, **measured: object) -> dict[str, object] | None:
+        """What a start-up timing depends on: the machine, the model, the runner's choices and `measured`
+        (what the timed steps were). None (not kept) for a model with no file behind it."""
+        if self._model_key is None:
+            return None
+        cfg = self.config
+        native = self.model.native
+        return {**machine_key(str(self.device)), **self._model_key, "threads": self.kernels.threads,
+                "dtype": str(self.dtype), "weights": str(self.weight_dtype), "kv": str(self.kv_dtype),
+                "int4": self.int4, "native": native.library if native is not None else None,
+                "deterministic": cfg.deterministic, "block_size": cfg.block_size, **measured}
 
     def _plan_native(self) -> None:
         """From how many rows the native step multiplies on AMX tiles (configured, or timed against its
         int16 matmul on the first layers with a synthetic context, at the kernels' thread count)."""
         model, cfg, kernels = self.model, self.config, self.kernels
         assert model.native is not None
+        kept = False
         if not model.native.amx:
             kernels.amx_min_rows = 0
         elif cfg.amx_min_rows is not None:
@@ -199,11 +228,19 @@ class ModelRunner:
                 self.model.hidden(*step, num_layers=NATIVE_TIMING_LAYERS, amx_min_rows=1 if amx else 0)
                 return time.perf_counter() - t
 
-            kernels.amx_min_rows, times = amx_min_rows(time_step, rows)
-            log.debug("native CPU step, AMX vs int16 matmuls (first %d layers, ms): %s", NATIVE_TIMING_LAYERS,
-                      {r: (round(a * 1e3, 2), round(i * 1e3, 2)) for r, (a, i) in times.items()})
+            def measure() -> int:
+                first, times = amx_min_rows(time_step, rows)
+                log.debug("native CPU step, AMX vs int16 matmuls (first %d layers, ms): %s", NATIVE_TIMING_LAYERS,
+                          {r: (round(a * 1e3, 2), round(i * 1e3, 2)) for r, (a, i) in times.items()})
+                return first
+
+            kernels.amx_min_rows, kept = self.tuning.remember(
+                "amx-rows", self._tuning_key(rows=rows, context=NATIVE_TIMING_CONTEXT, layers=NATIVE_TIMING_LAYERS),
+                measure, int, int)
         amx = (f"AMX matmuls from {kernels.amx_min_rows} rows" if kernels.amx_min_rows else
                "no AMX on this CPU" if not model.native.amx else "AMX off")
+        if model.native.amx and cfg.amx_min_rows is None and kept:
+            amx += KEPT
         log.info("native CPU forward step (kernels/cpu, %s, %d threads) for every step; %s; its 4-bit weights "
                  "%d MiB", model.native.isa, kernels.threads, amx, model.native.nbytes() // 2**20)
 
@@ -259,8 +296,13 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             return time.perf_counter() - t
 
-        cost = StepCost.measure(timed, chunk, deep, STEP_COST_REPEATS)
-        log.info("step cost model (scheduler): %s", cost.describe())
+        plans = {"layers": self.model.layer_plan.describe() if self.model.layer_plan else None,
+                 "amx_min_rows": self.kernels.amx_min_rows}
+        cost, kept = self.tuning.remember(
+            "step-cost", self._tuning_key(chunk=chunk, deep=deep, repeats=STEP_COST_REPEATS, **plans),
+            lambda: StepCost.measure(timed, chunk, deep, STEP_COST_REPEATS), dataclasses.asdict,
+            lambda d: StepCost(**d))
+        log.info("step cost model (scheduler): %s%s", cost.describe(), KEPT if kept else "")
         return cost
 
     def _pool_blocks(self, bytes_per_token: int) -> int:

@@ -5,9 +5,19 @@ ops and make small ops up to 100x slower. TRITON_INTERPRET=1 without a GPU: Trit
 the CPU (Triton reads it at import, and transformers imports Triton while the suite is collected).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Start-up timings (engine/tuning_cache.py) are kept for this run only, in one folder that the xdist workers
+# and every server they start share (they inherit the variable): the first engine of a configuration
+# measures, the rest start without (~1.5 s of each native start, ~6 s of a torch-path one), and no run
+# reads what another run, or the user's own service, measured.
+if "SLUICE_TUNING_CACHE" not in os.environ:
+    os.environ["SLUICE_TUNING_CACHE"] = _tuning = tempfile.mkdtemp(prefix="sluice-tuning-")
+    atexit.register(shutil.rmtree, _tuning, ignore_errors=True)
 
 import torch
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -112,6 +113,7 @@ class ForwardStep:
         lib = _library(lib, "native CPU forward step")
         self._fn = lib.sluice_forward
         self.isa: str = lib.sluice_forward_isa().decode()  # avx512-vnni, avx512, avx2 or scalar
+        self.library: str = Path(lib._name).name  # the build (its name hashes its sources and flags)
         self.amx: bool = bool(lib.sluice_amx_available())  # the AMX matmul for steps of many rows
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), block_size, eps)
         self._layers = layers  # keeps the tensors that the structs point to alive

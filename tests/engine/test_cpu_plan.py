@@ -1,5 +1,6 @@
 """The CPU step plan: per step size, packed or dense weights and a thread count, chosen by timing."""
 
+import json
 import time
 
 import torch
@@ -102,3 +103,9 @@ def test_the_kernel_choice_is_made_once_from_the_device_and_sluice_kernels(monke
     assert not CpuKernels.decide(torch.device("cuda")).native
     monkeypatch.setenv("SLUICE_KERNELS", "torch")
     assert not CpuKernels.decide(torch.device("cpu")).native
+
+
+def test_a_plan_survives_its_json_form_for_the_tuning_cache():
+    plan = Plan((1, 8, 32), (Choice(True, 1), Choice(True, 2), Choice(False, 1)), Choice(False, 2))
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    assert Plan.from_json(Plan.fixed(2).to_json()) == Plan.fixed(2)
