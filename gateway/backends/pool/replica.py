@@ -40,7 +40,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from gateway.backends.pool.load import ReplicaLoad
-from gateway.backends.pool.slo import FirstTokenTimes
 from gateway.backends.remote.provider import Provider
 from gateway.settings import EngineReplicaSettings, RoutingSettings
 
@@ -81,7 +80,6 @@ class Replica(Provider):
         self.reserved = 0
         self.polled_at = 0.0
         self.blocks: OrderedDict[int, None] = OrderedDict()  # prefix block hashes it has likely cached
-        self.first_token = FirstTokenTimes()  # from sending a request to its first token (slo.py)
 
     # in_flight is written by the tries (+1 when one starts, -1 when it ends): a drop frees room.
     @property

@@ -18,10 +18,6 @@ cannot get room in time is better sent elsewhere at once than after waiting in v
 
 from __future__ import annotations
 
-from gateway.backends.latency import FirstTokenTimes
-
-__all__ = ["Durations", "FirstTokenTimes", "expected_wait", "wait_budget"]
-
 ALPHA = 0.1  # weight of each new request duration
 MIN_DURATIONS = 3  # fewer requests ended: the drain rate is unknown (nothing is refused early)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.backends.pool.slo import Durations, FirstTokenTimes, expected_wait, wait_budget
+from gateway.backends.latency import FirstTokenTimes
+from gateway.backends.pool.slo import Durations, expected_wait, wait_budget
 
 
 def test_first_token_times_estimate_a_high_quantile_not_the_mean():
