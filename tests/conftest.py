@@ -37,7 +37,8 @@ from tests.fixtures.servers import real_gateway, redis_server  # noqa: F401  (se
 # Triton interpreter) fills in around them; what measures token rates or stalls is marked `serial` and
 # runs afterwards, alone.
 SERVER_FIXTURES = {"real_gateway"}
-ENGINE_FIXTURES = {"engine", "tokenizer", "configured", "embedding_engine", "minilm_reference"}
+ENGINE_FIXTURES = {"engine", "torch_engine", "tokenizer", "configured", "torch_configured", "embedding_engine",
+                   "minilm_reference"}
 # Heavy modules with engines of their own (module fixtures, none of the session ones): a group each, so
 # xdist can put them on whichever worker has room instead of lengthening the "engine" group (2 minutes
 # of deterministic-mode runs, transformers' reference model).

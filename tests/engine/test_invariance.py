@@ -1,4 +1,5 @@
-"""Greedy outputs do not change with chunked prefill, preemption and recompute, or prefix-cache hits."""
+"""Greedy outputs do not change with chunked prefill, preemption and recompute, or prefix-cache hits: on the
+native CPU step that serves by default and on the torch path (models the native step does not read)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,14 @@ def assert_same_or_near_tie(engine, reqs, got, want):
         assert (logits[a[k]] - logits[b[k]]).abs().item() < 1e-3, f"{r.request_id} diverged at {k}: not a near-tie"
 
 
-def test_chunked_prefill_does_not_change_outputs(configured):
+@pytest.fixture(params=["native", "torch"])
+def configured_path(request):
+    """The shared engine of either path under other settings (tests/engine/conftest.py)."""
+    return request.getfixturevalue("configured" if request.param == "native" else "torch_configured")
+
+
+def test_chunked_prefill_does_not_change_outputs(configured_path):
+    configured = configured_path
     engine = configured(chunked_prefill_size=0, max_num_batched_tokens=4096, enable_prefix_caching=False)
     base = outputs(engine, requests(engine, "a"))
     engine = configured(chunked_prefill_size=32, max_num_batched_tokens=64, enable_prefix_caching=False)
@@ -44,7 +52,8 @@ def test_chunked_prefill_does_not_change_outputs(configured):
     assert_same_or_near_tie(engine, reqs, chunked, base)
 
 
-def test_preemption_and_recompute_do_not_change_outputs(configured):
+def test_preemption_and_recompute_do_not_change_outputs(configured_path):
+    configured = configured_path
     engine = configured(enable_prefix_caching=False)
     reqs = requests(engine, "c")
     base = outputs(engine, reqs)
@@ -60,7 +69,8 @@ def test_preemption_and_recompute_do_not_change_outputs(configured):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_prefix_cache_hits_do_not_change_outputs_and_skip_prefill(configured):
+def test_prefix_cache_hits_do_not_change_outputs_and_skip_prefill(configured_path):
+    configured = configured_path
     engine = configured(enable_prefix_caching=False)
     base = outputs(engine, requests(engine, "e"))
     engine = configured(enable_prefix_caching=True)
@@ -77,38 +87,21 @@ def test_prefix_cache_hits_do_not_change_outputs_and_skip_prefill(configured):
     assert_same_or_near_tie(engine, reqs, first + rest, base)
 
 
-def test_native_int16_step_gives_the_same_tokens_however_requests_are_batched():
+def test_native_int16_step_gives_the_same_tokens_however_requests_are_batched(configured):
     """The serving default's native CPU step with its int16 matmuls for every step size (amx_min_rows=0)
     computes each token row on its own: the same operations in the same order whatever else is in the
     step. So greedy outputs are identical, not merely near-tie close, alone or batched, in one prefill
     or in chunks of 32, and after prefix-cache hits (the gateway tests rely on it)."""
-    import kernels.cpu as cpu_kernels
-    from engine import EngineConfig, LLMEngine
-
-    if not cpu_kernels.available():
+    engine = configured(enable_prefix_caching=False, chunked_prefill_size=0, max_num_batched_tokens=4096)
+    if engine.runner.model.native is None:
         pytest.skip("no C compiler for the native CPU step")
-
-    import dataclasses
-
-    from engine.block_manager import BlockManager
-    from engine.scheduler import Scheduler
-
-    engine = LLMEngine(EngineConfig(kv_cache_tokens=8192, amx_min_rows=0, enable_prefix_caching=False,
-                                    chunked_prefill_size=0, max_num_batched_tokens=4096, max_model_len=4096))
-    assert engine.runner.model.native is not None and engine.runner.kernels.amx_min_rows == 0
-
-    def scheduled(**kw):
-        """The same model runner under other scheduler settings (a new engine would only load it again)."""
-        engine.config = dataclasses.replace(engine.config, **kw)
-        engine.block_manager = BlockManager(engine.runner.num_blocks, engine.config.block_size,
-                                            engine.config.enable_prefix_caching)
-        engine.scheduler = Scheduler(engine.config, engine.block_manager, cost=engine.step_cost)
+    assert engine.runner.kernels.amx_min_rows == 0
 
     reqs = requests(engine, "alone", n=6)
     alone = [outputs(engine, [r])[0] for r in reqs]
-    scheduled(chunked_prefill_size=32, max_num_batched_tokens=64)
+    engine = configured(enable_prefix_caching=False, chunked_prefill_size=32, max_num_batched_tokens=64)
     assert outputs(engine, requests(engine, "chunked", n=6)) == alone
-    scheduled(enable_prefix_caching=True, chunked_prefill_size=256, max_num_batched_tokens=512)
+    engine = configured(enable_prefix_caching=True, chunked_prefill_size=256, max_num_batched_tokens=512)
     before = engine.stats.prefill_tokens
     first = outputs(engine, requests(engine, "warm", n=1))
     rest = outputs(engine, requests(engine, "hit", n=6)[1:])
@@ -117,14 +110,15 @@ def test_native_int16_step_gives_the_same_tokens_however_requests_are_batched():
     assert first + rest == alone
 
 
-def test_native_step_serves_a_prompt_longer_than_a_chunk():
+def test_native_step_serves_a_prompt_longer_than_a_chunk(engine):
     """The serving default (native step, AMX from its measured row count): a 700-token prompt runs as
-    prefill chunks of 256 (steps that sample nothing), then decodes; the answer is the int16 path's."""
-    import kernels.cpu as cpu_kernels
+    prefill chunks of 256 (steps that sample nothing), then decodes; the answer is the int16 path's (the
+    shared engine's)."""
     from engine import EngineConfig, LLMEngine
 
-    if not cpu_kernels.available():
+    if engine.runner.model.native is None:
         pytest.skip("no C compiler for the native CPU step")
+    int16 = engine
     text = " ".join(f"item {i} is {i * 7 % 13}." for i in range(120))
     outs: list[list[int]] = []
     measured_rows = None  # the AMX threshold the default measured
@@ -132,8 +126,9 @@ def test_native_step_serves_a_prompt_longer_than_a_chunk():
         if amx == 0 and measured_rows == 0:
             outs.append(outs[0])  # no AMX here: the measured default is the int16 path already
             break
-        engine = LLMEngine(EngineConfig(kv_cache_tokens=4096, amx_min_rows=amx, max_model_len=2048))
-        measured_rows = engine.runner.kernels.amx_min_rows
+        engine = LLMEngine(EngineConfig(kv_cache_tokens=4096, max_model_len=2048)) if amx is None else int16
+        if amx is None:
+            measured_rows = engine.runner.kernels.amx_min_rows
         ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text + " Which item is 5?"}])
         assert len(ids) > 2 * engine.config.chunked_prefill_size
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -38,9 +38,10 @@ def test_greedy_top5_equal_log_softmax_of_full_precision_logits(engine, tokenize
     check_against_full_logits(engine, prompt, ids, lps, 5)
 
 
-def test_bf16_output_layer_still_gives_exact_logprobs(engine, tokenizer):
-    """With the bf16 output layer only each row's top candidates are exact; rows that want logprobs are
-    recomputed in full precision."""
+def test_bf16_output_layer_still_gives_exact_logprobs(torch_engine, tokenizer):
+    """With the torch path's bf16 output layer only each row's top candidates are exact; rows that want
+    logprobs are recomputed in full precision."""
+    engine = torch_engine
     model = engine.runner.model
     assert model.lm_head_fast is None  # the fixture's fp32 engine: install the bf16 layer for this test
     model.lm_head_fast = Linear(model.lm_head.weight, None, torch.bfloat16)
