@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu.cpuinfo import cpu_info
 from kernels.dispatch import native_cpu_allowed
 
 ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
@@ -109,14 +110,7 @@ class Plan:
 def cpu_has_bf16_units() -> bool:
     """The CPU's flags list bf16 dot-product units (what oneDNN may use; see engine/embedding/precision.py
     for why the embedding engine also times them)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return any(flag in line.split() for flag in NATIVE_BF16_FLAGS)
-    except OSError:
-        pass
-    return False
+    return not cpu_info().flags.isdisjoint(NATIVE_BF16_FLAGS)
 
 
 def thread_candidates(max_threads: int) -> list[int]:

@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import tempfile
 from collections.abc import Callable
 from functools import cache
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+
+from kernels.cpu.cpuinfo import cpu_info
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +101,10 @@ def machine_key(device: str) -> dict[str, Any]:
         key["gpu"] = torch.cuda.get_device_name(index)
         key["capability"] = list(torch.cuda.get_device_capability(index))
         return key
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first processor's
-            field, _, value = line.partition(":")
-            fields.setdefault(field.strip(), value.strip())
-            if "flags" in fields and "model name" in fields:
-                break
-    except OSError:
-        pass
-    name, flags = fields.get("model name") or platform.processor(), fields.get("flags", "")
+    info = cpu_info()
+    name, flags = info.model_name, " ".join(sorted(info.flags))
     key["cpu"] = name
-    key["flags"] = hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
+    key["flags"] = hashlib.sha256(flags.encode()).hexdigest()[:16]
     return key
 
 

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from . import abi
+from .cpuinfo import cpu_info
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +42,6 @@ def cache_dir() -> Path:
     return Path(base) / "sluice" / "kernels"
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
@@ -59,7 +50,7 @@ def _key(cc: str, flags: tuple[str, ...]) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
     for part in (*(p.name.encode() + p.read_bytes() for p in _sources()), " ".join(flags).encode(), version.encode(),
-                 _cpu_flags().encode()):
+                 cpu_info().flags_line.encode()):
         h.update(part)
     return h.hexdigest()[:16]
 

@@ -9,30 +9,22 @@ and every build of forward.c that this CPU can run (native, AVX2, plain C), with
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.cpu import ForwardStep, LayerBlocks, pack_q4_1
 from kernels.cpu import build as cpu_build
+from kernels.cpu.cpuinfo import cpu_info
 
 pytestmark = pytest.mark.skipif(cpu_build.load() is None, reason="no C compiler to build kernels/cpu/forward.c")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                        if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return set()
 
 
 BUILDS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3",), "plain": ("-march=x86-64",)}
 
 
 def _library(build: str):
-    if build == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+    if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_info().flags:
         pytest.skip("this CPU has no AVX2/FMA/F16C")
     lib = cpu_build.compile_library(BUILDS[build])
     assert lib is not None
@@ -270,11 +262,11 @@ def test_builds_take_their_code_paths():
     model = TinyModel(**CONFIGS["even-groups"])
     names = {build: ForwardStep(**model.dims, block_size=4, layers=model.blocks, cos=torch.zeros(8, 16),
                                sin=torch.zeros(8, 16), lib=cpu_build.compile_library(flags)).isa
-             for build, flags in BUILDS.items() if build != "avx2" or {"avx2", "fma", "f16c"} <= _cpu_flags()}
+             for build, flags in BUILDS.items() if build != "avx2" or {"avx2", "fma", "f16c"} <= cpu_info().flags}
     assert names["plain"] == "scalar"
     if "avx2" in names:
         assert names["avx2"] == "avx2"
-    flags = _cpu_flags()
+    flags = cpu_info().flags
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
         assert names["native"] == ("avx512-vnni" if "avx512_vnni" in flags else "avx512")
 
