@@ -35,28 +35,40 @@ def assert_same_or_near_tie(engine, reqs, got, want):
         assert (logits[a[k]] - logits[b[k]]).abs().item() < 1e-3, f"{r.request_id} diverged at {k}: not a near-tie"
 
 
+_BASELINES: dict[str, list[list[int]]] = {}
+
+
 @pytest.fixture(params=["native", "torch"])
 def configured_path(request):
     """The shared engine of either path under other settings (tests/engine/conftest.py)."""
     return request.getfixturevalue("configured" if request.param == "native" else "torch_configured")
 
 
-def test_chunked_prefill_does_not_change_outputs(configured_path):
+@pytest.fixture
+def baseline(request, configured_path):
+    """Each path's outputs for `requests` in one unchunked prefill, no prefix cache and room for all: what
+    every other setting must reproduce. Computed once per path and shared by the tests below (each ran
+    the same four requests for its own baseline before)."""
+    path = request.node.callspec.params["configured_path"]
+    if path not in _BASELINES:
+        engine = configured_path(chunked_prefill_size=0, max_num_batched_tokens=4096, enable_prefix_caching=False)
+        _BASELINES[path] = outputs(engine, requests(engine, "base"))
+    return _BASELINES[path]
+
+
+def test_chunked_prefill_does_not_change_outputs(configured_path, baseline):
     configured = configured_path
-    engine = configured(chunked_prefill_size=0, max_num_batched_tokens=4096, enable_prefix_caching=False)
-    base = outputs(engine, requests(engine, "a"))
     engine = configured(chunked_prefill_size=32, max_num_batched_tokens=64, enable_prefix_caching=False)
     reqs = requests(engine, "b")
     chunked = outputs(engine, reqs)
     assert engine.stats.steps > 0
-    assert_same_or_near_tie(engine, reqs, chunked, base)
+    assert_same_or_near_tie(engine, reqs, chunked, baseline)
 
 
-def test_preemption_and_recompute_do_not_change_outputs(configured_path):
+def test_preemption_and_recompute_do_not_change_outputs(configured_path, baseline):
     configured = configured_path
     engine = configured(enable_prefix_caching=False)
     reqs = requests(engine, "c")
-    base = outputs(engine, reqs)
     prompt_len = len(reqs[0].prompt_token_ids)
     # Room for three prompts and a little more: three are admitted, and as they grow one is preempted
     # and recomputed later.
@@ -65,14 +77,12 @@ def test_preemption_and_recompute_do_not_change_outputs(configured_path):
     reqs = requests(engine, "d")
     got = outputs(engine, reqs)
     assert engine.stats.preemptions > before
-    assert_same_or_near_tie(engine, reqs, got, base)
+    assert_same_or_near_tie(engine, reqs, got, baseline)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_prefix_cache_hits_do_not_change_outputs_and_skip_prefill(configured_path):
+def test_prefix_cache_hits_do_not_change_outputs_and_skip_prefill(configured_path, baseline):
     configured = configured_path
-    engine = configured(enable_prefix_caching=False)
-    base = outputs(engine, requests(engine, "e"))
     engine = configured(enable_prefix_caching=True)
     reqs = requests(engine, "f")
     first = outputs(engine, reqs[:1])
@@ -84,7 +94,7 @@ def test_prefix_cache_hits_do_not_change_outputs_and_skip_prefill(configured_pat
     prompt_total = sum(len(r.prompt_token_ids) for r in reqs[1:])
     assert all(c >= len(engine.tokenizer.encode(CONTEXT)) - 32 for c in cached), cached
     assert computed == prompt_total - sum(cached)  # cached tokens were not prefilled again
-    assert_same_or_near_tie(engine, reqs, first + rest, base)
+    assert_same_or_near_tie(engine, reqs, first + rest, baseline)
 
 
 def test_native_int16_step_gives_the_same_tokens_however_requests_are_batched(configured):
