@@ -31,11 +31,12 @@ import pytest
 from tests.fixtures.servers import real_gateway, redis_server  # noqa: F401  (session fixtures for every folder)
 
 # What runs a real model, in this process or in servers it starts: under pytest-xdist (`make test` runs
-# `-n 2 --dist loadgroup`) each of two groups stays on one worker, in order, so a session fixture's model
-# loads once: "servers" (real gateways, workers and their processes) and "engine" (the in-process
-# engines of tests/engine). The two run beside each other and the rest (fake engines, unit tests, the
-# Triton interpreter) fills in around them; what measures token rates or stalls is marked `serial` and
-# runs afterwards, alone.
+# `-n 2 --dist loadgroup`) each group stays on one worker, in order, so a session fixture's model loads
+# once: "servers" (the tests of the shared real gateway), "engine" (the in-process engines of
+# tests/engine), and one group per module that starts servers of its own (a cluster, a pool, a gateway
+# on a full disk), so those modules spread over both workers instead of lining up behind the shared
+# gateway's tests. The rest (fake engines, unit tests, the Triton interpreter) fills in around them;
+# what measures token rates or stalls is marked `serial` and runs afterwards, alone.
 SERVER_FIXTURES = {"real_gateway"}
 ENGINE_FIXTURES = {"engine", "torch_engine", "tokenizer", "configured", "torch_configured", "embedding_engine",
                    "minilm_reference"}
@@ -47,15 +48,18 @@ OWN_GROUP = {"tests/engine/test_deterministic.py", "tests/engine/test_reference.
 
 def _group(item) -> str | None:
     path = item.nodeid.replace("\\", "/")
+    file = path.split("::", 1)[0]
     fixtures = set(getattr(item, "fixturenames", ()))
-    if SERVER_FIXTURES & fixtures or path.startswith("tests/e2e/"):
+    if SERVER_FIXTURES & fixtures:
         return "servers"
-    if path.split("::", 1)[0] in OWN_GROUP:
-        return "engine:" + path.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    if file in OWN_GROUP:
+        return "engine:" + file.rsplit("/", 1)[-1].removesuffix(".py")
     if ENGINE_FIXTURES & fixtures or path.startswith("tests/engine/"):
         return "engine"
-    if item.get_closest_marker("model") or item.get_closest_marker("slow"):
-        return "servers"
+    if path.startswith("tests/e2e/") or item.get_closest_marker("model") or item.get_closest_marker("slow"):
+        # Servers of the module's own (module fixtures: a cluster, a pool): the module stays on one worker
+        # and the modules spread over the workers.
+        return "module:" + file.rsplit("/", 1)[-1].removesuffix(".py")
     return None
 
 
