@@ -11,7 +11,8 @@ request sharing a long prefix with recent traffic prefills only the rest.
 It exports vLLM's metric names on /metrics: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
 `vllm:kv_cache_usage_perc` (running sequences' share of `--max-running`), `vllm:prefix_cache_queries` and
 `vllm:prefix_cache_hits` (prompt characters looked up and found), and answers `/v1/chat/completions`
-(streamed or not) and `/v1/models`. `--fail-after N` makes it drop every connection after N requests
+(streamed or not), `/v1/embeddings` (each input one prefill step; its vector a hash of the text, the same
+on every replica) and `/v1/models`. `--fail-after N` makes it drop every connection after N requests
 (a dead replica). A request with vLLM's `continue_final_message` continues the final assistant message's
 " tK" tokens from K+1, as a real engine continues a partial answer.
 
@@ -188,6 +189,37 @@ async def chat(request: web.Request) -> web.StreamResponse:
         eng.cancel(seq)
 
 
+def mock_vector(text: str, dims: int = 8) -> list[float]:
+    """The mock's embedding of `text`: the same on every replica, different for different texts."""
+    digest = hashlib.sha256(text.encode()).digest()
+    return [round(b / 255 - 0.5, 6) for b in digest[:dims]]
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    eng = request.app[ENGINE]
+    fail_after = request.app[SETTINGS]["fail_after"]
+    if fail_after is not None and eng.requests >= fail_after:
+        assert request.transport is not None
+        request.transport.close()
+        raise web.HTTPServiceUnavailable()
+    body = await request.json()
+    inputs = body.get("input")
+    texts = [inputs] if isinstance(inputs, str) else [str(t) for t in inputs or []]
+    seqs = [eng.submit(t, 1, int(body.get("priority") or 0)) for t in texts]
+    try:
+        for seq in seqs:
+            while await seq.out.get() is not None:
+                pass
+    finally:
+        for seq in seqs:
+            eng.cancel(seq)
+    tokens = sum(int(len(t) / eng.m.chars_per_token) for t in texts)
+    return web.json_response({"object": "list", "model": body.get("model", "mock"),
+                              "data": [{"object": "embedding", "index": i, "embedding": mock_vector(t)}
+                                       for i, t in enumerate(texts)],
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
 async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": request.app[SETTINGS]["model"], "object": "model",
                                                           "owned_by": "mock"}]})
@@ -210,6 +242,7 @@ def make_app(model: EngineModel, *, model_name: str = "SmolLM2-135M-Instruct", t
         task.cancel()
     app.cleanup_ctx.append(loop)
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     return app

@@ -102,7 +102,7 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
         if pool.kind == "embedding":
             pool.router = EmbeddingRouter(local=LocalEmbeddings(pool.queue), remote=remote, side=pool,
                                           accountant=accountant, routing=settings.routing, metrics=metrics,
-                                          tiers=settings.tiers)
+                                          tiers=settings.tiers, pool=engine_pool)
             continue
         pool.router = Router(local=LocalBackend(pool.queue), remote=remote, side=pool, estimator=estimator,
                              accountant=accountant, routing=settings.routing, metrics=metrics, pool=engine_pool)
@@ -124,7 +124,8 @@ def create_app(settings: Settings, engine: ModelFrontend | None = None, *, queue
     state.embedding_router = EmbeddingRouter(
         local=LocalEmbeddings(idle_embed.queue), remote=remote, side=idle_embed,
         accountant=accountant_for(WaitEstimator(idle_embed, idle_embed.queue, settings.tiers, settings.routing),
-                                  None), routing=settings.routing, metrics=metrics, tiers=settings.tiers)
+                                  None), routing=settings.routing, metrics=metrics, tiers=settings.tiers,
+        pool=engine_pool)
 
     app = web.Application(client_max_size=settings.server.max_body_bytes)
     app[STATE] = state

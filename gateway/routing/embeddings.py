@@ -6,7 +6,11 @@ serve the model, by the chat router's rules (routing/router.py) and with its rea
     wait exceeds `tiers.<tier>.max_queue_wait_ms` (`queue_wait`): the tokens the engines still have to
     embed at the request's priority or better, over their measured tokens per second;
   * a local failure that is not the request's own fault (a failed step, a shutdown, a queue timeout) is
-    retried remotely (`local_failed`) when `routing.local_retry_remote` is on.
+    retried remotely (`local_failed`) when `routing.local_retry_remote` is on;
+  * a model with an engine pool (`[[engines]]`) routes as chat does there (router.py): the embedded
+    engine while nothing waits at its priority or better, else a replica with room (`pool`, waiting in
+    tier order at most the tier's target), else the embedded engine's queue, a provider, or an early 429;
+    every replica failing moves it to the embedded engine or a provider (`pool_failed`).
 Its budget hold is the request's prompt tokens at the highest input price it may be charged (the local
 price, every provider serving the model; a provider counts with its own tokenizer, so there the bound
 is the request's size in bytes); every answer is accounted as chat's are.
@@ -19,6 +23,8 @@ import math
 import time
 
 from gateway.backends.local import EmbeddingFailed, LocalEmbeddings
+from gateway.backends.pool.backend import LABEL as POOL_LABEL
+from gateway.backends.pool.backend import PoolBackend, PoolBusy
 from gateway.backends.remote.backend import RemoteBackend
 from gateway.errors import APIError, Failure
 from gateway.messages import EmbeddingJob, EmbeddingResult, ErrorOutput, Target
@@ -43,8 +49,9 @@ def _retryable(failed: EmbeddingFailed) -> bool:
 class EmbeddingRouter:
     def __init__(self, *, local: LocalEmbeddings, remote: RemoteBackend | None, side: LocalSide,
                  accountant: Accountant, routing: RoutingSettings, metrics: Metrics,
-                 tiers: dict[str, TierSettings]):
+                 tiers: dict[str, TierSettings], pool: PoolBackend | None = None):
         self.local = local
+        self.pool = pool
         self.remote = remote
         self.side = side
         self.accountant = accountant
@@ -53,7 +60,14 @@ class EmbeddingRouter:
         self.tiers = tiers
 
     def serves_remotely(self, model: str) -> bool:
+        """Something besides the embedded engine serves the model: a provider or an engine pool."""
+        return self._has_providers(model) or self._pooled(model)
+
+    def _has_providers(self, model: str) -> bool:
         return self.remote is not None and bool(self.remote.chain(model))
+
+    def _pooled(self, model: str) -> bool:
+        return self.pool is not None and bool(self.pool.chain(model))
 
     async def embed(self, job: EmbeddingJob) -> EmbeddingResult:
         """Hold the worst-case cost, route, account the answer (the hold is settled or released)."""
@@ -80,10 +94,12 @@ class EmbeddingRouter:
         return worst
 
     async def _route(self, job: EmbeddingJob) -> EmbeddingResult:
+        if self._pooled(job.model) and not job.batch:
+            return await self._pooled_route(job)
         if job.target is Target.RELAY:
             reason = RouteReason.REMOTE_ONLY if job.model != self.side.local_model() else RouteReason.NO_WORKER
             return await self._remote(job, reason)
-        if not self.serves_remotely(job.model):
+        if not self._has_providers(job.model):
             return await self._local(job, RouteReason.LOCAL_ONLY)
         if not self.side.local_ready():
             return await self._remote(job, RouteReason.NO_WORKER)
@@ -104,6 +120,43 @@ class EmbeddingRouter:
             log.warning("embedding %s failed locally (%s); retrying remotely", job.request_id, e)
             return await self._remote(job, RouteReason.LOCAL_FAILED)
 
+    def _embedded_can_take(self, job: EmbeddingJob) -> bool:
+        return job.target is Target.LOCAL and self.side.local_ready() and job.model == self.side.local_model()
+
+    async def _pooled_route(self, job: EmbeddingJob) -> EmbeddingResult:
+        """The model has an engine pool (the module's docstring)."""
+        assert self.pool is not None
+        embedded = self._embedded_can_take(job)
+        if embedded and self._ahead(job) == 0:
+            return await self._local(job, RouteReason.LOCAL)
+        wait = self._target_s(job.tier) if self.routing.overflow else None
+        try:
+            answer = await self.pool.embed(job, wait)
+        except PoolBusy:
+            if embedded:
+                return await self._local(job, RouteReason.QUEUE_WAIT)
+            if self._has_providers(job.model):
+                return await self._remote(job, RouteReason.QUEUE_WAIT)
+            raise APIError(429, f"Every engine replica serving `{job.model}` is busy; retry shortly.",
+                           code="engines_busy", retry_after=1) from None
+        except APIError as e:
+            if e.status < 500 and e.status != 429:
+                raise  # the request's own fault: another place would refuse it too
+            log.warning("embedding %s failed on every replica (%s)", job.request_id, e.message)
+            if embedded:
+                return await self._local(job, RouteReason.POOL_FAILED)
+            if self._has_providers(job.model):
+                return await self._remote(job, RouteReason.POOL_FAILED)
+            raise
+        self.metrics.decisions.labels(job.tier, POOL_LABEL, RouteReason.POOL).inc()
+        return EmbeddingResult(backend=f"{POOL_LABEL}:{answer.provider.name}", prompt_tokens=answer.prompt_tokens or 0,
+                               body=answer.body)  # no provider: the team's own capacity, at the local price
+
+    def _ahead(self, job: EmbeddingJob) -> int:
+        """Tokens the embedded engine has yet to embed at the request's priority or better."""
+        return sum(n for w in self.side.worker_stats() for prio, n in (w.pending_tokens or {}).items()
+                   if int(prio) <= job.priority)
+
     def _target_s(self, tier: str) -> float | None:
         t = self.tiers.get(tier)
         return None if t is None or t.max_queue_wait_ms is None else t.max_queue_wait_ms / 1000
@@ -111,13 +164,10 @@ class EmbeddingRouter:
     def estimate_wait(self, job: EmbeddingJob) -> float:
         """Seconds until this request's vectors are out: the tokens the engines have yet to embed at its
         priority or better, plus its own, over their tokens per busy second (0 with nothing known)."""
-        ahead = 0
+        ahead = self._ahead(job)
         tokens = 0
         busy = 0.0
         for w in self.side.worker_stats():
-            for prio, n in (w.pending_tokens or {}).items():
-                if int(prio) <= job.priority:
-                    ahead += n
             tokens += w.tokens or 0
             busy += w.busy_seconds or 0.0
         if tokens <= 0 or busy <= 0:
@@ -130,7 +180,7 @@ class EmbeddingRouter:
         return result
 
     async def _remote(self, job: EmbeddingJob, reason: RouteReason) -> EmbeddingResult:
-        if self.remote is None or not self.remote.chain(job.model):
+        if self.remote is None or not self._has_providers(job.model):
             raise APIError(503, "No embedding worker is ready and no remote provider serves this model.",
                            code="not_ready", retry_after=1)
         answer = await self.remote.embeddings(job.request_id, job.model, job.body, job.deadline)

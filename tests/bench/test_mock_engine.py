@@ -80,3 +80,25 @@ async def test_a_shared_prefix_hits_the_prefix_cache():
         assert eng.hits >= len(context) - 16 and eng.queries > 2 * len(context)
     finally:
         await server.close()
+
+
+async def test_sdk_embeddings_are_the_texts_hash_vectors_each_one_engine_step():
+    from bench.mock_engine import mock_vector
+
+    server = await _server(max_running=1, decode_ms=30, per_seq_ms=0)
+    try:
+        c = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0)
+        task = asyncio.create_task(c.embeddings.create(model="m", input=["one", "two", "three"]))
+        seen = set()  # (running, waiting) while it is embedded: one input a step, the rest waiting
+        async with aiohttp.ClientSession() as s:
+            while not task.done():
+                async with s.get(server.make_url("/metrics")) as r:
+                    m = _metrics(await r.text())
+                seen.add((m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]))
+                await asyncio.sleep(0.005)
+        assert max(running for running, _ in seen) == 1 and (1, 2) in seen
+        out = await task
+        assert [d.embedding for d in out.data] == [mock_vector(t) for t in ("one", "two", "three")]
+        assert mock_vector("one") != mock_vector("two") and out.usage.prompt_tokens > 0
+    finally:
+        await server.close()

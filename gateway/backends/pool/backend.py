@@ -1,4 +1,4 @@
-"""PoolBackend: chat and completion requests on engine replicas, Sluice's tier order kept in front.
+"""PoolBackend: chat, completion and embedding requests on engine replicas, Sluice's tier order kept in front.
 
 `submit` waits, in tier order (then arrival), until some replica serving the model has room
 (replica.py's room rule), picks one (balancer.py), and relays the request there with the remote
@@ -33,11 +33,11 @@ from gateway.backends.pool.balancer import fallback_order, pick, prefix_hashes, 
 from gateway.backends.pool.load import parse_load
 from gateway.backends.pool.replica import Replica
 from gateway.backends.pool.slo import Durations, expected_wait, wait_budget
-from gateway.backends.remote.backend import RemoteBackend, RemoteStream, TryResult, _Parsed
+from gateway.backends.remote.backend import RemoteAnswer, RemoteBackend, RemoteStream, TryResult, _Parsed
 from gateway.backends.remote.provider import Provider
 from gateway.backends.remote.tries import TryChain
 from gateway.errors import APIError
-from gateway.messages import GenerationRequest
+from gateway.messages import EmbeddingJob, GenerationRequest
 from gateway.observability.metrics import Metrics
 from gateway.openai.schema import ChatCompletionRequest, engine_only_fields
 from gateway.queue.fair import FairShare, request_cost
@@ -204,19 +204,24 @@ class PoolBackend(RemoteBackend):
                 raise APIError(400, f"`{extras[0]}` is applied only by vLLM, SGLang or Sluice engines, and no replica "
                                     f"serving `{gen.model}` is one. Remove `{extras[0]}`.",
                                param=extras[0], code="unsupported_parameter")
-        self.start()
         text = prompt_text(gen)
+        cost = request_cost(len(text) // 4, _max_tokens(gen))
+        return await self._admit(gen.model, replicas, text, gen.priority, gen.key, cost, gen.deadline, max_wait_s)
+
+    async def _admit(self, model: str, replicas: list[Replica], text: str, priority: int, key: str | None, cost: float,
+                     deadline: float | None, max_wait_s: float | None) -> Replica:
+        """`admit` for any request: `text` for prefix affinity, `cost` its fair share (queue/fair.py)."""
+        self.start()
         hashes = prefix_hashes(text)
         if max_wait_s is None:
             limit = self.routing.request_timeout_s
         else:
             limit = wait_budget(max_wait_s, self.replicas_first_token_s(replicas))
-        if gen.deadline is not None:
-            limit = min(limit, gen.deadline - time.time())
+        if deadline is not None:
+            limit = min(limit, deadline - time.time())
         until = time.monotonic() + max(0.0, limit)
-        cost = request_cost(len(text) // 4, _max_tokens(gen))
-        tag = self._fair.tag(gen.priority, gen.key, cost)
-        order = (gen.priority, tag, next(self._seq))
+        tag = self._fair.tag(priority, key, cost)
+        order = (priority, tag, next(self._seq))
         plain = self.routing.pool_policy == "round_robin"
         while True:
             ahead = sum(1 for *o, f in self._waiters if not f.done() and tuple(o) < order)
@@ -224,7 +229,7 @@ class PoolBackend(RemoteBackend):
             if r is not None:
                 r.reserved += 1
                 r.remember(hashes)
-                self._fair.served(gen.priority, tag)
+                self._fair.served(priority, tag)
                 self._wake()  # room may be left for the next waiter
                 return r
             left = until - time.monotonic()
@@ -234,9 +239,9 @@ class PoolBackend(RemoteBackend):
                 if expect is not None and expect > left:
                     left = 0.0  # it would not get room in time: elsewhere now, not after waiting in vain
             if left <= 0:
-                self._fair.withdraw(gen.priority, gen.key, tag, cost)  # not served: no share used
+                self._fair.withdraw(priority, key, tag, cost)  # not served: no share used
                 self._wake()
-                raise PoolBusy(gen.model)
+                raise PoolBusy(model)
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             heapq.heappush(self._waiters, (order[0], order[1], order[2], fut))
             try:
@@ -245,7 +250,7 @@ class PoolBackend(RemoteBackend):
             except TimeoutError:
                 pass
             except BaseException:  # the client left while it waited
-                self._fair.withdraw(gen.priority, gen.key, tag, cost)
+                self._fair.withdraw(priority, key, tag, cost)
                 raise
             finally:
                 if not fut.done():
@@ -262,6 +267,27 @@ class PoolBackend(RemoteBackend):
         r = await self.admit(gen, max_wait_s)
         chain = fallback_order([x for x in self.replicas if gen.model in x.settings.models], r)
         return PoolStream(self, gen, list(chain), r)
+
+    async def embed(self, job: EmbeddingJob, max_wait_s: float | None = None) -> RemoteAnswer:
+        """`POST /v1/embeddings` on a replica serving `job.model`: admitted as a chat request is (tier order,
+        fair share, room, least loaded), then relayed with the remote layer's tries, the chosen replica
+        first and the others after it (a replica failing before its answer moves it on). Raises PoolBusy
+        as `admit` does, and the last replica's error when every one failed."""
+        replicas = [r for r in self.replicas if job.model in r.settings.models]
+        if not replicas:
+            raise APIError(404, f"The model `{job.model}` does not exist.", param="model", code="model_not_found")
+        text = _first_text(job.body.get("input"))
+        size = job.prompt_tokens or max(1, job.size_bytes // 4)
+        r = await self._admit(job.model, replicas, text, job.priority, job.key, request_cost(size, 0), job.deadline,
+                              max_wait_s)
+        started = time.monotonic()
+        r.reserved -= 1  # the first try takes its in-flight slot at once
+        try:
+            return await self.embeddings(job.request_id, job.model, job.body, job.deadline,
+                                         chain=list(fallback_order(replicas, r)))
+        finally:
+            self.durations.ended(time.monotonic() - started)
+            self._wake()
 
     def has_room(self, model: str) -> bool:
         return any(r.has_room() for r in self.replicas if model in r.settings.models)
@@ -315,6 +341,15 @@ class PoolBackend(RemoteBackend):
         if self._session is not None:
             await self._session.close()
         await super().close()
+
+
+def _first_text(value: Any) -> str:
+    """An embedding request's first text input (prefix affinity), "" for token ids."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and isinstance(value[0], str):
+        return value[0]
+    return ""
 
 
 def _max_tokens(gen: GenerationRequest) -> int | None:

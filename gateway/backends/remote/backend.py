@@ -507,14 +507,15 @@ class RemoteBackend(Backend):
         return RemoteStream(self, gen, chain)
 
     async def embeddings(self, request_id: str, model: str, body: dict[str, Any],
-                         deadline: float | None = None) -> RemoteAnswer:
+                         deadline: float | None = None, chain: list[Provider] | None = None) -> RemoteAnswer:
         """`POST /v1/embeddings` through the provider chain of `model`: `body` is the client's request
         (its Sluice-only `truncate` is not sent; `model` is mapped to each provider's name), `deadline`
         the wall-clock time (`time.time()`) after which it is no longer wanted, as a chat request's.
         Tried, retried and failed over as chat is (a TryChain): a provider's 400/413/422 is raised as
         an APIError with its message, param and code; giving up raises the 429/503 with Retry-After;
-        an unknown model is a 404 `model_not_found`."""
-        chain = self.chain(model)
+        an unknown model is a 404 `model_not_found`. `chain`: these providers in this order instead of the
+        model's chain (an engine pool's replicas, the one it admitted the request to first)."""
+        chain = self.chain(model) if chain is None else chain
         if not chain:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         sent = {k: v for k, v in body.items() if k not in EMBEDDING_SLUICE_ONLY_FIELDS}

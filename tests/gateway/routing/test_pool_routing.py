@@ -1,7 +1,8 @@
 """The router with an engine pool (`[[engines]]`): a pooled model is served by its replicas
 (`x-sluice-backend: engine:<name>`, priced at the local price), listed in /v1/models, spread over the
 replicas; when every replica is full past the tier's target it overflows to a provider or, with none,
-is refused early with 429; when every replica fails before the first token a provider answers."""
+is refused early with 429; when every replica fails before the first token a provider answers. Embedding
+models the same way."""
 
 from __future__ import annotations
 
@@ -143,5 +144,84 @@ async def test_a_full_pool_leaves_the_providers_first_token_time_out_of_the_wait
             mean = remote.providers[0].first_token.mean
             assert mean is not None and mean < 0.5  # the stream it served is learnt (it started far sooner)
             await busy
+    finally:
+        await server.close()
+
+
+POOLED_EMBED = "pooled-embedder"
+
+
+async def _embed_replica(**model) -> TestServer:
+    server = TestServer(make_app(EngineModel(**model), model_name=POOLED_EMBED), host="127.0.0.1")
+    await server.start_server()
+    return server
+
+
+def _embed_cfg(name: str, port: int, **kw) -> dict:
+    return {**_cfg(name, port, **kw), "models": [POOLED_EMBED]}
+
+
+async def test_an_embedding_model_with_a_pool_is_served_by_its_replicas_spread_and_moved_off_a_dead_one(
+        tmp_path, providers):
+    """Embedding models route as chat does: spread over the replicas with room (each answer the replica's
+    vectors, labelled `engine:<name>`), a replica refusing connections skipped for the next, and a
+    provider when every replica is down."""
+    from bench.mock_engine import mock_vector
+    from tests.fixtures.mock_provider import embedding_vector
+
+    prov, _ = providers
+    a, b = await _embed_replica(max_running=1, decode_ms=30), await _embed_replica(max_running=1, decode_ms=30)
+    try:
+        async with gateway(tmp_path, [], replicas=[_embed_cfg("a", a.port), _embed_cfg("b", b.port)],
+                           routing={"local_price": {"input_per_m": 1.0, "output_per_m": 1.0}}) as (base, app, *_):
+            texts = [f"passage number {i}" for i in range(6)]
+            answers = await asyncio.gather(*(post(base, {"model": POOLED_EMBED, "input": [t, t + "!"]},
+                                                  path="/v1/embeddings") for t in texts))
+            seen = set()
+            for t, (status, headers, body) in zip(texts, answers):
+                assert status == 200, body
+                seen.add(headers["x-sluice-backend"])
+                assert body["model"] == POOLED_EMBED
+                assert [d["embedding"] for d in body["data"]] == [mock_vector(t), mock_vector(t + "!")]
+                assert body["usage"]["prompt_tokens"] > 0
+            assert seen == {"engine:a", "engine:b"}
+            decisions = _samples(app[STATE].metrics.decisions.metric, "sluice_route_decisions_total")
+            assert sum(v for lab, v in decisions if lab["backend"] == "engine" and lab["reason"] == "pool") == 6
+            costs = _samples(app[STATE].metrics.usage_cost.metric, "sluice_usage_cost_total")
+            assert {lab["backend"] for lab, _ in costs} == {"engine:a", "engine:b"}  # the local price
+    finally:
+        await a.close()
+    dead = free_port()
+    try:
+        async with gateway(tmp_path, [], replicas=[_embed_cfg("dead", dead), _embed_cfg("b", b.port)],
+                           routing={"max_attempts": 2}) as (base, *_):
+            for _ in range(3):
+                status, headers, body = await post(base, {"model": POOLED_EMBED, "input": "hello"},
+                                                   path="/v1/embeddings")
+                assert status == 200 and headers["x-sluice-backend"] == "engine:b", body
+                assert body["data"][0]["embedding"] == mock_vector("hello")
+    finally:
+        await b.close()
+    async with gateway(tmp_path, [provider_cfg(prov, models={POOLED_EMBED: "up-a"})],
+                       replicas=[_embed_cfg("dead", dead)], routing={"max_attempts": 1}) as (base, app, *_):
+        status, headers, body = await post(base, {"model": POOLED_EMBED, "input": "hello"}, path="/v1/embeddings")
+        assert status == 200 and headers["x-sluice-backend"] == "remote:a", body
+        assert body["data"][0]["embedding"] == embedding_vector("hello", len(body["data"][0]["embedding"]))
+        decisions = _samples(app[STATE].metrics.decisions.metric, "sluice_route_decisions_total")
+        assert sum(v for lab, v in decisions if lab["backend"] == "remote" and lab["reason"] == "pool_failed") == 1
+
+
+async def test_a_full_embedding_pool_refuses_early_with_429_where_nothing_else_serves_the_model(tmp_path):
+    server = await _embed_replica(max_running=1, decode_ms=400, per_seq_ms=0)
+    tiers = {"pro": {"priority": 0, "max_queue_wait_ms": 300}, "standard": {"priority": 1, "max_queue_wait_ms": 200}}
+    try:
+        async with gateway(tmp_path, [], replicas=[_embed_cfg("a", server.port, max_in_flight=1)],
+                           tiers=tiers) as (base, *_):
+            busy = asyncio.create_task(post(base, {"model": POOLED_EMBED, "input": "first"}, path="/v1/embeddings"))
+            await asyncio.sleep(0.1)
+            status, headers, body = await post(base, {"model": POOLED_EMBED, "input": "x"}, path="/v1/embeddings")
+            assert status == 429 and body["error"]["code"] == "engines_busy" and headers["Retry-After"] == "1"
+            status, headers, _ = await busy
+            assert status == 200 and headers["x-sluice-backend"] == "engine:a"
     finally:
         await server.close()
