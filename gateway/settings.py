@@ -41,6 +41,9 @@ DEFAULT_CONFIG_PATH = Path("config/sluice.toml")
 #   order = 0                    # lower is tried first
 
 
+EngineKind = Literal["vllm", "sglang", "llama-server", "sluice", "openai"]
+
+
 class ProviderSettings(BaseModel):
     # A bad base_url may hold a password: errors name the field and the reason, never the value.
     model_config = ConfigDict(hide_input_in_errors=True)
@@ -58,6 +61,10 @@ class ProviderSettings(BaseModel):
     # to it natively (the chain's items sent as `input`, `store: false`: the store stays Sluice's); else
     # they are bridged to its chat completions.
     responses: bool = False
+    # What serves behind base_url: "openai" (any OpenAI-compatible API) or an engine whose chat API can
+    # continue a partial answer (vllm, sglang, sluice: `continue_final_message`; llama-server: a final
+    # assistant message), so another provider's stream that breaks mid-answer can be continued on it.
+    kind: EngineKind = "openai"
     order: int = 0  # lower is tried first (ties broken by weight, then name)
     weight: float = Field(1.0, gt=0)  # among equal `order`: higher is tried first more often
 
@@ -125,7 +132,6 @@ class ProviderSettings(BaseModel):
                 + completion * self.output_price_per_m) / 1e6
 
 
-EngineKind = Literal["vllm", "sglang", "llama-server", "sluice", "openai"]
 
 
 class EngineReplicaSettings(BaseModel):
@@ -163,7 +169,7 @@ class EngineReplicaSettings(BaseModel):
         under its own name."""
         return ProviderSettings(name=self.name, base_url=self.base_url, api_key_env=self.api_key_env,
                                 models={m: m for m in self.models}, timeout_s=self.timeout_s,
-                                max_concurrent=self.max_in_flight)
+                                max_concurrent=self.max_in_flight, kind=self.kind)
 
     def metrics_key(self) -> str | None:
         env = self.metrics_key_env or self.api_key_env

@@ -33,13 +33,12 @@ from gateway.backends.pool.balancer import fallback_order, pick, prefix_hashes, 
 from gateway.backends.pool.load import parse_load
 from gateway.backends.pool.replica import Replica
 from gateway.backends.pool.slo import Durations, expected_wait, wait_budget
-from gateway.backends.remote.backend import RemoteAnswer, RemoteBackend, RemoteStream, TryResult, _Parsed
+from gateway.backends.remote.backend import CONTINUES, RemoteAnswer, RemoteBackend, RemoteStream, TryResult
 from gateway.backends.remote.provider import Provider
-from gateway.backends.remote.tries import TryChain
 from gateway.errors import APIError
 from gateway.messages import EmbeddingJob, GenerationRequest
 from gateway.observability.metrics import Metrics
-from gateway.openai.schema import ChatCompletionRequest, engine_only_fields
+from gateway.openai.schema import engine_only_fields
 from gateway.queue.fair import FairShare, request_cost
 from gateway.settings import EngineReplicaSettings, ProviderSettings, RoutingSettings
 
@@ -47,7 +46,6 @@ log = logging.getLogger("sluice.pool")
 
 POLL_S = 0.5
 LABEL = "engine"
-CONTINUES = ("vllm", "sglang", "sluice")  # kinds that take vLLM's extras (`continue_final_message`, `top_k`, ...)
 ENGINE_EXTRAS = ("top_k", "stop_token_ids", "ignore_eos", "repetition_penalty", "min_tokens", "guided_json",
                  "continue_final_message", "add_generation_prompt")
 
@@ -81,7 +79,6 @@ class PoolStream(RemoteStream):
         super().__init__(pool, gen, chain)
         self._pool = pool
         self._held: Replica | None = held
-        self._continuation: tuple[str, int] | None = None  # (the answer so far, its tokens) once resumed
         self._ended = False
         self._admitted_at = time.monotonic()
 
@@ -96,7 +93,6 @@ class PoolStream(RemoteStream):
 
     async def _attempt(self, p: Provider, deadline: float) -> TryResult:
         self._unhold()  # the try holds an in-flight slot now
-        self._times_first_token = self._continuation is None
         return await super()._attempt(p, deadline)
 
     def _body(self, p: Provider) -> dict[str, Any]:
@@ -107,46 +103,12 @@ class PoolStream(RemoteStream):
             body.update({k: v for k, v in sent.items() if v is not None})
         if isinstance(p, Replica) and p.engine.pass_priority:
             body["priority"] = -self._gen.priority if p.kind == "sglang" else self._gen.priority
-        if self._continuation is not None and isinstance(p, Replica):
-            partial, made = self._continuation
-            body["messages"] = [*body["messages"], {"role": "assistant", "content": partial}]
-            if p.kind in CONTINUES:  # llama-server continues a final assistant message by default
-                body["continue_final_message"] = True
-                body["add_generation_prompt"] = False
-            for k in ("max_tokens", "max_completion_tokens"):
-                if isinstance(body.get(k), int):
-                    body[k] = max(1, body[k] - made)
         return body
 
-    async def _resume(self, p: Provider, parsed: _Parsed) -> tuple[Provider, TryResult] | None:
-        """Continue a broken stream on another replica from the text relayed so far: the conversation plus
-        the partial answer, left open (`continue_final_message`). One choice of plain text only: a
-        grammar (tools, a response format) would start over, and several choices cannot be told apart."""
-        api = self._gen.api
-        if (self._gen.endpoint != "chat" or self._gen.n != 1 or not isinstance(api, ChatCompletionRequest)
-                or api.tools or (api.response_format is not None and api.response_format.type != "text")):
-            return None
-        others = [r for r in self._tries.chain if r is not p and isinstance(r, Replica) and r.kind != "openai"]
-        if not others:
-            return None
-        if isinstance(p, Replica):
-            p.breaker.failure()
-        made = (parsed.completion_tokens or parsed.text_chunks) + parsed.prior_completion
-        await self._release_resp()
-        self._tries.release()
-        self._continuation = ("".join(parsed.text), made)
-        self._tries = TryChain(self._pool, self._gen.request_id, self._gen.model, self._gen.deadline,
-                               list(fallback_order(others, min(others, key=lambda r: r.busy()))))
-        try:
-            q, result = await self._tries.run(self._attempt)
-        except APIError as e:
-            log.warning("no replica could continue %s: %s", self._gen.request_id, e.message)
-            return None
-        log.info("stream %s continued on replica %s after %d tokens", self._gen.request_id, q.name, made)
-        result.parsed.prior_completion = made
-        result.parsed.prior_prompt = parsed.prior_prompt if parsed.prior_prompt is not None else parsed.prompt_tokens
-        result.parsed.text = parsed.text + result.parsed.text
-        return q, result
+    def _continue_order(self, others: list[Provider]) -> list[Provider]:
+        """Least busy first, as a request not yet started moves on."""
+        replicas = [r for r in others if isinstance(r, Replica)]
+        return list(fallback_order(replicas, min(replicas, key=lambda r: r.busy()))) if replicas else others
 
     async def aclose(self) -> None:
         try:

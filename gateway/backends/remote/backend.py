@@ -44,9 +44,14 @@ from gateway.backends.remote.tries import TryChain
 from gateway.errors import APIError, Failure
 from gateway.messages import ChoiceOutput, ErrorOutput, GenerationRequest
 from gateway.observability.metrics import Metrics
+from gateway.openai.schema import ChatCompletionRequest
 from gateway.settings import ProviderSettings, RoutingSettings
 
 log = logging.getLogger("sluice.remote")
+
+# Engine kinds whose chat API continues a partial answer with vLLM's `continue_final_message` (and take
+# vLLM's other extras); llama-server continues a final assistant message as it is; "openai" cannot.
+CONTINUES = ("vllm", "sglang", "sluice")
 
 # Fields of Sluice's request models that providers do not know (extras of vLLM and Sluice).
 SLUICE_ONLY_FIELDS = frozenset({"top_k", "stop_token_ids", "ignore_eos", "prompt_truncation", "cache_salt",
@@ -175,6 +180,8 @@ class RemoteStream(ChoiceStream):
 
     def __init__(self, backend: RemoteBackend, gen: GenerationRequest, chain: list[Provider]):
         self._gen = gen
+        self._remote = backend
+        self._continuation: tuple[str, int] | None = None  # (the answer so far, its tokens) once resumed
         self._tries: TryChain[TryResult] = TryChain(backend, gen.request_id, gen.model, gen.deadline, chain)
         self._backend = self.label  # "remote:<provider>" once a provider answers
         self._prompt_tokens: int | None = None
@@ -245,6 +252,15 @@ class RemoteStream(ChoiceStream):
         body["model"] = p.settings.models[self._gen.model]
         if body.get("stream"):
             body["stream_options"] = {"include_usage": True}  # every token is counted
+        if self._continuation is not None:
+            partial, made = self._continuation
+            body["messages"] = [*body["messages"], {"role": "assistant", "content": partial}]
+            if p.settings.kind in CONTINUES:  # llama-server continues a final assistant message by default
+                body["continue_final_message"] = True
+                body["add_generation_prompt"] = False
+            for k in ("max_tokens", "max_completion_tokens"):
+                if isinstance(body.get(k), int):
+                    body[k] = max(1, body[k] - made)
         return body
 
     # ---------------------------------------------------------------- one try
@@ -252,6 +268,7 @@ class RemoteStream(ChoiceStream):
     async def _attempt(self, p: Provider, deadline: float) -> TryResult:
         """One try for the TryChain: a failed one leaves no upstream response open. A stream's try returns
         at its first text: its time is the provider's first-token time (`Provider.first_token`)."""
+        self._times_first_token = self._continuation is None
         t0 = time.monotonic()
         try:
             result = await self._try(p, deadline)
@@ -391,10 +408,40 @@ class RemoteStream(ChoiceStream):
             completion_tokens=relayed, prompt_tokens=self._prompt_tokens or 0,
             cached_tokens=parsed.cached_tokens, error_code="provider_error", failure=Failure.PROVIDER))
 
-    async def _resume(self, p: Provider, parsed: _Parsed) -> tuple[Provider, TryResult] | None:  # noqa: ARG002 (subclasses read them)
-        """A stream that broke after its first text, continued elsewhere from what was relayed; None: it
-        cannot be (providers' APIs have no way to continue an answer; an engine pool's replicas do)."""
-        return None
+    async def _resume(self, p: Provider, parsed: _Parsed) -> tuple[Provider, TryResult] | None:
+        """Continue a stream broken after its first text on another provider of the chain that can continue
+        an answer (`kind` vllm, sglang, sluice or llama-server): the conversation plus the text relayed so
+        far, left open (`continue_final_message`). One choice of plain text only: a grammar (tools, a
+        response format) would start over, and several choices cannot be told apart. None: it cannot be
+        (plain OpenAI-compatible APIs have no way to continue an answer)."""
+        api = self._gen.api
+        if (self._gen.endpoint != "chat" or self._gen.n != 1 or not isinstance(api, ChatCompletionRequest)
+                or api.tools or (api.response_format is not None and api.response_format.type != "text")):
+            return None
+        others = [q for q in self._tries.chain if q is not p and q.settings.kind != "openai"]
+        if not others:
+            return None
+        p.breaker.failure()
+        made = (parsed.completion_tokens or parsed.text_chunks) + parsed.prior_completion
+        await self._release_resp()
+        self._tries.release()
+        self._continuation = ("".join(parsed.text), made)
+        self._tries = TryChain(self._remote, self._gen.request_id, self._gen.model, self._gen.deadline,
+                               self._continue_order(others))
+        try:
+            q, result = await self._tries.run(self._attempt)
+        except APIError as e:
+            log.warning("nothing could continue %s: %s", self._gen.request_id, e.message)
+            return None
+        log.info("stream %s continued on %s after %d tokens", self._gen.request_id, q.name, made)
+        result.parsed.prior_completion = made
+        result.parsed.prior_prompt = parsed.prior_prompt if parsed.prior_prompt is not None else parsed.prompt_tokens
+        result.parsed.text = parsed.text + result.parsed.text
+        return q, result
+
+    def _continue_order(self, others: list[Provider]) -> list[Provider]:
+        """The order the continuing tries take: the chain's (an engine pool's: least busy first)."""
+        return others
 
     async def _run(self) -> AsyncGenerator[list[ChoiceOutput], None]:
         p, result = await self._tries.run(self._attempt)

@@ -167,6 +167,42 @@ async def test_stream_dropped_after_tokens_ends_with_an_error_event(tmp_path, pr
         assert b.count == 0  # committed: never replayed elsewhere
 
 
+async def test_a_stream_broken_mid_answer_continues_on_a_provider_that_can_continue_it(tmp_path, providers):
+    """Providers whose `kind` says they continue a partial answer (vLLM here, played by bench/mock_engine.py):
+    the broken stream goes on at the next one from the text relayed so far, one stream for the client with
+    nothing repeated or missing, and the whole answer's usage. An `openai` provider cannot continue it."""
+    from aiohttp.test_utils import TestServer
+
+    from bench.mock_engine import EngineModel, make_app
+
+    dying = TestServer(make_app(EngineModel(max_running=4, decode_ms=5), cut_after=4), host="127.0.0.1")
+    healthy = TestServer(make_app(EngineModel(max_running=4, decode_ms=5)), host="127.0.0.1")
+    await dying.start_server()
+    await healthy.start_server()
+    a, b = providers
+
+    def engine_cfg(name: str, server: TestServer, order: int, kind: str) -> dict:
+        return {"name": name, "base_url": f"http://127.0.0.1:{server.port}/v1", "models": {REMOTE_MODEL: "up"},
+                "timeout_s": 2.0, "order": order, "kind": kind}
+    try:
+        async with gateway(tmp_path, [engine_cfg("v1", dying, 0, "vllm"), engine_cfg("v2", healthy, 1, "vllm")]) \
+                as (base, *_):
+            st, h, events = await post(base, chat(stream=True, max_tokens=12, stream_options={"include_usage": True}))
+            assert st == 200 and h["x-sluice-backend"] == "remote:v1"  # the header went out with v1's first text
+            assert stream_text(events) == "".join(f" t{i}" for i in range(1, 13))
+            assert not any("error" in e for e in events if isinstance(e, dict))
+            assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 12
+        async with gateway(tmp_path, [engine_cfg("v1", dying, 0, "vllm"), provider_cfg(b, order=1)]) as (base, *_):
+            st, h, events = await post(base, chat(stream=True, max_tokens=12))
+            assert stream_text(events) == " t1 t2 t3 t4"
+            errors = [e for e in events if isinstance(e, dict) and "error" in e]
+            assert len(errors) == 1 and "mid-stream" in errors[0]["error"]["message"]
+            assert b.count == 0  # a plain OpenAI API cannot continue it: never replayed there
+    finally:
+        await dying.close()
+        await healthy.close()
+
+
 async def test_stream_relays_chunk_by_chunk(tmp_path, providers):
     a, _ = providers
     a.itl_s = 0.05
