@@ -15,12 +15,16 @@ virtual time while the other key's next request takes the current virtual time a
 flood's tail. With one key (or no keys: no auth) the tags increase with arrival: plain FIFO.
 
 Cost is counted in tokens, prompt plus the most it may generate (`request_cost`): what it will take of
-the engine, known when it arrives.
+the engine, known when it arrives. The Redis queue keeps the same tags in its Lua scripts
+(queue/redis_scripts.py: a virtual time and the keys' finish tags per priority, in Redis), so gateways
+sharing one Redis share one fair order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from gateway.messages import EmbeddingRequest, QueueItem
 
 DEFAULT_OUTPUT_TOKENS = 256  # the cost of an answer whose request sets no max_tokens
 
@@ -28,6 +32,15 @@ DEFAULT_OUTPUT_TOKENS = 256  # the cost of an answer whose request sets no max_t
 def request_cost(prompt_tokens: int, max_tokens: int | None) -> float:
     """A request's share of the engine, in tokens (at least 1)."""
     return float(max(1, prompt_tokens + (DEFAULT_OUTPUT_TOKENS if max_tokens is None else max_tokens)))
+
+
+def item_cost(item: QueueItem) -> float:
+    """A queued item's cost in tokens: a chat request's prompt plus the most it may generate, an embedding
+    request's inputs."""
+    req = item.request
+    if isinstance(req, EmbeddingRequest):
+        return float(max(1, sum(len(x) for x in req.inputs)))
+    return request_cost(len(req.prompt_token_ids), req.sampling.max_tokens)
 
 
 @dataclass

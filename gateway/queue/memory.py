@@ -8,9 +8,9 @@ import heapq
 import itertools
 import time
 
-from gateway.messages import AnyOutput, EmbeddingRequest, QueueItem, queue_timeout_output
+from gateway.messages import AnyOutput, QueueItem, queue_timeout_output
 from gateway.queue.base import CancellationInbox, QueueFull, RequestQueue, Subscription
-from gateway.queue.fair import FairShare, request_cost
+from gateway.queue.fair import FairShare, item_cost
 
 
 class _MemorySubscription(Subscription):
@@ -52,7 +52,7 @@ class MemoryQueue(RequestQueue):
         depth = self._tier_depth.get(item.tier, 0)
         if depth >= limit:
             raise QueueFull(item.tier, depth, retry_after=max(1.0, self.max_wait_ms / 1000))
-        tag = self._fair.tag(item.priority, item.key, _cost(item))
+        tag = self._fair.tag(item.priority, item.key, item_cost(item))
         heapq.heappush(self._by_priority.setdefault(item.priority, []), (tag, next(self._arrivals), item))
         self._tier_depth[item.tier] = depth + 1
         async with self._changed:
@@ -125,7 +125,7 @@ class MemoryQueue(RequestQueue):
                     d[i] = d[-1]
                     d.pop()
                     heapq.heapify(d)
-                    self._fair.withdraw(item.priority, item.key, tag, _cost(item))
+                    self._fair.withdraw(item.priority, item.key, tag, item_cost(item))
                     self._tier_depth[item.tier] -= 1
                     return True
         return False
@@ -144,11 +144,3 @@ class MemoryQueue(RequestQueue):
     async def next_cancellations(self, timeout: float | None = None) -> list[str]:
         return await self._cancelled.take(timeout)
 
-
-def _cost(item: QueueItem) -> float:
-    """The item's fair-share cost in tokens: a chat request's prompt plus the most it may generate, an
-    embedding request's inputs."""
-    req = item.request
-    if isinstance(req, EmbeddingRequest):
-        return float(max(1, sum(len(x) for x in req.inputs)))
-    return request_cost(len(req.prompt_token_ids), req.sampling.max_tokens)

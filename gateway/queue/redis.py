@@ -1,10 +1,13 @@
 """Redis queue: the distributed path (several gateways, several engine workers, one Redis).
 
 Keys (prefix `sluice` by default; every key of one deployment shares it):
-  {p}:q:{prio}      ZSET  queued ids of one priority, score = arrival sequence number (FIFO)
+  {p}:q:{prio}      ZSET  queued ids of one priority, score = fair-share start tag (queue/fair.py: keys of
+                          one priority share it fairly; one key's requests keep their arrival order)
+  {p}:vt            HASH  priority -> virtual time (the tag of the last item pulled)
+  {p}:fin:{prio}    HASH  API key name -> its latest finish tag
   {p}:prios         SET   priorities that may have queued items
-  {p}:item:{id}     HASH  data (QueueItem JSON), tier, prio, seq, enq (server clock), deadline,
-                          owner (worker id while leased, "" while queued), attempt, resume, last_seq
+  {p}:item:{id}     HASH  data (QueueItem JSON), tier, prio, seq (its start tag), fkey, cost, enq (server
+                          clock), deadline, owner (worker id while leased, "" while queued), attempt, resume, last_seq
   {p}:depth         HASH  tier -> queued items (the bound the gateway enforces)
   {p}:leased        ZSET  leased ids, score = lease expiry (server clock)
   {p}:deadlines     ZSET  queued ids with a deadline, score = deadline (server clock)
@@ -53,6 +56,7 @@ from gateway.messages import (
 )
 from gateway.queue import redis_scripts as lua
 from gateway.queue.base import CancellationInbox, QueueFull, RequestQueue, Subscription
+from gateway.queue.fair import item_cost
 from gateway.tasks import cancel_and_wait, cancel_requested
 
 log = logging.getLogger("sluice.queue.redis")
@@ -215,7 +219,7 @@ class RedisQueue(RequestQueue):
         deadline_in = "" if item.deadline is None else repr(item.deadline - now)
         ok, depth = await self._put(args=[self.prefix, item.request_id, json.dumps(item.to_dict()), item.tier,
                                           int(item.priority), repr(age), deadline_in,
-                                          self.depth_limit(item.tier)])
+                                          self.depth_limit(item.tier), item.key or "", repr(item_cost(item))])
         if int(ok) == 0:
             raise QueueFull(item.tier, int(depth), retry_after=max(1.0, self.max_wait_ms / 1000))
         # ok == -1: the id is already queued (a retried put whose first reply was lost): nothing to do.

@@ -44,22 +44,43 @@ local function requeue(p, id, required_owner)
 end
 """
 
-# ARGV: prefix, id, data, tier, prio, age_s, deadline_in_s ('' = none), limit
+# Fair share between keys of one priority (queue/fair.py's start-time tags): {p}:vt is each priority's
+# virtual time, {p}:fin:{prio} each key's last finish tag. A queued item's score (its `seq`) is its start
+# tag; its key and cost are kept so a request that leaves unserved gives its share back (`withdraw`).
+_WITHDRAW = """
+local function withdraw(p, ik, prio)
+  local g = redis.call('HMGET', ik, 'seq', 'fkey', 'cost')
+  if not g[1] or not g[2] or not g[3] then return end
+  local fk = p .. ':fin:' .. prio
+  local start = tonumber(g[1])
+  if tonumber(redis.call('HGET', fk, g[2]) or '-1') == start + tonumber(g[3]) then
+    redis.call('HSET', fk, g[2], string.format('%.17g', start))
+  end
+end
+"""
+
+# ARGV: prefix, id, data, tier, prio, age_s, deadline_in_s ('' = none), limit, fair key ('' = none), cost
 PUT = _NOW + """
 local p, id, tier, prio = ARGV[1], ARGV[2], ARGV[4], ARGV[5]
 local depth = tonumber(redis.call('HGET', p .. ':depth', tier) or '0')
 if depth >= tonumber(ARGV[8]) then return {0, depth} end
 local ik = p .. ':item:' .. id
 if redis.call('EXISTS', ik) == 1 then return {-1, depth} end
-local seq = redis.call('INCR', p .. ':seq')
-redis.call('HSET', ik, 'data', ARGV[3], 'tier', tier, 'prio', prio, 'seq', seq,
+local fkey, cost = ARGV[9] or '', math.max(tonumber(ARGV[10] or '1') or 1, 1e-9)
+local fk = p .. ':fin:' .. prio
+local vt = tonumber(redis.call('HGET', p .. ':vt', prio) or '0')
+local start = math.max(vt, tonumber(redis.call('HGET', fk, fkey) or '0'))
+redis.call('HSET', fk, fkey, string.format('%.17g', start + cost))
+local seq = string.format('%.17g', start)
+redis.call('HSET', ik, 'data', ARGV[3], 'tier', tier, 'prio', prio, 'seq', seq, 'fkey', fkey,
+           'cost', string.format('%.17g', cost),
            'enq', tostring(now - tonumber(ARGV[6])), 'owner', '', 'attempt', 0, 'resume', '', 'last_seq', -1)
 if ARGV[7] ~= '' then
   local dl = now + tonumber(ARGV[7])
   redis.call('HSET', ik, 'deadline', tostring(dl))
   redis.call('ZADD', p .. ':deadlines', dl, id)
 end
-redis.call('ZADD', p .. ':q:' .. prio, seq, id)
+redis.call('ZADD', p .. ':q:' .. prio, start, id)
 redis.call('SADD', p .. ':prios', prio)
 redis.call('HINCRBY', p .. ':depth', tier, 1)
 redis.call('LPUSH', p .. ':wake', '1')
@@ -115,6 +136,10 @@ local out = {tostring(now), total}
 for _, pi in ipairs(picked) do
   local id, pr = pi[1], pi[2]
   local ik = p .. ':item:' .. id
+  local tag = tonumber(redis.call('ZSCORE', p .. ':q:' .. pr, id) or '0')
+  if tag > tonumber(redis.call('HGET', p .. ':vt', pr) or '0') then
+    redis.call('HSET', p .. ':vt', pr, string.format('%.17g', tag))
+  end
   redis.call('ZREM', p .. ':q:' .. pr, id)
   redis.call('ZREM', p .. ':deadlines', id)
   local f = redis.call('HMGET', ik, 'data', 'resume', 'enq', 'deadline', 'tier')
@@ -128,6 +153,16 @@ for _, pi in ipairs(picked) do
   out[#out + 1] = f[4] or ''
 end
 if total - #picked == 0 then redis.call('DEL', p .. ':wake') end
+for _, pi in ipairs(picked) do  -- keys whose finish is behind the clock count as new: forget them
+  local fk = p .. ':fin:' .. pi[2]
+  if redis.call('HLEN', fk) > 1024 then
+    local vt = tonumber(redis.call('HGET', p .. ':vt', pi[2]) or '0')
+    local all = redis.call('HGETALL', fk)
+    for i = 1, #all, 2 do
+      if tonumber(all[i + 1]) <= vt then redis.call('HDEL', fk, all[i]) end
+    end
+  end
+end
 return out
 """
 
@@ -183,13 +218,14 @@ for i = 3, #ARGV do n = n + requeue(ARGV[1], ARGV[i], ARGV[2]) end
 return n
 """
 
-_EXPIRE_FN = """
+_EXPIRE_FN = _WITHDRAW + """
 local function expire(p, id, final_ttl)
   redis.call('ZREM', p .. ':deadlines', id)
   local ik = p .. ':item:' .. id
   local f = redis.call('HMGET', ik, 'owner', 'prio', 'tier')
   if f[1] == '' and redis.call('ZREM', p .. ':q:' .. f[2], id) == 1 then
     redis.call('HINCRBY', p .. ':depth', f[3], -1)
+    withdraw(p, ik, f[2])
     redis.call('DEL', ik)
     local rk = p .. ':res:' .. id
     redis.call('XADD', rk, '*', 'seq', 0, 'fin', '1', 'tok', '', 'err', 'queue_timeout')
@@ -219,13 +255,14 @@ return expire(ARGV[1], ARGV[2], tonumber(ARGV[3]))
 """
 
 # ARGV: prefix, id -> 'queued' | 'running' | 'unknown'
-CANCEL = """
+CANCEL = _WITHDRAW + """
 local p, id = ARGV[1], ARGV[2]
 local ik = p .. ':item:' .. id
 local f = redis.call('HMGET', ik, 'owner', 'prio', 'tier')
 if f[1] == '' then
   if redis.call('ZREM', p .. ':q:' .. f[2], id) == 1 then
     redis.call('HINCRBY', p .. ':depth', f[3], -1)
+    withdraw(p, ik, f[2])
   end
   redis.call('ZREM', p .. ':deadlines', id)
   redis.call('DEL', ik)
