@@ -14,7 +14,8 @@ It exports vLLM's metric names on /metrics: `vllm:num_requests_running`, `vllm:n
 (streamed or not), `/v1/embeddings` (each input one prefill step; its vector a hash of the text, the same
 on every replica) and `/v1/models`. `--fail-after N` makes it drop every connection after N requests
 (a dead replica). A request with vLLM's `continue_final_message` continues the final assistant message's
-" tK" tokens from K+1, as a real engine continues a partial answer.
+" tK" tokens from K+1, as a real engine continues a partial answer (with `llama_continue`, as llama-server
+does: any final assistant message, its text streamed back first).
 
     python -m bench.mock_engine --port 8501 [--max-running 8] [--policy fifo|priority]
 """
@@ -150,8 +151,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
     prompt = _prompt(body)
     made = 0
     msgs = body.get("messages") or []
-    if body.get("continue_final_message") and msgs and msgs[-1].get("role") == "assistant":
+    settings = request.app[SETTINGS]
+    echo = ""
+    last_assistant = bool(msgs) and msgs[-1].get("role") == "assistant"
+    if last_assistant and (body.get("continue_final_message") or settings.get("llama_continue")):
         made = str(msgs[-1].get("content") or "").count(" t")  # the partial answer's tokens: go on from there
+        if settings.get("llama_continue"):  # llama-server streams the continued message whole, given part first
+            echo = str(msgs[-1].get("content") or "")
     seq = eng.submit(prompt, int(body.get("max_tokens") or request.app[SETTINGS]["tokens"]),
                      int(body.get("priority") or 0), made)
     cut_after = request.app[SETTINGS].get("cut_after")
@@ -174,6 +180,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
                                            "model": model, "choices": [{"index": 0, "delta": delta,
                                                                         "finish_reason": finish}]}).encode() + b"\n\n"
         await resp.write(chunk({"role": "assistant", "content": ""}))
+        if echo:
+            await resp.write(chunk({"content": echo}))
         sent = 0
         while (piece := await seq.out.get()) is not None:
             await resp.write(chunk({"content": piece}))
@@ -230,11 +238,15 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def make_app(model: EngineModel, *, model_name: str = "SmolLM2-135M-Instruct", tokens: int = 16,
-             fail_after: int | None = None, cut_after: int | None = None) -> web.Application:
-    """`cut_after`: every stream's connection is dropped after that many tokens (a replica dying mid-stream)."""
+             fail_after: int | None = None, cut_after: int | None = None,
+             llama_continue: bool = False) -> web.Application:
+    """`cut_after`: every stream's connection is dropped after that many tokens (a replica dying mid-stream).
+    `llama_continue`: continue a final assistant message as llama-server does (without being asked, and
+    streaming the given part back before the new text)."""
     app = web.Application()
     app[ENGINE] = MockEngine(model)
-    app[SETTINGS] = {"model": model_name, "tokens": tokens, "fail_after": fail_after, "cut_after": cut_after}
+    app[SETTINGS] = {"model": model_name, "tokens": tokens, "fail_after": fail_after, "cut_after": cut_after,
+                     "llama_continue": llama_continue}
 
     async def loop(app: web.Application):
         task = asyncio.create_task(app[ENGINE].run())

@@ -125,7 +125,9 @@ async def run(args: argparse.Namespace) -> None:
                     "api_key_env": "SLUICE_BENCH_POOL_KEY", "max_in_flight": args.streams}
         settings = Settings(auth={"keys_file": str(tmp / "keys.json")}, server={"prepare_helper_at_start": False},
                             engines=[engine("a", a), engine("b", b)],
-                            routing={"breaker_failures": 2, "breaker_cooldown_s": 1.0})
+                            # No overflow: with no provider a request past its tier's target would get an
+                            # early 429 (SLO admission); here every stream waits for room instead.
+                            routing={"breaker_failures": 2, "breaker_cooldown_s": 1.0, "overflow": False})
         app = create_app(settings, keys=KeyStore(tmp / "keys.json"), no_engine=True)
         server = TestServer(app, host="127.0.0.1")
         await server.start_server()
@@ -133,7 +135,8 @@ async def run(args: argparse.Namespace) -> None:
         headers = {"Authorization": f"Bearer {os.environ['SLUICE_BENCH_POOL_KEY']}"}
         rows = []
         try:
-            async with aiohttp.ClientSession(headers=headers) as direct:
+            # A new connection a request: llama-server closes kept-alive ones that aiohttp would reuse.
+            async with aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(force_close=True)) as direct:
                 ref = {}
                 for p in dict.fromkeys(prompts):
                     ref[p] = (await stream(direct, a, p, args.max_tokens))[1]
@@ -145,6 +148,9 @@ async def run(args: argparse.Namespace) -> None:
                         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 300)
                         proc_b.send_signal(signal.SIGKILL)
                     results = await asyncio.gather(*tasks)
+                    for p, (bk, t, ok) in zip(prompts, results):
+                        if not ok or t != ref[p]:
+                            print(f"  {label}: {bk} completed={ok} got {t!r} want {ref[p]!r}", file=sys.stderr)
                     on_b = sum(1 for bk, _, _ in results if bk == "engine:b")
                     done = sum(1 for _, _, ok in results if ok)
                     equal = sum(1 for p, (_, t, _) in zip(prompts, results) if t == ref[p])

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -149,6 +150,16 @@ class _Parsed:
     # A resumed stream: what the broken part(s) before it counted (the client is told the whole answer's usage).
     prior_completion: int = 0
     prior_prompt: int | None = None
+    # Text the upstream sends back before its new text: llama-server streams a continued final assistant
+    # message whole (the given part first), where vLLM sends only what it adds. Dropped as it comes.
+    echo: str = ""
+
+
+def _drop_echo(parsed: _Parsed, text: str) -> str:
+    """`text` less the part of `parsed.echo` it starts with; the echo is over once a text goes past it."""
+    n = len(os.path.commonprefix([text, parsed.echo]))
+    parsed.echo = parsed.echo[n:] if n == len(text) else ""
+    return text[n:]
 
 
 def _usage_into(parsed: _Parsed, usage: dict[str, Any] | None) -> None:
@@ -295,7 +306,8 @@ class RemoteStream(ChoiceStream):
         if "html" in ctype:  # a proxy's error page with a 2xx status
             await self._release_resp()
             raise BadResponse(f"answered {resp.status} with {ctype.split(';')[0]}, not an event stream")
-        parsed = _Parsed()
+        echo = self._continuation[0] if self._continuation is not None and p.settings.kind == "llama-server" else ""
+        parsed = _Parsed(echo=echo)
         rest = self._outputs(_sse_lines(resp), parsed)
         buffered: list[ChoiceOutput] = []
         try:
@@ -347,6 +359,8 @@ class RemoteStream(ChoiceStream):
                     for c in chunk.get("choices") or ():
                         idx = int(c.get("index", 0))
                         text = ((c.get("delta") or {}).get("content") if chat else c.get("text")) or ""
+                        if idx == 0 and parsed.echo and text:
+                            text = _drop_echo(parsed, text)
                         if text:
                             parsed.text_chunks += 1
                             if idx == 0:

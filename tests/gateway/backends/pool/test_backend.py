@@ -279,6 +279,31 @@ async def test_a_stream_broken_on_one_replica_is_continued_on_another_without_re
         await healthy.close()
 
 
+async def test_a_llama_server_replica_continues_a_broken_stream_and_its_echo_of_the_partial_is_dropped(routing):
+    """llama-server continues a final assistant message but streams the given part back before the new
+    text (seen with bench.pool_kill: "The ocean isThe ocean is a vast ..."); the relay drops that echo."""
+    dying = TestServer(make_app(EngineModel(max_running=4, decode_ms=5), model_name=MODEL, cut_after=4,
+                                llama_continue=True), host="127.0.0.1")
+    llama = TestServer(make_app(EngineModel(max_running=4, decode_ms=5), model_name=MODEL, llama_continue=True),
+                       host="127.0.0.1")
+    await dying.start_server()
+    await llama.start_server()
+    pool = PoolBackend([_settings("a", dying, kind="llama-server"), _settings("b", llama, kind="llama-server")],
+                       routing)
+    try:
+        for _ in range(2):  # idle replicas take turns: one of the two starts on a, dies and is continued on b
+            stream = await pool.submit(_gen(tokens=12))
+            async with stream:
+                pieces = [ch.output.text async for ch in stream]
+            assert "".join(pieces) == "".join(f" t{i}" for i in range(1, 13))
+            assert stream.backend == "engine:b"
+        assert pool.replicas[0].breaker.consecutive == 1  # a died mid-stream once
+    finally:
+        await pool.close()
+        await dying.close()
+        await llama.close()
+
+
 async def test_a_broken_stream_with_nowhere_to_continue_ends_with_an_error(routing):
     dying = TestServer(make_app(EngineModel(max_running=4, decode_ms=5), model_name=MODEL, cut_after=3),
                        host="127.0.0.1")
