@@ -331,6 +331,15 @@ def provider_toml(url: str) -> str:
 REFUSED: dict[str, list[str]] = {}  # tier label -> the 429 answers' error codes
 
 
+def slo_cells(ttfts: dict[str, list[float]], targets: dict[str, float]) -> str:
+    """Each tier's p99 time to first token against its target (the goal: within target + 20%)."""
+    cells = []
+    for tier in ("pro", "standard"):
+        p99 = pct(ttfts[tier], 99) * 1000 if ttfts[tier] else float("nan")
+        cells.append(f"{tier} p99 {p99:6.0f} ms {'ok' if p99 <= 1.2 * targets[tier] else 'MISSED'}")
+    return "  ".join(cells)
+
+
 async def run_counted(plan: list[Arrival], send) -> tuple[dict[str, list[float]], dict[str, int], int]:
     """Like `run_load`, with who served each answer counted (x-sluice-backend) and 429s apart."""
     ttfts: dict[str, list[float]] = {"pro": [], "standard": [], "all": []}
@@ -384,12 +393,7 @@ async def part_slo(args: argparse.Namespace) -> None:
                     t, served, refused = await run_counted(plan, send)
                     n = len(plan)
                     remote = served.get("remote", 0)
-                    cells = []
-                    for tier in ("pro", "standard"):
-                        p99 = pct(t[tier], 99) * 1000 if t[tier] else float("nan")
-                        ok = "ok" if p99 <= 1.2 * targets[tier] else "MISSED"
-                        cells.append(f"{tier} p99 {p99:6.0f} ms {ok}")
-                    print(f"  {mult:3.1f}x ({mult * cap:5.1f}/s, n={n:4d}): " + "  ".join(cells) +
+                    print(f"  {mult:3.1f}x ({mult * cap:5.1f}/s, n={n:4d}): " + slo_cells(t, targets) +
                           f"  local {served.get('engine', 0) / n:5.1%} remote {remote / n:5.1%} 429 {refused / n:5.1%}"
                           f"  cost vs all-remote {remote / max(1, n - refused):.2f}x")
 

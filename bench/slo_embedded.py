@@ -30,10 +30,10 @@ from bench.pools import (
     answer_tokens,
     arrivals,
     chat_lengths,
-    pct,
     provider_toml,
     replicas,
     run_counted,
+    slo_cells,
 )
 from bench.server import free_port, managed_server
 from bench.structured import cpu_model
@@ -122,12 +122,7 @@ async def run(args: argparse.Namespace) -> None:
 
                     t, served, refused = await run_counted(plan, send)
                     n = max(1, len(plan))
-                    cells = []
-                    for tier in ("pro", "standard"):
-                        p99 = pct(t[tier], 99) * 1000 if t[tier] else float("nan")
-                        ok = "ok" if p99 <= 1.2 * targets[tier] else "MISSED"
-                        cells.append(f"{tier} p99 {p99:6.0f} ms {ok}")
-                    print(f"  {mult:3.1f}x ({mult * cap:5.2f}/s, n={len(plan):4d}): " + "  ".join(cells) +
+                    print(f"  {mult:3.1f}x ({mult * cap:5.2f}/s, n={len(plan):4d}): " + slo_cells(t, targets) +
                           f"  local {served.get('local', 0) / n:5.1%} remote {served.get('remote', 0) / n:5.1%} "
                           f"429 {refused / n:5.1%}")
                     await asyncio.sleep(2.0)  # the engine drains before the next load
