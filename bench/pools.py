@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -195,8 +196,10 @@ def through_pool(base: str, keys: dict[str, str], tokens: int):
     return send
 
 
-async def capacity(reps: Replicas, tokens: int, prompts: list[str], seconds: float = 8.0) -> float:
-    """Requests per second the replicas finish under a closed loop at their total concurrency limit."""
+async def closed_loop(one: Callable[[aiohttp.ClientSession, int], Awaitable[object]], workers: int, step: int,
+                      seconds: float) -> float:
+    """Requests per second `workers` loops finish, each sending `one(session, k)` back to back for `seconds`
+    (worker w sends k = w, w + step, w + 2 step, ...)."""
     done = 0
     stop = time.perf_counter() + seconds
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -204,12 +207,19 @@ async def capacity(reps: Replicas, tokens: int, prompts: list[str], seconds: flo
             nonlocal done
             k = w
             while time.perf_counter() < stop:
-                await stream_ttft(s, reps.urls[k % len(reps.urls)], prompts[k % len(prompts)], tokens, None)
+                await one(s, k)
                 done += 1
-                k += len(reps.urls)
+                k += step
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(w) for w in range(len(reps.urls) * 8)))
+        await asyncio.gather(*(worker(w) for w in range(workers)))
     return done / (time.perf_counter() - t0)
+
+
+async def capacity(reps: Replicas, tokens: int, prompts: list[str], seconds: float = 8.0) -> float:
+    """Requests per second the replicas finish under a closed loop at their total concurrency limit."""
+    n = len(reps.urls)
+    return await closed_loop(lambda s, k: stream_ttft(s, reps.urls[k % n], prompts[k % len(prompts)], tokens, None),
+                             n * 8, n, seconds)
 
 
 async def hit_rate(reps: Replicas) -> tuple[float, float]:

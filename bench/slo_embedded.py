@@ -30,6 +30,7 @@ from bench.pools import (
     answer_tokens,
     arrivals,
     chat_lengths,
+    closed_loop,
     provider_toml,
     replicas,
     run_counted,
@@ -77,19 +78,8 @@ def _gateway(extra_toml: str, tmp: Path):
 
 
 async def _capacity(base: str, key: str, prompts: list[str], tokens: int, concurrency: int, seconds: float) -> float:
-    done = 0
-    stop = time.perf_counter() + seconds
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        async def worker(w: int) -> None:
-            nonlocal done
-            k = w
-            while time.perf_counter() < stop:
-                await ttft(s, base, prompts[k % len(prompts)], tokens, key)
-                done += 1
-                k += concurrency
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    return done / (time.perf_counter() - t0)
+    return await closed_loop(lambda s, k: ttft(s, base, prompts[k % len(prompts)], tokens, key), concurrency,
+                             concurrency, seconds)
 
 
 async def run(args: argparse.Namespace) -> None:
