@@ -350,8 +350,14 @@ def slo_cells(ttfts: dict[str, list[float]], targets: dict[str, float]) -> str:
     return "  ".join(cells)
 
 
+def by_server(ttfts: dict[str, list[float]]) -> str:
+    """Each tier's p99 TTFT by who served it (run_counted's `tier:kind` lists)."""
+    return ", ".join(f"{k} p99 {pct(v, 99) * 1000:.0f} ms (n={len(v)})" for k, v in sorted(ttfts.items()) if ":" in k)
+
+
 async def run_counted(plan: list[Arrival], send) -> tuple[dict[str, list[float]], dict[str, int], int]:
-    """Like `run_load`, with who served each answer counted (x-sluice-backend) and 429s apart."""
+    """Like `run_load`, with who served each answer counted (x-sluice-backend) and 429s apart; the TTFTs also
+    by tier and server (`"standard:engine"`), to tell an admission estimate's miss from a slow provider."""
     ttfts: dict[str, list[float]] = {"pro": [], "standard": [], "all": []}
     served: dict[str, int] = {}
     refused = 0
@@ -375,6 +381,7 @@ async def run_counted(plan: list[Arrival], send) -> tuple[dict[str, list[float]]
             ttfts[a.tier].append(ttft)
             ttfts["all"].append(ttft)
             kind = backends[0].split(":")[0] if backends else "?"
+            ttfts.setdefault(f"{a.tier}:{kind}", []).append(ttft)
             served[kind] = served.get(kind, 0) + 1
         await asyncio.gather(*(one(i, a) for i, a in enumerate(plan)))
     return ttfts, served, refused

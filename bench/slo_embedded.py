@@ -29,6 +29,7 @@ from bench.pools import (
     Arrival,
     answer_tokens,
     arrivals,
+    by_server,
     chat_lengths,
     closed_loop,
     provider_toml,
@@ -104,7 +105,7 @@ async def run(args: argparse.Namespace) -> None:
                     cap = await _capacity(base, keys["pro"], prompts, args.tokens, args.concurrency, args.cap_seconds)
                     print(f"engine capacity: {cap:.2f} requests/s (closed loop, {args.concurrency} streams)")
                 print(f"-- {label}")
-                for mult in (0.5, 1.0, 2.0, 3.0):
+                for mult in args.mults:
                     plan = arrivals(mult * cap, args.seconds, args.pro, prompts, seed=int(mult * 10))
 
                     async def send(s: aiohttp.ClientSession, i: int, a: Arrival, backends: list[str]) -> float:
@@ -115,6 +116,7 @@ async def run(args: argparse.Namespace) -> None:
                     print(f"  {mult:3.1f}x ({mult * cap:5.2f}/s, n={len(plan):4d}): " + slo_cells(t, targets) +
                           f"  local {served.get('local', 0) / n:5.1%} remote {served.get('remote', 0) / n:5.1%} "
                           f"429 {refused / n:5.1%}")
+                    print(f"        by server: {by_server(t)}")
                     await asyncio.sleep(2.0)  # the engine drains before the next load
 
 
@@ -128,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pro-target-ms", type=float, default=1500.0)
     ap.add_argument("--standard-target-ms", type=float, default=3000.0)
     ap.add_argument("--cloud-decode-ms", type=float, default=20.0)
+    ap.add_argument("--mults", type=lambda v: [float(x) for x in v.split(",")], default=[0.5, 1.0, 2.0, 3.0],
+                    help="offered loads, as multiples of the measured capacity")
     asyncio.run(run(ap.parse_args(argv)))
 
 

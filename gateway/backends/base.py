@@ -47,6 +47,11 @@ class ChoiceStream(ABC):
         several per read (a remote SSE answer) returns them together, so the relay writes them at once."""
         return [await self.__anext__()]
 
+    async def withdraw_if_queued(self) -> bool:
+        """Take the request back if it still waits for an engine (the stream then ends with the queue's
+        `queue_timeout` output); False when it runs already or the stream cannot (the default)."""
+        return False
+
     async def __aenter__(self) -> ChoiceStream:
         return self
 

@@ -35,6 +35,12 @@ class _LocalStream(ChoiceStream):
         for rid in list(self._unfinished):
             await self._queue.expire_if_queued(rid)
 
+    async def withdraw_if_queued(self) -> bool:
+        """A one-choice request no worker took yet leaves the queue (several choices stay: some may run)."""
+        if len(self._subs) != 1 or not self._unfinished or self._closed:
+            return False
+        return await self._queue.expire_if_queued(self._subs[0].request_id)
+
     async def _read(self, index: int, sub: Subscription) -> None:
         try:
             while True:

@@ -20,3 +20,4 @@ class RouteReason(enum.StrEnum):
     POOL_FAILED = "pool_failed"  # every replica failed before the first token: the embedded engine or a provider
     ENGINE_FIELD = "engine_field"  # it sets a field only an engine applies (vLLM's extras): never overflows
     REFUSED_LATE = "refused_late"  # `routing.refuse_past_target`: a 429, its first token would come too late
+    QUEUE_LATE = "queue_late"  # still queued locally near its tier's target: taken back, to a provider or a 429

@@ -9,6 +9,9 @@ Local first:
     for a slot and the prefill ahead of it: routing/estimate.py) or the tier's queue is full (`queue_full`);
   * a model only the local engine serves queues (`local_only`), or with `routing.refuse_past_target` is
     refused at once with 429 + Retry-After when that estimate is past the tier's target (`refused_late`);
+  * a local request still queued at `START_BY` of its tier's target (the estimate was wrong, or higher
+    tiers arrived after it) is taken back out of the queue: to the providers (`queue_late`), or, with
+    `refuse_past_target` and none, a 429 (`refused_late`);
   * a local failure before the first token is retried remotely (`local_failed`, routing/fallback.py).
 With an engine pool for the model (`[[engines]]`, backends/pool/): the embedded engine takes it while it has
 a free slot and nothing queued; else it waits, in tier order, for room on a replica (`pool`), at most
@@ -45,6 +48,9 @@ from gateway.settings import RoutingSettings
 log = logging.getLogger("sluice.router")
 
 BACKEND_HEADER = "x-sluice-backend"
+# A local request still queued at this share of its tier's TTFT target is taken back (a provider, or a 429
+# with refuse_past_target): what is left covers the provider's first token, or the prefill once started.
+START_BY = 0.8
 
 
 class Router(Backend):
@@ -102,9 +108,11 @@ class Router(Backend):
             self._no_provider_for(extras, "is served only by remote providers")
             return await self._remote(gen, reason, t0)
         if not self._has_providers(gen.model):
-            if self.routing.refuse_past_target and not gen.batch:
-                await self._refuse_if_late(gen)
-            return self._local(await self.local.submit(gen), gen, t0, RouteReason.LOCAL_ONLY)
+            if not self.routing.refuse_past_target or gen.batch:
+                return self._local(await self.local.submit(gen), gen, t0, RouteReason.LOCAL_ONLY)
+            await self._refuse_if_late(gen)
+            return self._local(self._start_by(await self.local.submit(gen), gen, t0), gen, t0,
+                               RouteReason.LOCAL_ONLY)
         if gen.batch:  # runs on idle local room; a refusal (queue full) is its runner's to retry later
             return self._local(await self.local.submit(gen), gen, t0, RouteReason.BATCH)
         if extras:  # a provider would drop the field: the local engine, however long its queue
@@ -122,8 +130,17 @@ class Router(Backend):
         except QueueFull:
             return await self._remote(gen, RouteReason.QUEUE_FULL, t0)
         if self.routing.local_retry_remote and self.remote is not None:
-            stream = FallbackStream(gen, stream, self.remote, self.metrics)
+            start_by = t0 + START_BY * target if self.routing.overflow and target is not None else None
+            stream = FallbackStream(gen, stream, self.remote, self.metrics, start_by)
         return self._local(stream, gen, t0, RouteReason.LOCAL)
+
+    def _start_by(self, stream: ChoiceStream, gen: GenerationRequest, t0: float) -> ChoiceStream:
+        """`refuse_past_target` on a model only the local engine serves: a request still queued at START_BY
+        of its tier's target ends with a 429 (routing/fallback.py) rather than starting past it."""
+        target = self.estimator.tier_target_s(gen.tier)
+        if target is None:
+            return stream
+        return FallbackStream(gen, stream, None, self.metrics, start_by=t0 + START_BY * target)
 
     @staticmethod
     def _no_provider_for(extras: list[str], why: str) -> None:
@@ -191,7 +208,7 @@ class Router(Backend):
         assert gen.sampling is not None  # a local request carries the engine's parameters
         self.metrics.decisions.labels(gen.tier, "local", reason).inc()
         self.estimator.started_local(gen.request_id, gen.sampling.max_tokens * max(1, gen.n),
-                                     len(gen.prompt_token_ids))
+                                     len(gen.prompt_token_ids), gen.tier)
         return self.accountant.wrap(stream, gen, t0)
 
     async def _remote(self, gen: GenerationRequest, reason: RouteReason, t0: float,

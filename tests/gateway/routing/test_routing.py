@@ -3,7 +3,9 @@ decision, accounting and the fallback. No app, no HTTP, no engine."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 
 import pytest
 
@@ -11,6 +13,7 @@ from engine import EngineRequest, RequestOutput, SamplingParams
 from gateway.admission.limits import MemoryLimiter
 from gateway.admission.usage import UsageStore
 from gateway.backends.base import Backend, ChoiceStream
+from gateway.backends.local import LocalBackend
 from gateway.backends.remote.backend import RemoteBackend
 from gateway.errors import APIError, Failure
 from gateway.messages import ChoiceOutput, GenerationRequest, QueueItem, Target, WorkerStats, error_output
@@ -75,6 +78,26 @@ async def test_wait_from_the_completion_rate_counts_only_tiers_ahead():
     # standard waits behind 3 pro + 5 standard (+1 itself, 0 free): 9 / 2 per s; pro only behind pro: 4 / 2
     assert await est.estimate_wait("standard") == pytest.approx(4.5)
     assert await est.estimate_wait("pro") == pytest.approx(2.0)
+
+
+async def test_higher_tiers_arrivals_leave_a_lower_tier_less_of_the_completion_rate():
+    clock = Clock()
+    est = WaitEstimator(Side(), await _queue(pro=1, standard=1), TIERS, RoutingSettings(completion_window_s=10),
+                        clock=clock)
+    clock.t += 10
+    for _ in range(20):  # 2 completions/s
+        est.completed_local(32)
+    for i in range(15):  # 1.5 pro/s started locally: standard is left 0.5/s
+        est.started_local(f"p{i}", 32, tier="pro")
+    # standard: 1 pro + 1 standard + itself = 3, at 2 - 1.5 per s; pro counts no one above it
+    assert await est.estimate_wait("standard") == pytest.approx(3 / 0.5)
+    assert await est.estimate_wait("pro") == pytest.approx(2 / 2.0)
+    for i in range(5):  # 2 pro/s: nothing left for standard, which should not wait for it locally
+        est.started_local(f"q{i}", 32, tier="pro")
+    assert math.isinf(await est.estimate_wait("standard"))
+    clock.t += 11  # the window forgets them (and the completions: the step rate is unknown)
+    assert math.isinf(await est.estimate_wait("standard"))
+    assert est.higher_rate(1) == 0.0
 
 
 async def test_scarce_completions_fall_back_on_the_step_rate():
@@ -293,6 +316,64 @@ async def test_refuse_past_target_answers_429_instead_of_queueing_past_the_tier_
     assert _decisions(metrics, "standard", "local", "refused_late") == 1
     router.routing.refuse_past_target = False  # the default: it queues
     assert (await router.submit(_gen("q", "standard"))).backend == "local"
+
+
+def _queued_router(refuse: bool = False) -> tuple[Router, Remote, Metrics, MemoryQueue]:
+    """A router over a real LocalBackend and in-process queue that no worker pulls from, its standard
+    target 250 ms (START_BY of it: 200 ms); the estimate says "free slot" so requests are admitted."""
+    metrics = Metrics()
+    remote = Remote(metrics)
+    queue = MemoryQueue(max_depth=100)
+    tiers = {"pro": TierSettings(priority=0, max_queue_wait_ms=10_000),
+             "standard": TierSettings(priority=1, max_queue_wait_ms=250)}
+    rs = RoutingSettings(refuse_past_target=refuse)
+    side = Side([WorkerStats(capacity=8)])
+    est = WaitEstimator(side, queue, tiers, rs)
+    acc = Accountant(metrics, UsageStore(), MemoryLimiter(LimitSettings()), est, {})
+    router = Router(local=LocalBackend(queue), remote=remote, side=side, estimator=est, accountant=acc, routing=rs,
+                    metrics=metrics)
+    return router, remote, metrics, queue
+
+
+async def test_a_request_still_queued_near_its_target_is_taken_back_to_a_provider():
+    router, remote, metrics, queue = _queued_router()
+    stream = await router.submit(_gen("s", "standard"))
+    t0 = time.monotonic()
+    first = await asyncio.wait_for(stream.__anext__(), 3)  # no worker takes it: at 200 ms it leaves the queue
+    assert 0.15 < time.monotonic() - t0 < 1.0
+    assert first.output.text == "remote" and stream.backend == "remote:p" and remote.submitted == ["s"]
+    assert await queue.depth("standard") == 0
+    assert _decisions(metrics, "standard", "remote", "queue_late") == 1
+    await stream.aclose()
+
+
+async def test_a_request_a_worker_took_stays_local_past_its_start_by_time():
+    router, remote, metrics, queue = _queued_router()
+    stream = await router.submit(_gen("s", "standard"))
+    items = await queue.pull(8, 1.0)  # a worker takes it at once
+    assert [i.request.request_id for i in items] == ["s"]
+    await asyncio.sleep(0.3)  # past the start-by time: nothing to take back
+    await queue.publish(RequestOutput("s", text="local", finished=True, finish_reason="stop", completion_tokens=1))
+    first = await stream.__anext__()
+    assert first.output.text == "local" and stream.backend == "local" and not remote.submitted
+    assert _decisions(metrics, "standard", "remote", "queue_late") == 0
+    await stream.aclose()
+
+
+async def test_refuse_past_target_ends_a_request_still_queued_near_its_target_with_429():
+    router, remote, metrics, queue = _queued_router(refuse=True)
+    router.remote = None  # the local engine alone serves the model
+    stream = await router.submit(_gen("s", "standard"))
+    with pytest.raises(APIError) as e:
+        await asyncio.wait_for(stream.__anext__(), 3)
+    assert e.value.status == 429 and e.value.code == "engines_busy" and e.value.retry_after == 1
+    assert await queue.depth("standard") == 0 and not remote.submitted
+    assert _decisions(metrics, "standard", "local", "refused_late") == 1
+    await stream.aclose()
+    pro = await router.submit(_gen("p", "pro"))  # 10 s target: still queued, not taken back yet
+    await asyncio.sleep(0.3)
+    assert await queue.depth("pro") == 1
+    await pro.aclose()
 
 
 def _with(gen: GenerationRequest, **fields: object) -> GenerationRequest:
