@@ -17,6 +17,7 @@ import torch
 from . import build
 from .abi import Dims as _Dims  # the structs the step takes (checked against each build)
 from .abi import Layer as _Layer
+from .abi import Tiles as _Tiles
 
 GROUP = 32  # inputs per scale and min
 TILE_N = 16  # output rows per block
@@ -24,51 +25,76 @@ TILE_N = 16  # output rows per block
 
 
 
-@dataclass(frozen=True)
-class Q4Tiles:
-    """A Q4_1 weight [N, K] as the kernel reads it (forward.c, `q4_tiles`): blocks of 16 output rows by
-    32 inputs, each 256 bytes of codes in the order of an AMX bf16 tile (two input positions of all 16
-    rows per 32 codes), then the 16 rows' fp16 scales d and mins m (w = code * d + m). Same bytes per
-    weight as the GGUF's Q4_1 (0.625)."""
+TILES_Q4, TILES_Q8G = 0, 1  # sluice_forward.h's layer_tiles formats
 
-    blocks: torch.Tensor  # [N / 16, K / 32, 320] uint8
+
+@dataclass(frozen=True)
+class LayerTiles:
+    """A layer's weight [N, K] as the kernel reads it (sluice_forward.h, `layer_tiles`): blocks of 16 output
+    rows by 32 inputs with the codes in the order of an AMX bf16 tile (two input positions of all 16 rows
+    per 32 codes). TILES_Q4: 256 bytes of 4-bit codes, then the 16 rows' fp16 scales d and mins m
+    (w = code * d + m; GGML Q4_0, Q4_1, Q4_K; 0.625 bytes per weight, Q4_1's own). TILES_Q8G: 512 bytes
+    of int8 codes, the rows' fp16 d for inputs 0-15 and for 16-31, then their fp16 m (Q5_0, Q5_1, Q5_K,
+    Q6_K, Q8_0; 1.19 bytes per weight)."""
+
+    blocks: torch.Tensor  # [N / 16, K / 32, 320 or 608] uint8
     shape: tuple[int, int]
+    format: int = TILES_Q4
 
     def nbytes(self) -> int:
         return self.blocks.numel()
 
 
-def pack_q4_1(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> Q4Tiles | None:
-    """The kernel's layout of codes [N, K] in 0..15 with fp32 scale and min [N, K / 32]; None when K is
-    not a multiple of 32, N not one of 16, or a scale or min is not exactly an fp16 (the matrix would
-    not hold the same weights)."""
+def _per_block(t: torch.Tensor, nb: int, g: int, parts: int = 1) -> torch.Tensor:
+    """[N, G * parts] fp16 -> [block, group, parts * 32 bytes]: part p's 16 rows, then part p + 1's."""
+    return t.view(nb, TILE_N, g, parts).permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(nb, g, -1)
+
+
+def pack_q4_1(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
+              round_scales: bool = False) -> LayerTiles | None:
+    """The kernel's TILES_Q4 layout of codes [N, K] in 0..15 with fp32 scale and min [N, K / 32]; None when
+    K is not a multiple of 32, N not one of 16, or (unless `round_scales`: Q4_K's products of two scales)
+    a scale or min is not exactly an fp16 (the matrix would not hold the same weights)."""
     n, k = codes.shape
     if k % GROUP or n % TILE_N:
         return None
     d16, m16 = scale.to(torch.float16).contiguous(), mn.to(torch.float16).contiguous()
-    if not (torch.equal(d16.float(), scale.float()) and torch.equal(m16.float(), mn.float())):
+    if not round_scales and not (torch.equal(d16.float(), scale.float()) and torch.equal(m16.float(), mn.float())):
         return None
     nb, g = n // TILE_N, k // GROUP
     # codes[n, 32 g + 2 r + j] -> [block, group, pair p, r % 2, lane 2 n + j], with r = 2 p + r % 2
     c = codes.to(torch.uint8).view(nb, TILE_N, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 8, 2, 32)
     code_bytes = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(nb, g, 256)
+    return LayerTiles(torch.cat([code_bytes, _per_block(d16, nb, g), _per_block(m16, nb, g)], -1).contiguous(),
+                      (n, k))
 
-    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] fp16 -> [block, group, 32 bytes]
-        return t.view(nb, TILE_N, g).permute(0, 2, 1).contiguous().view(torch.uint8)
 
-    return Q4Tiles(torch.cat([code_bytes, per_block(d16), per_block(m16)], -1).contiguous(), (n, k))
+def pack_q8g(codes: torch.Tensor, scale16: torch.Tensor, mn: torch.Tensor) -> LayerTiles | None:
+    """The kernel's TILES_Q8G layout of int8 codes [N, K] with a scale per 16 inputs [N, K / 16] and a min
+    per 32 [N, K / 32] (w = code * scale + min), both rounded to fp16; None when K is not a multiple of 32
+    or N not one of 16."""
+    n, k = codes.shape
+    if k % GROUP or n % TILE_N:
+        return None
+    nb, g = n // TILE_N, k // GROUP
+    # codes[16 nb + n, 32 g + 2 r + j] -> [block, group, tile row r, lane 2 n + j]
+    q = codes.to(torch.int8).view(nb, TILE_N, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 512)
+    d16 = scale16.to(torch.float16).contiguous()
+    m16 = mn.to(torch.float16).contiguous()
+    return LayerTiles(torch.cat([q.view(torch.uint8), _per_block(d16, nb, g, 2), _per_block(m16, nb, g)], -1)
+                      .contiguous(), (n, k), TILES_Q8G)
 
 
 @dataclass
 class LayerBlocks:
-    """One layer's weights as the kernel reads them (fp32 norms, 4-bit matrices, optional QKV bias)."""
+    """One layer's weights as the kernel reads them (fp32 norms, tiled matrices of either format, optional QKV bias)."""
 
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
-    qkv: Q4Tiles
-    o: Q4Tiles
-    gate_up: Q4Tiles
-    down: Q4Tiles
+    qkv: LayerTiles
+    o: LayerTiles
+    gate_up: LayerTiles
+    down: LayerTiles
     qkv_bias: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -82,8 +108,11 @@ class LayerBlocks:
 
     def _struct(self) -> _Layer:
         bias = None if self.qkv_bias is None else self.qkv_bias.data_ptr()
-        return _Layer(self.attn_norm.data_ptr(), self.mlp_norm.data_ptr(), self.qkv.blocks.data_ptr(),
-                      self.o.blocks.data_ptr(), self.gate_up.blocks.data_ptr(), self.down.blocks.data_ptr(), bias)
+        def tiles(m: LayerTiles) -> _Tiles:
+            return _Tiles(m.blocks.data_ptr(), m.format)
+
+        return _Layer(self.attn_norm.data_ptr(), self.mlp_norm.data_ptr(), tiles(self.qkv), tiles(self.o),
+                      tiles(self.gate_up), tiles(self.down), bias)
 
 
 def available() -> bool:

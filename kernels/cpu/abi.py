@@ -13,15 +13,21 @@ class Dims(ctypes.Structure):
                 ("block_size", ctypes.c_int), ("eps", ctypes.c_float)]
 
 
+class Tiles(ctypes.Structure):
+    """`layer_tiles`: a matrix's blocks and their format (TILES_Q4 = 0, TILES_Q8G = 1)."""
+
+    _fields_ = [("blocks", ctypes.c_void_p), ("format", ctypes.c_int)]
+
+
 class Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", ctypes.c_void_p),
-                ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
-                ("qkv_bias", ctypes.c_void_p)]
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", Tiles),
+                ("o", Tiles), ("gate_up", Tiles), ("down", Tiles), ("qkv_bias", ctypes.c_void_p)]
 
 
 def expected() -> list[int]:
     """What `sluice_abi_sizes` reports, in its order, for structs laid out as the mirrors above."""
-    return [ctypes.sizeof(Dims), Dims.eps.offset, ctypes.sizeof(Layer), Layer.qkv.offset, Layer.qkv_bias.offset]
+    return [ctypes.sizeof(Dims), Dims.eps.offset, ctypes.sizeof(Layer), Layer.qkv.offset, Layer.qkv_bias.offset,
+            ctypes.sizeof(Tiles), Tiles.format.offset]
 
 
 def mismatch(lib: ctypes.CDLL) -> str | None:

@@ -10,7 +10,7 @@
  * with the threads of a step kept awake only while the step runs (a spin barrier between phases;
  * they sleep between steps, so nothing busy-waits while the server is idle).
  *
- * Two matmuls read the same weights (`q4_tiles` below). Steps of few rows are bound by the bytes
+ * Two matmuls read the same weights (`layer_tiles`). Steps of few rows are bound by the bytes
  * they read: activations quantised to int16 against the 4-bit codes in integer multiply-adds. Steps
  * of many rows (prefill chunks, large decode batches) are bound by arithmetic: on CPUs with AMX each
  * block of weights is widened to bf16 once in L1 and multiplied by 16x32 tiles of bf16 activations
@@ -70,7 +70,8 @@ const char *sluice_forward_isa(void) {
  * many it has. */
 int sluice_abi_sizes(int64_t *out, int n) {
     const int64_t v[] = {(int64_t)sizeof(dims), (int64_t)offsetof(dims, eps), (int64_t)sizeof(layer_weights),
-                         (int64_t)offsetof(layer_weights, qkv), (int64_t)offsetof(layer_weights, qkv_bias)};
+                         (int64_t)offsetof(layer_weights, qkv), (int64_t)offsetof(layer_weights, qkv_bias),
+                         (int64_t)sizeof(layer_tiles), (int64_t)offsetof(layer_tiles, format)};
     const int have = (int)(sizeof v / sizeof v[0]);
     for (int i = 0; i < n && i < have; i++) out[i] = v[i];
     return have;

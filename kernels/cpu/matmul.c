@@ -1,7 +1,7 @@
 /* The matmuls over tile-ordered weights: int16 (AVX-512 VNNI, AVX-512, AVX2, plain C) and AMX.
  * Part of the native CPU step, compiled as one unit by forward.c (see there). */
 
-/* ---- the matmuls: y[b, n] = sum_k x[b, k] W[n, k] over q4_tiles ----
+/* ---- the matmuls: y[b, n] = sum_k x[b, k] W[n, k] over layer_tiles ----
  *
  * Few rows, `matmul_int16`: each input row is quantised to int16 with one scale (dx = max|x| / 32767:
  * an element 100 times smaller than the row's largest still keeps ~8 significant bits, what the bf16
@@ -155,25 +155,125 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
         for (int n = 0; n < TILE_N; n++) y[(size_t)b * ldy + n] = out[b][n] * qx->dx[b];
 }
 
+/* One column of Q8G blocks (int8 codes, d per half group, m per group) for nb <= ROWS_PER_PASS input rows:
+ * y[b, n0 + n]. Each half group's int32 sums (127 * 32767 * 16 < 2^31) take their own d. */
+static inline __attribute__((always_inline)) void q8g_column(const uint8_t *col, int G, const qx_t *qx, int K,
+                                                             int nb, float *y, int ldy) {
+    float out[ROWS_PER_PASS][TILE_N];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 accf[ROWS_PER_PASS];
+    for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
+        for (int h = 0; h < 2; h++) {
+            __m512i acc[ROWS_PER_PASS];
+            for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
+            for (int r = 8 * h; r < 8 * h + 8; r++) {
+                __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * r)));
+                for (int b = 0; b < nb; b++) {
+                    int32_t xp;
+                    memcpy(&xp, qx->q + (size_t)b * K + g * GROUP + 2 * r, 4);
+#if defined(__AVX512VNNI__)
+                    acc[b] = _mm512_dpwssd_epi32(acc[b], w, _mm512_set1_epi32(xp));
+#else
+                    acc[b] = _mm512_add_epi32(acc[b], _mm512_madd_epi16(w, _mm512_set1_epi32(xp)));
+#endif
+                }
+            }
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512 + 32 * h)));
+            for (int b = 0; b < nb; b++) accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b]), d, accf[b]);
+        }
+        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 576)));
+        for (int b = 0; b < nb; b++) accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(qx->sx[(size_t)b * G + g]), accf[b]);
+    }
+    for (int b = 0; b < nb; b++) _mm512_storeu_ps(out[b], accf[b]);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
+        for (int h = 0; h < 2; h++) {
+            __m256i acc[ROWS_PER_PASS][2];
+            for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
+            for (int r = 8 * h; r < 8 * h + 8; r++) {
+                __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r))); /* rows 0-7 */
+                __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r + 16))); /* 8-15 */
+                for (int b = 0; b < nb; b++) {
+                    int32_t xp;
+                    memcpy(&xp, qx->q + (size_t)b * K + g * GROUP + 2 * r, 4);
+                    const __m256i xv = _mm256_set1_epi32(xp);
+                    acc[b][0] = _mm256_add_epi32(acc[b][0], _mm256_madd_epi16(lo, xv));
+                    acc[b][1] = _mm256_add_epi32(acc[b][1], _mm256_madd_epi16(hi, xv));
+                }
+            }
+            for (int q = 0; q < 2; q++) {
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 32 * h + 16 * q)));
+                for (int b = 0; b < nb; b++) {
+                    __m256 o = _mm256_loadu_ps(out[b] + 8 * q);
+                    _mm256_storeu_ps(out[b] + 8 * q, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][q]), d, o));
+                }
+            }
+        }
+        for (int q = 0; q < 2; q++) {
+            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 576 + 16 * q)));
+            for (int b = 0; b < nb; b++) {
+                __m256 o = _mm256_loadu_ps(out[b] + 8 * q);
+                _mm256_storeu_ps(out[b] + 8 * q, _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[(size_t)b * G + g]), o));
+            }
+        }
+    }
+#else
+    for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
+        const int8_t *q = (const int8_t *)blk;
+        const uint16_t *dw = (const uint16_t *)(blk + 512), *mw = (const uint16_t *)(blk + 576);
+        for (int b = 0; b < nb; b++) {
+            const int16_t *xq = qx->q + (size_t)b * K + g * GROUP;
+            int32_t s[2][TILE_N] = {{0}};
+            for (int r = 0; r < 16; r++)
+                for (int i = 0; i < 32; i++) s[r / 8][i / 2] += (int32_t)q[32 * r + i] * xq[2 * r + i % 2];
+            const float sx = qx->sx[(size_t)b * G + g];
+            for (int n = 0; n < TILE_N; n++)
+                out[b][n] += (float)s[0][n] * fp16_to_f32(dw[n]) + (float)s[1][n] * fp16_to_f32(dw[16 + n]) +
+                             fp16_to_f32(mw[n]) * sx;
+        }
+    }
+#endif
+    for (int b = 0; b < nb; b++)
+        for (int n = 0; n < TILE_N; n++) y[(size_t)b * ldy + n] = out[b][n] * qx->dx[b];
+}
+
+/* A column of either format for a constant nb (the compiler keeps each row's accumulator in a register). */
+#define COLUMN(fmt, col, G, part, K, nb, yb, N)                     \
+    do {                                                            \
+        if ((fmt) == TILES_Q8G)                                     \
+            q8g_column(col, G, part, K, nb, yb, N);                 \
+        else                                                        \
+            q4_column(col, G, part, K, nb, yb, N);                  \
+    } while (0)
+
 /* This thread's share of y[B, N] = x[B, K] W^T (x quantised by quantize_x): columns of blocks split evenly. */
-static void matmul_int16(const q4_tiles *w, int N, int K, const qx_t *qx, int B, float *y, int tid, int nt) {
+static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, int B, float *y, int tid, int nt) {
     const int G = K / GROUP, NB = N / TILE_N, per = (NB + nt - 1) / nt;
     const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
+    const int fmt = w->format, bytes = fmt == TILES_Q8G ? Q8G_BLOCK_BYTES : BLOCK_BYTES;
     for (int c = c0; c < c1; c++) {
-        const uint8_t *col = w->blocks + (size_t)c * G * BLOCK_BYTES;
+        const uint8_t *col = w->blocks + (size_t)c * G * bytes;
         for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {
             const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
             qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL};
             float *yb = y + (size_t)b0 * N + c * TILE_N;
-            switch (nb) { /* a constant nb per call: the compiler keeps each row's accumulator in a register */
-                case 1: q4_column(col, G, &part, K, 1, yb, N); break;
-                case 2: q4_column(col, G, &part, K, 2, yb, N); break;
-                case 3: q4_column(col, G, &part, K, 3, yb, N); break;
-                case 4: q4_column(col, G, &part, K, 4, yb, N); break;
-                case 5: q4_column(col, G, &part, K, 5, yb, N); break;
-                case 6: q4_column(col, G, &part, K, 6, yb, N); break;
-                case 7: q4_column(col, G, &part, K, 7, yb, N); break;
-                default: q4_column(col, G, &part, K, 8, yb, N); break;
+            switch (nb) {
+                case 1: COLUMN(fmt, col, G, &part, K, 1, yb, N); break;
+                case 2: COLUMN(fmt, col, G, &part, K, 2, yb, N); break;
+                case 3: COLUMN(fmt, col, G, &part, K, 3, yb, N); break;
+                case 4: COLUMN(fmt, col, G, &part, K, 4, yb, N); break;
+                case 5: COLUMN(fmt, col, G, &part, K, 5, yb, N); break;
+                case 6: COLUMN(fmt, col, G, &part, K, 6, yb, N); break;
+                case 7: COLUMN(fmt, col, G, &part, K, 7, yb, N); break;
+                default: COLUMN(fmt, col, G, &part, K, 8, yb, N); break;
             }
         }
     }
@@ -215,10 +315,30 @@ static inline void widen_q8_block(const uint8_t *blk, const float *scale, uint16
     }
 }
 
+/* A Q8G block -> a bf16 B tile: tile row r's lane 2n + j is q[n, 2r + j] * d[r / 8][n] + m[n]. */
+static inline void widen_q8g_block(const uint8_t *blk, uint16_t *tile) {
+    const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_rows = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 576)));
+    const __m512 m0 = _mm512_permutexvar_ps(lo_rows, m), m1 = _mm512_permutexvar_ps(hi_rows, m);
+    for (int h = 0; h < 2; h++) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512 + 32 * h)));
+        const __m512 d0 = _mm512_permutexvar_ps(lo_rows, d), d1 = _mm512_permutexvar_ps(hi_rows, d);
+        for (int r = 8 * h; r < 8 * h + 8; r++) {
+            __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * r))));
+            __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * r + 16))));
+            _mm512_storeu_si512(tile + r * 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(b, d1, m1),
+                                                                            _mm512_fmadd_ps(a, d0, m0)));
+        }
+    }
+}
+
 static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *tile) {
     const uint8_t *blk = w->blocks + ((size_t)c * G + g) * w->block_bytes;
     if (w->row_scale)
         widen_q8_block(blk, w->row_scale + (size_t)c * TILE_N, tile);
+    else if (w->block_bytes == Q8G_BLOCK_BYTES)
+        widen_q8g_block(blk, tile);
     else
         widen_block(blk, tile);
 }

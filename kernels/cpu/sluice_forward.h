@@ -4,12 +4,20 @@
 
 #include <stdint.h>
 
+/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of two formats:
+ * TILES_Q4: 4-bit codes with fp16 d and m per row and group (GGML Q4_0, Q4_1, Q4_K values), BLOCK_BYTES;
+ * TILES_Q8G: int8 codes with fp16 d per row and half group (16 inputs) and fp16 m per row and group
+ * (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 values), Q8G_BLOCK_BYTES. */
+enum { TILES_Q4 = 0, TILES_Q8G = 1 };
+
 typedef struct {
     const uint8_t *blocks;
-} q4_tiles;
+    int format;
+} layer_tiles;
 
-/* Any matrix in blocks of 16 output rows by 32 inputs, in tile order: the layers' Q4_1 blocks (q4_tiles),
- * or the output layer's int8 ones (row_scale set: w = q * row_scale[n], 512 bytes per block). */
+/* Any matrix in blocks of 16 output rows by 32 inputs, in tile order: a layer's (layer_tiles; block_bytes
+ * tells the format), or the output layer's int8 ones (row_scale set: w = q * row_scale[n], 512 bytes per
+ * block). */
 typedef struct {
     const uint8_t *blocks;
     int block_bytes;
@@ -17,10 +25,11 @@ typedef struct {
 } tile_weights;
 
 #define Q8_BLOCK_BYTES 512
+#define Q8G_BLOCK_BYTES 608 /* 512 bytes of int8 codes as Q8_BLOCK_BYTES, d[2][16], m[16] (fp16) */
 
 typedef struct {
     const float *attn_norm, *mlp_norm; /* [hidden] */
-    q4_tiles qkv, o, gate_up, down;
+    layer_tiles qkv, o, gate_up, down;
     const float *qkv_bias; /* [q + 2 kv] or NULL */
 } layer_weights;
 

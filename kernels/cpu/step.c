@@ -43,10 +43,10 @@ typedef struct {
 
 static void prepare_x(step_ctx *c, const float *x, int K, int b0, int b1) { quantize_x(x, K, &c->qx, b0, b1, c->amx); }
 
-static void step_matmul(step_ctx *c, const q4_tiles *w, int N, int K, float *y, int tid) {
+static void step_matmul(step_ctx *c, const layer_tiles *w, int N, int K, float *y, int tid) {
 #if HAVE_AMX
     if (c->amx) {
-        const tile_weights tw = {w->blocks, BLOCK_BYTES, NULL};
+        const tile_weights tw = {w->blocks, w->format == TILES_Q8G ? Q8G_BLOCK_BYTES : BLOCK_BYTES, NULL};
         matmul_amx(&tw, N, K, &c->qx, c->B, y, c->tile_scratch + (size_t)tid * c->tile_scratch_per_thread, tid,
                    c->nthreads);
         return;

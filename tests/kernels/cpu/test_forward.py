@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from kernels.cpu import ForwardStep, LayerBlocks, pack_q4_1
+from kernels.cpu import TILES_Q8G, ForwardStep, LayerBlocks, pack_q4_1, pack_q8g
 from kernels.cpu import build as cpu_build
 from kernels.cpu.cpuinfo import cpu_info
 
@@ -40,26 +40,38 @@ def _q4(n: int, k: int, gen: torch.Generator):
     return (codes, scale, mn), dense
 
 
+def _q8g(n: int, k: int, gen: torch.Generator):
+    """Int8 codes over the full range (Q8_0's; Q5/Q6 codes are a part of it), a scale per 16 inputs and a
+    min per 32 (fp16-exact, signed: Q6_K's sub-block scales are); and the dequantised float64 value."""
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = ((torch.rand(n, k // 16, generator=gen) - 0.3) * 0.001).half().float()
+    mn = (-torch.rand(n, k // 32, generator=gen) * 0.05).half().float()
+    dense = (codes.double().view(n, k // 16, 16) * scale.double()[..., None]).view(n, k // 32, 32)
+    dense = (dense + mn.double()[..., None]).view(n, k)
+    return (codes, scale, mn), dense
+
+
 def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).double()
 
 
 class TinyModel:
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int,
-                 bias: bool, seed: int = 0):
+                 bias: bool, seed: int = 0, q8g: tuple[str, ...] = ()):
+        """`q8g`: the matrices (qkv, o, gate_up, down) held as Q8G tiles, the others as Q4 tiles."""
         gen = torch.Generator().manual_seed(seed)
         self.dims = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, eps=1e-5)
         qkv_n = (heads + 2 * kv_heads) * head_dim
         self.layers = []
         self.blocks = []
         for _ in range(layers):
-            mats = {name: _q4(n, k, gen) for name, (n, k) in {
+            mats = {name: (_q8g if name in q8g else _q4)(n, k, gen) for name, (n, k) in {
                 "qkv": (qkv_n, hidden), "o": (hidden, heads * head_dim), "gate_up": (2 * inter, hidden),
                 "down": (hidden, inter)}.items()}
             norms = (1 + 0.1 * torch.randn(hidden, generator=gen), 1 + 0.1 * torch.randn(hidden, generator=gen))
             b = 0.05 * torch.randn(qkv_n, generator=gen) if bias else None
             self.layers.append(({k: v[1] for k, v in mats.items()}, norms, b))
-            packed = {k: pack_q4_1(*v[0]) for k, v in mats.items()}
+            packed = {k: (pack_q8g if k in q8g else pack_q4_1)(*v[0]) for k, v in mats.items()}
             self.blocks.append(LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], qkv_bias=b, **packed))  # type: ignore[arg-type]
         pos = torch.arange(512, dtype=torch.float64)
         inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -181,6 +193,44 @@ def test_forward_step_matches_a_float64_reference(build, config, rows):
             others = torch.ones(kv.shape[2], dtype=torch.bool)
             others[slots] = False
             assert torch.equal(kv_ours[:, :, others], kv[:, :, others])
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("q8g", [("qkv", "down"), ("o", "gate_up"), ("qkv", "o", "gate_up", "down")])
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_int8_group_tiles_and_mixed_formats_match_the_float64_reference(build, q8g, rows):
+    """Q8G tiles (the Q5/Q6/Q8 types' layout: a scale per 16 inputs) alone and mixed with Q4 tiles in a
+    layer, as a Q4_K_M file mixes block types, on every build's int16 matmul and on AMX."""
+    lib = _library(build)
+    model = TinyModel(**CONFIGS["odd-groups"], q8g=q8g)
+    layer = model.blocks[0]
+    assert [m for m in ("qkv", "o", "gate_up", "down") if getattr(layer, m).format == TILES_Q8G] == list(q8g)
+    d = model.dims
+    gen = torch.Generator().manual_seed(100 + rows)
+    step = ForwardStep(**d, block_size=4, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
+    positions, slots, tables, row_seq, num_blocks = _step(rows, gen, 4, 8)
+    kv = torch.randn(len(model.layers), 2, num_blocks * 4, d["kv_heads"], d["head_dim"], generator=gen).to(
+        torch.bfloat16)
+    x = torch.randn(rows, d["hidden"], generator=gen)
+    for amx in _amx_modes(lib):
+        want = model.reference(x, positions, slots, tables, row_seq, kv.clone(), 4, bf16_matmuls=bool(amx))
+        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, amx_min_rows=amx)
+        err = (got.double() - want).abs().max().item()
+        assert err < 2e-3 * want.abs().max().item(), (step.isa, amx, err)
+
+
+def test_pack_q8g_puts_each_weight_where_the_kernel_reads_it():
+    gen = torch.Generator().manual_seed(3)
+    (codes, scale, mn), _ = _q8g(32, 64, gen)
+    t = pack_q8g(codes, scale, mn)
+    assert t is not None and t.format == TILES_Q8G and t.blocks.shape == (2, 2, 608)
+    blk = t.blocks[1, 1]  # rows 16-31, inputs 32-63
+    q = blk[:512].view(torch.int8).view(16, 32)  # tile row r, lane 2 n + j: codes[16 + n, 32 + 2 r + j]
+    assert q[5, 2 * 3 + 1] == codes[16 + 3, 32 + 2 * 5 + 1]
+    d = blk[512:576].view(torch.float16).view(2, 16)  # d[half][n]
+    assert d[1, 7].float() == scale[16 + 7, 2 * 1 + 1] and d[0, 2].float() == scale[16 + 2, 2]
+    assert blk[576:].view(torch.float16)[9].float() == mn[16 + 9, 1]
+    assert pack_q8g(codes[:24], scale[:24], mn[:24]) is None  # rows off the 16-row blocks
 
 
 # SmolLM2's attention shape (head size 64, three query heads per kv head) and a two-per-kv-head one: the
