@@ -123,9 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=256, help="tokens of context per sequence")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--weight-dtype", default="auto")
+    ap.add_argument("--model", default=None, help="a GGUF file or model folder (default: the packaged model)")
     a = ap.parse_args(argv)
-    engine = LLMEngine(EngineConfig(max_running_requests=64, kv_cache_tokens=65536, enable_prefix_caching=False,
-                                    weight_dtype=a.weight_dtype))
+    engine = LLMEngine(EngineConfig(model=a.model, max_running_requests=64, kv_cache_tokens=65536,
+                                    enable_prefix_caching=False, weight_dtype=a.weight_dtype))
     runner = engine.runner
     bw = read_bandwidth()
     print(f"machine: {machine()}; torch threads {torch.get_num_threads()}")
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     if m.native is not None:
         amx = f"AMX matmuls from {m.kernels.amx_min_rows} rows" if m.kernels.amx_min_rows else "no AMX matmuls"
         print(f"native CPU forward step ({m.native.isa}, {m.kernels.threads} threads) for every step; {amx}; "
-              f"its 4-bit weights {m.native.nbytes() / 2**20:.0f} MiB")
+              f"its layer weights {m.native.nbytes() / 2**20:.0f} MiB")
     if m.layer_plan is not None and m.head_plan is not None:
         print(f"CPU step plan (weights/threads by step size): layers {m.layer_plan.describe()}; "
               f"output layer {m.head_plan.describe()}")

@@ -57,11 +57,11 @@ def peak_rss_mb(pid: int) -> tuple[float, float]:
 
 @contextlib.contextmanager
 def llama_server(binary: Path, slots: int, ctx_per_slot: int, threads: int = 2,
-                 omp_wait_policy: str | None = None) -> Iterator[tuple[str, int]]:
+                 omp_wait_policy: str | None = None, model: Path | None = None) -> Iterator[tuple[str, int]]:
     """omp_wait_policy None: llama.cpp's own default (its OpenMP threads spin between graph nodes),
     what a user who starts llama-server gets."""
     port = free_port()
-    cmd = [str(binary), "-m", str(default_model_path()), "--alias", MODEL, "-t", str(threads), "-np", str(slots),
+    cmd = [str(binary), "-m", str(model or default_model_path()), "--alias", MODEL, "-t", str(threads), "-np", str(slots),
            "-c", str(slots * ctx_per_slot), "--no-repack", "--host", "127.0.0.1", "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if omp_wait_policy:
@@ -71,12 +71,12 @@ def llama_server(binary: Path, slots: int, ctx_per_slot: int, threads: int = 2,
 
 
 @contextlib.contextmanager
-def llamacpp_python_server(env_dir: Path, threads: int = 2) -> Iterator[tuple[str, int]]:
+def llamacpp_python_server(env_dir: Path, threads: int = 2, model: Path | None = None) -> Iterator[tuple[str, int]]:
     """llama-cpp-python's server with repacking off (bench/llamacpp_norepack.py: the AMX repack crashes it
     at the first request) and llama.cpp's own OpenMP default, as llama-server's main row."""
     port = free_port()
     cmd = [str(env_dir / "bin" / "python"), str(ROOT / "bench" / "llamacpp_norepack.py"), "--model",
-           str(default_model_path()), "--model_alias", MODEL, "--n_threads", str(threads), "--n_ctx", "8192",
+           str(model or default_model_path()), "--model_alias", MODEL, "--n_threads", str(threads), "--n_ctx", "8192",
            "--interrupt_requests", "False", "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     with managed_server(cmd, f"http://127.0.0.1:{port}/v1/models", env) as p:
@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> None:
                          "own spinning threads, what its users get), PASSIVE, ACTIVE")
     ap.add_argument("--llama-server", default=str(ROOT / "bench" / ".llama-server" / "build" / "bin" / "llama-server"))
     ap.add_argument("--llamacpp-env", default=str(ROOT / "bench" / ".venv-llamacpp"))
+    ap.add_argument("--model", default=None,
+                    help="a GGUF file both servers load (default: the packaged SmolLM2 Q4_1; e.g. one requantised "
+                         "by llama-quantize)")
     a = ap.parse_args(argv)
     binary = Path(a.llama_server)
     if not binary.exists():
@@ -115,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--llama-omp takes default, PASSIVE and/or ACTIVE")
     llama_names = {v: "llama-server" if v == "default" else f"llama {v}" for v in variants}
     py_env = Path(a.llamacpp_env)
-    print(f"machine: {machine()}", flush=True)
+    model = Path(a.model) if a.model else None
+    print(f"machine: {machine()}; model {model or default_model_path()}", flush=True)
     if not (py_env / "bin" / "python").exists():
         print(f"(llama-cpp-python's server: skipped, {py_env} does not exist; bash bench/setup_llamacpp.sh)")
     results: dict[tuple[str, int], list[LoadResult]] = {}
@@ -127,7 +131,9 @@ def main(argv: list[str] | None = None) -> None:
         results.setdefault((name, c), []).append(r)
         print(r.line(f"  round {rnd} {name:12s}"), flush=True)
 
-    with sluice_server_process() as (sluice_url, sluice_proc):
+    sluice_args = ["--model", str(model)] if model is not None else []
+    with sluice_server_process({"SLUICE_MODEL__SERVED_MODEL_NAME": MODEL} if model else None, sluice_args) as (
+            sluice_url, sluice_proc):
         asyncio.run(run_load(sluice_url, MODEL, mixed_workload(2, 8, 8, seed=-1), 2))  # warm-up
         for c in levels:
             with contextlib.ExitStack() as stack:
@@ -135,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                 for policy in variants:
                     name = llama_names[policy]
                     url, pids[name] = stack.enter_context(llama_server(
-                        binary, c, a.ctx_per_slot, omp_wait_policy=None if policy == "default" else policy))
+                        binary, c, a.ctx_per_slot, omp_wait_policy=None if policy == "default" else policy,
+                        model=model))
                     asyncio.run(run_load(url, MODEL, mixed_workload(2, 8, 8, seed=-1), 2))
                     servers.append((name, url))
                 servers.append(("sluice", sluice_url))
@@ -146,13 +153,13 @@ def main(argv: list[str] | None = None) -> None:
                     rss[(name, c)] = peak_rss_mb(pid)
             rss[("sluice", c)] = peak_rss_mb(sluice_proc.pid)
         if (py_env / "bin" / "python").exists():
-            with llamacpp_python_server(py_env) as (py_url, py_pid):
+            with llamacpp_python_server(py_env, model=model) as (py_url, py_pid):
                 for c in levels:
                     for rnd in range(a.rounds):
                         load("llama-cpp-py", py_url, c, rnd)
                     rss[("llama-cpp-py", c)] = peak_rss_mb(py_pid)
 
-    print(f"\nmachine: {machine()}")
+    print(f"\nmachine: {machine()}; model {model or default_model_path()}")
     print(f"streamed greedy chat, max_tokens {a.max_tokens}, {a.rounds} alternating rounds per level\n")
     print("| c | server | out tok/s | TTFT p50 ms | TTFT p99 ms | peak RSS MiB | Sluice / it: tok/s | TTFT p50 |")
     print("|---|---|---|---|---|---|---|---|")

@@ -29,9 +29,10 @@ class EngineConfig:
     # reads against float32, which matches the reference implementation to ~1e-4.
     weight_dtype: str = "auto"
     int4_max_batch: int | None = None  # int4 only: largest step (tokens) on the 4-bit path; None: measured at start
-    # CPU, 4-bit model (GGUF Q4_0/Q4_1), bf16 KV cache: every step, decodes and prefill chunks alike, runs
-    # as one native call over the file's 4-bit blocks (kernels/cpu/forward.c, built at first use with the
-    # machine's C compiler); the layers then hold no dense copy. false: the torch path (int4 + bf16).
+    # CPU, GGUF layers of Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K or Q8_0 blocks (mixed per tensor, as a
+    # Q4_K_M file is), bf16 KV cache: every step, decodes and prefill chunks alike, runs as one native
+    # call over the file's blocks repacked in tile order (kernels/cpu/forward.c, built at first use with
+    # the machine's C compiler); the layers then hold no dense copy. false: the torch path (int4 + bf16).
     native_cpu_step: bool = True
     # Native step, CPUs with AMX: steps of at least this many tokens multiply on AMX tiles (bf16), smaller
     # ones in int16 dot products. None: measured at start; 0: never.

@@ -7,6 +7,7 @@ forward and the logits test can compare it with transformers on the same weights
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from .gguf_blocks import DECODERS, GroupBlocks, group_blocks
 from .tuning_cache import file_fingerprint
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,9 @@ class LoadedModel:
     # scale [N, K/32], min [N, K/32]), weight = code * scale + min (fp32). `weights` holds the same values
     # dequantized; the engine's int4 matmul reads these codes directly (engine/weights.py, Int4Weight).
     q4_blocks: MutableMapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # GGUF linear weights of the other block types the native CPU step reads (Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
+    # Q8_0) as codes and group scales (engine/gguf_blocks.py); `weights` holds them dequantized too.
+    group_blocks: MutableMapping[str, GroupBlocks] = field(default_factory=dict)
     # GGUF: the block types of the layers' matrices (type name -> how many), what decides whether the native
     # CPU step can read the file (it reads Q4_0 and Q4_1) and what the start-up log names when it cannot.
     layer_types: dict[str, int] = field(default_factory=dict)
@@ -215,6 +220,18 @@ def _gguf_q4(t: Any, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return tuple(torch.from_numpy(np.ascontiguousarray(b)) for b in blocks)
 
 
+def _gguf_group(t: Any, heads: int) -> GroupBlocks:
+    """A tensor of one of gguf_blocks.DECODERS' types as codes and group scales (RoPE rows unpermuted)."""
+    shape = tuple(int(d) for d in reversed(t.shape))
+    b = group_blocks(t.data, t.tensor_type.name, shape)  # type: ignore[arg-type]
+    assert b is not None
+    if not heads:
+        return b
+    rows = [torch.from_numpy(np.ascontiguousarray(_unpermute_rope_rows(x.numpy(), heads)))
+            for x in (b.codes, b.scale, b.mn)]
+    return dataclasses.replace(b, codes=rows[0], scale=rows[1], mn=rows[2])
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     return reader.fields.get(key, default)
 
@@ -248,6 +265,7 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
     )
     weights: LazyTensors[torch.Tensor] = LazyTensors()
     q4: LazyTensors[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = LazyTensors()
+    groups: LazyTensors[GroupBlocks] = LazyTensors()
     layer_types: dict[str, int] = {}
     for t in reader.tensors if with_weights else []:
         name = t.name
@@ -270,6 +288,9 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
                 layer_types[t.tensor_type.name] = layer_types.get(t.tensor_type.name, 0) + 1
             if t.tensor_type.name in ("Q4_0", "Q4_1") and len(t.shape) == 2:
                 q4.add(hf, functools.partial(_gguf_q4, t, heads))
+            elif t.tensor_type.name in DECODERS and len(t.shape) == 2 and int(t.shape[0]) % DECODERS[
+                    t.tensor_type.name][0] == 0:
+                groups.add(hf, functools.partial(_gguf_group, t, heads))
         else:
             continue
         weights.add(hf, functools.partial(_gguf_dense, t, heads))
@@ -298,6 +319,7 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
         args=args,
         weights=weights,
         q4_blocks=q4,
+        group_blocks=groups,
         layer_types=layer_types,
         gguf_tokenizer=tok_fields,
         chat_template=_field(reader, "tokenizer.chat_template"),

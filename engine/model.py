@@ -21,12 +21,14 @@ from kernels import AttentionMetadata, fused_add_rms_norm, paged_attention, rms_
 
 from . import batch_invariant
 from .cpu_plan import CpuKernels, Plan, measure_plan
+from .gguf_blocks import GroupBlocks
 from .loader import LazyTensors, ModelArgs
 from .weights import (
     LAYER_LINEARS,
     Int4Weight,
     Int8Weight,
     Linear,
+    NativeBlocks,
     Q4Blocks,
     fused_blocks,
     int4_available,
@@ -73,14 +75,15 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, weights: MutableMapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, weight_dtype: torch.dtype | None = None, deterministic: bool = False,
                  q4_blocks: MutableMapping[str, Q4Blocks] | None = None, native_block_size: int = 0,
-                 kernels: CpuKernels | None = None):
+                 kernels: CpuKernels | None = None, group_blocks: MutableMapping[str, GroupBlocks] | None = None):
         """q4_blocks: the file's 4-bit weights, for small steps (CPU only; see `Linear`); with them the
         output layer also gets an int8 copy for small steps. `native_block_size`: the KV cache's block
         size, to run every step through the native CPU forward step (kernels/cpu) when `kernels` allows
         native kernels and every layer has 4-bit blocks it reads; the layers then get no dense or torch
         int4 copy at all (0: the torch path). `kernels`: the runner's kernel choice, read at every step (its
-        threads and AMX rows); None: no native kernels. Consumes `weights` and `q4_blocks`: each
-        layer's entries are removed from both once the layer is built."""
+        threads and AMX rows); None: no native kernels. `group_blocks`: the file's other block types the
+        native step reads (engine/gguf_blocks.py), for it alone. Consumes `weights`, `q4_blocks` and
+        `group_blocks`: each layer's entries are removed from them once the layer is built."""
         super().__init__()
         self.args = args
         self.kernels = kernels or CpuKernels()
@@ -121,20 +124,32 @@ class LlamaModel(nn.Module):
                 return b  # both made by the loader from the same tensor of the file: no need to compare
             return b if weights[name].shape == b[0].shape and q4_matches(b, weights[name]) else None
 
+        def native_blocks(name: str) -> NativeBlocks | None:
+            """A weight's blocks for the native step: its 4-bit ones, or the loader's group blocks of the
+            same tensor of the file (never for a weight a caller replaced)."""
+            b = q4(name)
+            if b is not None or group_blocks is None or name not in group_blocks or name not in weights:
+                return b
+            if isinstance(weights, LazyTensors) and weights.from_file(name) and (
+                    not isinstance(group_blocks, LazyTensors) or group_blocks.from_file(name)):
+                return group_blocks[name]
+            return None
+
         def drop_layer(i: int) -> None:
             """The layer's source tensors are not needed any more: freeing them as we go keeps the peak
             memory of loading near the model's own size instead of the loader's plus the model's."""
             p = f"model.layers.{i}."
             for name in [n for n in weights if n.startswith(p)]:
                 del weights[name]
-                if q4_blocks is not None:
-                    q4_blocks.pop(name, None)
+                for extra in (q4_blocks, group_blocks):
+                    if extra is not None:
+                        extra.pop(name, None)
 
-        # The whole forward in one native call (kernels/cpu), where every layer has 4-bit blocks it reads.
+        # The whole forward in one native call (kernels/cpu), where every layer has blocks it reads.
         self.native: cpu_kernels.ForwardStep | None = None
-        if (native_block_size and self.kernels.native and use_q4 and dtype == torch.float32 and q4_blocks is not None
-                and native_fits(args, q4_blocks)):
-            self.native = self._native_step(args, weights, q4, drop_layer, native_block_size)
+        if (native_block_size and self.kernels.native and not det and dtype == torch.float32
+                and native_fits(args, q4_blocks if use_q4 and q4_blocks is not None else {}, group_blocks or {})):
+            self.native = self._native_step(args, weights, native_blocks, drop_layer, native_block_size)
         self.layers: list[LayerWeights] = []
         q4_used = self.native is not None
         for i in range(args.num_layers if self.native is None else 0):
@@ -171,11 +186,11 @@ class LlamaModel(nn.Module):
         self.head_plan: Plan | None = None
 
     def _native_step(self, args: ModelArgs, weights: MutableMapping[str, torch.Tensor],
-                     q4: Callable[[str], Q4Blocks | None], drop_layer: Callable[[int], None],
+                     blocks: Callable[[str], NativeBlocks | None], drop_layer: Callable[[int], None],
                      block_size: int) -> cpu_kernels.ForwardStep | None:
         """The layers bound to the native forward step, or None when their blocks do not match the
         weights (engine/weights.py, `native_layers`)."""
-        layers = native_layers(args, weights, q4, drop_layer)
+        layers = native_layers(args, weights, blocks, drop_layer)
         if layers is None:
             return None
         return cpu_kernels.ForwardStep(

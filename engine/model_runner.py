@@ -18,6 +18,7 @@ from kernels import AttentionMetadata
 from .config import EngineConfig
 from .cpu_plan import ROW_CANDIDATES, CpuKernels, Plan, amx_min_rows
 from .cuda_graphs import DecodeGraphs
+from .gguf_blocks import DECODERS
 from .guide import Guides
 from .loader import LoadedModel
 from .model import LlamaModel
@@ -101,7 +102,8 @@ def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
-NATIVE_TYPES = ("Q4_0", "Q4_1")  # the GGUF block types the native CPU step reads
+# the GGUF block types the native CPU step reads (Q4_0/Q4_1 in the loader, the others engine/gguf_blocks.py)
+NATIVE_TYPES = ("Q4_0", "Q4_1", *DECODERS)
 
 
 def native_refusal(loaded: LoadedModel, eligible: bool) -> str:
@@ -110,10 +112,10 @@ def native_refusal(loaded: LoadedModel, eligible: bool) -> str:
     if other:
         total = sum(loaded.layer_types.values())
         kinds = ", ".join(f"{t} ({n})" for t, n in sorted(other.items(), key=lambda kv: -kv[1]))
-        return (f"it reads {' and '.join(NATIVE_TYPES)} layer weights, and {sum(other.values())} of this file's "
+        return (f"it reads {', '.join(NATIVE_TYPES)} layer weights, and {sum(other.values())} of this file's "
                 f"{total} are {kinds}")
     if not loaded.layer_types:
-        return "the model is not a GGUF file of 4-bit blocks"
+        return "the model is not a GGUF file of quantised blocks"
     if not eligible:
         return "the configuration asks for another path (int4 off, or a KV cache or dtype other than bf16/fp32)"
     return "the model's shapes are ones it does not take"
@@ -134,11 +136,16 @@ class ModelRunner:
         self.weight_dtype = pick_weight_dtype(config)
         self.int4 = use_int4(config, loaded, self.device)
         self.kv_dtype = pick_kv_dtype(config, self.device, self.dtype, self.weight_dtype)
-        native = (self.kernels.native and self.int4 and self.kv_dtype == torch.bfloat16 and self.dtype == torch.float32
-                  and config.native_cpu_step)
+        # The native step reads the file's blocks (4-bit, or the other types engine/gguf_blocks.py decodes)
+        # wherever weight_dtype leaves the choice to the file (auto, int4).
+        blocks_ok = (config.weight_dtype in ("auto", "int4") and not config.deterministic
+                     and (self.int4 or bool(loaded.group_blocks)))
+        native = (self.kernels.native and blocks_ok and self.kv_dtype == torch.bfloat16
+                  and self.dtype == torch.float32 and config.native_cpu_step)
         self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, self.weight_dtype,
                                 deterministic=config.deterministic, q4_blocks=loaded.q4_blocks if self.int4 else None,
-                                native_block_size=config.block_size if native else 0, kernels=self.kernels)
+                                native_block_size=config.block_size if native else 0, kernels=self.kernels,
+                                group_blocks=loaded.group_blocks if native else None)
         self.int4_max_rows = 0  # steps of up to this many tokens read the 4-bit weights
         if self.kernels.native and config.native_cpu_step and self.model.native is None:
             log.info("native CPU forward step not used: %s; every step takes the torch path, weights %s",
@@ -169,7 +176,8 @@ class ModelRunner:
     def describe_weights(self) -> str:
         """What the weights a step reads are, for the start-up log and the benches."""
         if self.model.native is not None:
-            return "4-bit layers, int8 output layer (native CPU step)"
+            tiles = " and ".join(f"{k} ({n})" for k, n in self.model.native.tile_formats().items())
+            return f"layers in {tiles} tiles, int8 output layer (native CPU step)"
         return str(self.weight_dtype).removeprefix("torch.") + (
             f" + int4 up to {self.int4_max_rows} tokens" if self.int4 else "")
 
@@ -241,7 +249,7 @@ class ModelRunner:
                "no AMX on this CPU" if not model.native.amx else "AMX off")
         if model.native.amx and cfg.amx_min_rows is None and kept:
             amx += KEPT
-        log.info("native CPU forward step (kernels/cpu, %s, %d threads) for every step; %s; its 4-bit weights "
+        log.info("native CPU forward step (kernels/cpu, %s, %d threads) for every step; %s; its layer weights "
                  "%d MiB", model.native.isa, kernels.threads, amx, model.native.nbytes() // 2**20)
 
     def _synthetic_decode(self, rows: int, context: int) -> tuple[

@@ -6,7 +6,9 @@ apart from its model.py the same way).
   `Int4Weight` (the GGUF's own Q4_0/Q4_1 blocks, torch's CPU int4 matmul) or `Int8Weight` (one scale
   per output row, for the output layer).
 - The 4-bit blocks of the fused linears (`LAYER_LINEARS`), checked against the weights they stand for.
-- `native_layers`: every layer in the native CPU step's tile layouts (kernels/cpu).
+- `native_layers`: every layer in the native CPU step's tile layouts (kernels/cpu): 4-bit tiles for a
+  fused matrix whose parts are all 4-bit (Q4_0, Q4_1, Q4_K), int8 group tiles for one with any other part
+  (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0: a Q4_K_M file mixes them within a layer).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import torch.nn.functional as F
 import kernels.cpu as cpu_kernels
 
 from . import batch_invariant
+from .gguf_blocks import GroupBlocks
 from .loader import ModelArgs
 
 Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] 0..15, scale, min [N, K/32]
+NativeBlocks = Q4Blocks | GroupBlocks  # what the native step repacks
 Q4_GROUP = 32
 # The fused linears of a layer and the checkpoint weights each one concatenates along its rows.
 LAYER_LINEARS = {
@@ -135,31 +139,58 @@ def fused_blocks(parts: list[Q4Blocks | None]) -> Q4Blocks | None:
     return tuple(torch.cat([b[j] for b in parts if b is not None]) for j in range(3))
 
 
-def native_fits(args: ModelArgs, q4_blocks: MutableMapping[str, Q4Blocks]) -> bool:
-    """Every linear weight of every layer has 4-bit blocks, and the shapes are ones the native step takes
-    (checked before anything is built, so a model it cannot run gets the torch path whole)."""
+def native_fits(args: ModelArgs, blocks: MutableMapping[str, Q4Blocks] | MutableMapping[str, GroupBlocks],
+                *more: MutableMapping[str, GroupBlocks]) -> bool:
+    """Every linear weight of every layer has blocks the native step reads (in any of the mappings), and
+    the shapes are ones it takes (checked before anything is built, so a model it cannot run gets the torch
+    path whole)."""
     q_n, kv_n = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
     shapes_ok = (args.hidden_size % 32 == 0 and args.intermediate_size % 32 == 0 and q_n % 32 == 0
                  and (q_n + 2 * kv_n) % 16 == 0 and args.head_dim % 16 == 0 and args.head_dim <= 256
                  and args.num_heads % args.num_kv_heads == 0 and args.num_heads <= 256)
-    return shapes_ok and all(f"model.layers.{i}.{n}" in q4_blocks for i in range(args.num_layers)
+    maps = (blocks, *more)
+    return shapes_ok and all(any(f"model.layers.{i}.{n}" in m for m in maps) for i in range(args.num_layers)
                              for names in LAYER_LINEARS.values() for n in names)
 
 
+def _as_groups(b: NativeBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Any blocks as (int8 codes, scale per 16, min per 32)."""
+    if isinstance(b, GroupBlocks):
+        return b.codes, b.scale, b.mn
+    codes, scale, mn = b
+    return codes.to(torch.int8), scale.repeat_interleave(2, dim=-1), mn
+
+
+def pack_native(parts: list[NativeBlocks | None]) -> cpu_kernels.LayerTiles | None:
+    """A fused matrix's parts (rows stacked) in the native step's tiles: the file's Q4_0/Q4_1 blocks as
+    they are; 4-bit ones with a K type among them (Q4_K: a scale that is a product, rounded to fp16) in
+    4-bit tiles too; with any other type, int8 group tiles for all. None when a part is missing."""
+    if any(p is None for p in parts):
+        return None
+    if all(isinstance(p, tuple) for p in parts):
+        return cpu_kernels.pack_q4_1(*(torch.cat([p[j] for p in parts]) for j in range(3)))  # type: ignore[index]
+    if all(isinstance(p, tuple) or p.four_bit for p in parts):  # type: ignore[union-attr]
+        four = [p if isinstance(p, tuple) else (p.codes.to(torch.uint8), p.scale[:, ::2], p.mn)  # type: ignore[union-attr]
+                for p in parts]
+        codes, scale, mn = (torch.cat([p[j] for p in four]) for j in range(3))
+        return cpu_kernels.pack_q4_1(codes, scale, mn, round_scales=True)
+    groups = [_as_groups(p) for p in parts if p is not None]
+    return cpu_kernels.pack_q8g(*(torch.cat([g[j] for g in groups]) for j in range(3)))
+
+
 def native_layers(args: ModelArgs, weights: MutableMapping[str, torch.Tensor],
-                  q4: Callable[[str], Q4Blocks | None],
+                  blocks: Callable[[str], NativeBlocks | None],
                   drop_layer: Callable[[int], None]) -> list[cpu_kernels.LayerBlocks] | None:
     """Every layer in the native step's layouts (each layer's entries dropped once it is packed), or None
     when the first layer's blocks do not match its weights (nothing dropped then: the torch path builds
-    the model). `q4(name)`: a weight's 4-bit blocks if they match it."""
+    the model). `blocks(name)`: a weight's blocks (4-bit or group) if they match it."""
     layers: list[cpu_kernels.LayerBlocks] = []
     for i in range(args.num_layers):
         p = f"model.layers.{i}."
-        blocks = {name: fused_blocks([q4(p + n) for n in names]) for name, names in LAYER_LINEARS.items()}
-        packed = {name: None if b is None else cpu_kernels.pack_q4_1(*b) for name, b in blocks.items()}
+        packed = {name: pack_native([blocks(p + n) for n in names]) for name, names in LAYER_LINEARS.items()}
         if any(b is None for b in packed.values()):
             if i:
-                raise RuntimeError(f"layer {i}'s 4-bit blocks do not match its weights (the layers before it "
+                raise RuntimeError(f"layer {i}'s blocks do not match its weights (the layers before it "
                                    "matched); the model file is inconsistent")
             return None
         bias = (torch.cat([weights[p + f"self_attn.{n}_proj.bias"].float() for n in "qkv"])

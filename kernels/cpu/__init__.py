@@ -153,6 +153,15 @@ class ForwardStep:
     def nbytes(self) -> int:
         return sum(lw.nbytes() for lw in self._layers)
 
+    def tile_formats(self) -> dict[str, int]:
+        """How many of the layers' matrices each tile format holds ("4-bit", "int8 group")."""
+        names = {TILES_Q4: "4-bit", TILES_Q8G: "int8 group"}
+        out: dict[str, int] = {}
+        for lw in self._layers:
+            for m in (lw.qkv, lw.o, lw.gate_up, lw.down):
+                out[names[m.format]] = out.get(names[m.format], 0) + 1
+        return out
+
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
             row_seq: torch.Tensor, kv_cache: torch.Tensor, threads: int, amx_min_rows: int = 0,
             num_layers: int | None = None) -> torch.Tensor:

@@ -43,7 +43,7 @@ def requantised(src, dst, names: dict[str, str]) -> None:
 
 def test_a_block_type_the_native_step_does_not_read_is_named_with_the_path_taken(tmp_path, caplog):
     path = tmp_path / "SmolLM2-135M-Instruct-mixed.gguf"
-    requantised(default_model_path(), path, {"blk.0.attn_v.weight": "Q8_0"})
+    requantised(default_model_path(), path, {"blk.0.attn_v.weight": "F16"})
     with caplog.at_level(logging.INFO, logger="engine"):
         engine = LLMEngine(EngineConfig(model=str(path), kv_cache_tokens=1024, max_running_requests=2))
     said = [r.getMessage() for r in caplog.records if "native CPU forward step not used" in r.getMessage()]
@@ -51,7 +51,7 @@ def test_a_block_type_the_native_step_does_not_read_is_named_with_the_path_taken
         pytest.skip("no native CPU step on this machine (no C compiler)")
     assert engine.runner.model.native is None
     assert len(said) == 1, said
-    assert "Q8_0 (1)" in said[0] and "of this file's 210 are" in said[0] and "torch path" in said[0], said[0]
+    assert "F16 (1)" in said[0] and "of this file's 210 are" in said[0] and "torch path" in said[0], said[0]
     out = engine.generate([EngineRequest("r", engine.tokenizer.encode("Hello"),
                                          SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))])
     assert sum(len(o.token_ids) for o in out["r"]) == 4
