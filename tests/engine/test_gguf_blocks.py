@@ -1,0 +1,119 @@
+"""engine/gguf_blocks.py: the codes and group scales of each block type against gguf-py's dequantiser, on
+matrices gguf-py quantises (Q8_0, Q5_0, Q5_1) and on a small file llama.cpp's `llama-quantize` wrote with
+the K types (tests/fixtures/tiny-kquants.gguf, made by tests/fixtures/make_kquants.py); and that file's
+mixed layers through the native step against a float64 reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.gguf_blocks import DECODERS, dequantize, group_blocks
+from engine.weights import pack_native
+from kernels.cpu import TILES_Q4, TILES_Q8G, ForwardStep, LayerBlocks
+from kernels.cpu import build as cpu_build
+from tests.kernels.cpu.test_forward import TinyModel, _amx_modes, _step
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-kquants.gguf"
+
+
+def _layer_tensors(reader: gguf.GGUFReader) -> dict[str, object]:
+    return {t.name: t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+
+
+def _shape(t) -> tuple[int, int]:
+    return tuple(int(d) for d in reversed(t.shape))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("k", [96, 512])  # three groups (odd), sixteen
+def test_gguf_py_quantised_blocks_decode_to_its_dequantised_values(qtype, k):
+    rng = np.random.default_rng(k)
+    dense = (rng.standard_normal((48, k)) * rng.uniform(0.01, 1, (48, 1))).astype(np.float32)
+    t = gguf.GGMLQuantizationType[qtype]
+    data = gguf.quants.quantize(dense, t)
+    b = group_blocks(data, qtype, (48, k))
+    assert b is not None and b.exact and not b.four_bit  # fp16 scales and mins, as the file holds them
+    assert b.codes.dtype == torch.int8 and b.scale.shape == (48, k // 16) and b.mn.shape == (48, k // 32)
+    want = gguf.quants.dequantize(data, t).astype(np.float64)
+    assert np.array_equal(dequantize(b).numpy(), want)
+
+
+def test_llama_quantize_k_types_decode_to_gguf_py_values():
+    reader = gguf.GGUFReader(str(FIXTURE))
+    seen = set()
+    for name, t in _layer_tensors(reader).items():
+        kind = t.tensor_type.name  # type: ignore[attr-defined]
+        b = group_blocks(t.data, kind, _shape(t))  # type: ignore[attr-defined]
+        assert b is not None, (name, kind)
+        want = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)  # type: ignore[attr-defined]
+        np.testing.assert_array_equal(dequantize(b).numpy(), want, err_msg=f"{name} ({kind})")
+        assert b.four_bit == (kind == "Q4_K")
+        seen.add(kind)
+    assert seen == set(DECODERS)  # the fixture holds every type the decoders read
+
+
+def test_other_types_and_partial_blocks_are_not_decoded():
+    assert group_blocks(np.zeros((2, 64), np.uint8), "F16", (2, 32)) is None
+    assert group_blocks(np.zeros((2, 144), np.uint8), "Q4_K", (2, 128)) is None  # K not a whole super-block
+
+
+def _tile_values(b) -> torch.Tensor:
+    """The weights the tiles hold: the K types' product scales rounded to fp16, each weight q d + m in fp32
+    (what the AMX path then rounds to bf16). Within 2^-11 of the file's own values, relative to a group's
+    largest code * scale plus its min: each of the two is rounded to fp16 once (under 1% of a Q4_K step)."""
+    n, k = b.codes.shape
+    scale, mn = b.scale.half().float(), b.mn.half().float()
+    qd = b.codes.float().view(n, k // 16, 16) * scale[..., None]
+    w = qd.view(n, k // 32, 32) + mn[..., None]
+    exact = dequantize(b).view(n, k // 32, 32)
+    bound = 2**-11 * (qd.view(n, k // 32, 32).abs().amax(-1) + mn.abs())
+    assert ((w.double() - exact).abs().amax(-1) <= bound.double() * (1 + 1e-6)).all()
+    return w.view(n, k).double()
+
+
+def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
+    """The fixture's two layers as the native step's tiles, and as float64 weights for the reference."""
+    reader = gguf.GGUFReader(str(FIXTURE))
+    ts = _layer_tensors(reader)
+    model = TinyModel(hidden=256, heads=4, kv_heads=2, head_dim=64, inter=256, layers=2, bias=False)
+    fused = {"qkv": ["attn_q", "attn_k", "attn_v"], "o": ["attn_output"], "gate_up": ["ffn_gate", "ffn_up"],
+             "down": ["ffn_down"]}
+    formats: dict[str, int] = {}
+    for i in range(2):
+        blocks = {n: group_blocks(t.data, t.tensor_type.name, _shape(t))  # type: ignore[attr-defined]
+                  for n, t in ts.items() if n.startswith(f"blk.{i}.")}
+        dense = {m: torch.cat([_tile_values(blocks[f"blk.{i}.{p}.weight"]) for p in parts])
+                 for m, parts in fused.items()}
+        packed = {m: pack_native([blocks[f"blk.{i}.{p}.weight"] for p in parts]) for m, parts in fused.items()}
+        formats.update({f"{i}.{m}": t.format for m, t in packed.items() if t is not None})
+        _, norms, _ = model.layers[i]
+        model.layers[i] = (dense, norms, None)
+        model.blocks[i] = LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], **packed)  # type: ignore[arg-type]
+    return model, formats
+
+
+@pytest.mark.skipif(cpu_build.load() is None, reason="no C compiler to build kernels/cpu/forward.c")
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(rows):
+    model, formats = _fixture_model()
+    # layer 0 mixes Q4_K/Q5_K/Q6_K, Q8_0, Q5_0/Q5_1 and Q6_K: int8 group tiles; layer 1 is all Q4_K: 4-bit
+    assert {k: v for k, v in formats.items() if k.startswith("0.")} == dict.fromkeys(
+        ("0.qkv", "0.o", "0.gate_up", "0.down"), TILES_Q8G)
+    assert {k: v for k, v in formats.items() if k.startswith("1.")} == dict.fromkeys(
+        ("1.qkv", "1.o", "1.gate_up", "1.down"), TILES_Q4)
+    d = model.dims
+    gen = torch.Generator().manual_seed(rows)
+    step = ForwardStep(**d, block_size=4, layers=model.blocks, cos=model.cos, sin=model.sin)
+    positions, slots, tables, row_seq, num_blocks = _step(rows, gen, 4, 8)
+    kv = torch.randn(2, 2, num_blocks * 4, d["kv_heads"], d["head_dim"], generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, d["hidden"], generator=gen)
+    for amx in _amx_modes(cpu_build.load()):
+        want = model.reference(x, positions, slots, tables, row_seq, kv.clone(), 4, bf16_matmuls=bool(amx))
+        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, amx_min_rows=amx)
+        err = (got.double() - want).abs().max().item()
+        assert err < 2e-3 * want.abs().max().item(), (step.isa, amx, err)
