@@ -48,6 +48,9 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     rope_scaling: dict[str, Any] | None = None
+    # GGUF: per-frequency divisors of RoPE's inverse frequencies (llama.cpp's `rope_freqs.weight`, how its
+    # converter stores Llama 3.x's llama3 scaling); None: none.
+    rope_freq_factors: list[float] | None = None
 
 
 class LazyTensors(MutableMapping[str, T]):
@@ -295,6 +298,9 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
             continue
         weights.add(hf, functools.partial(_gguf_dense, t, heads))
     names = {t.name for t in reader.tensors}
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        args.rope_freq_factors = [float(v) for v in np.asarray(freqs.data, dtype=np.float32).reshape(-1)]
     args.tie_word_embeddings = "output.weight" not in names
     args.attention_bias = "blk.0.attn_q.bias" in names
 

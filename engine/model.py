@@ -40,9 +40,15 @@ from .weights import (
 
 
 def rope_tables(args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [max_positions, head_dim // 2]; llama3-style frequency scaling when configured."""
+    """cos/sin of shape [max_positions, head_dim // 2]; llama3-style frequency scaling when configured
+    (a Hugging Face config's `rope_scaling`, or a GGUF's per-frequency factors, which its converter computes
+    from the same rule)."""
     dim = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if args.rope_freq_factors is not None:
+        if len(args.rope_freq_factors) != dim // 2:
+            raise ValueError(f"rope_freqs has {len(args.rope_freq_factors)} factors for head size {dim}")
+        inv_freq = inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float64)
     scaling = args.rope_scaling or {}
     if scaling.get("rope_type", scaling.get("type")) == "llama3":
         factor = scaling["factor"]

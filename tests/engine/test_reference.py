@@ -12,8 +12,10 @@ Both sides run on the CPU in float32 whatever the machine has, so the tolerances
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
+import math
 
 import pytest
 import torch
@@ -30,7 +32,8 @@ from transformers import (
 
 import kernels.cpu as cpu_kernels
 from engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
-from engine.loader import default_model_path, load_model
+from engine.loader import ModelArgs, default_model_path, load_model
+from engine.model import rope_tables
 
 pytestmark = [pytest.mark.reference, pytest.mark.model]
 
@@ -319,6 +322,18 @@ def _tiny_llama(vocab: int) -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def _tiny_llama3(vocab: int) -> torch.nn.Module:
+    """Llama 3.2's shape in small: llama3 RoPE scaling (an original context of 16 so that the positions
+    here reach the scaled and the smoothed frequencies), tied embeddings, head size 64."""
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                      rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=False,
+                      rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                      bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(cfg)
+
+
 def _tiny_qwen2(vocab: int) -> torch.nn.Module:
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -338,15 +353,15 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(1.0 + 0.2 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.5 * noise)
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(noise)
+            elif name.endswith("embed_tokens.weight"):  # tied: also the output layer, at its scale
+                p.copy_(noise / p.shape[-1] ** 0.5 if model.config.tie_word_embeddings else noise)
             else:
                 p.copy_(noise / p.shape[-1] ** 0.5)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3"])
 def tiny(request, tmp_path_factory, hf_tokenizer):
-    model = {"llama": _tiny_llama, "qwen2": _tiny_qwen2}[request.param](len(hf_tokenizer))
+    model = {"llama": _tiny_llama, "qwen2": _tiny_qwen2, "llama3": _tiny_llama3}[request.param](len(hf_tokenizer))
     _randomize(model, seed=1234)
     model.eval()
     folder = tmp_path_factory.mktemp(f"tiny_{request.param}")
@@ -366,8 +381,36 @@ def test_tiny_model_args_match_config(tiny):
     assert args.rope_theta == pytest.approx(rope_theta), \
         f"rope theta {args.rope_theta} read from config.json {json.loads((folder / 'config.json').read_text())}"
     assert args.rms_norm_eps == pytest.approx(cfg.rms_norm_eps)
-    assert args.tie_word_embeddings is False
+    assert args.tie_word_embeddings is (kind == "llama3")
     assert args.attention_bias is (kind == "qwen2")
+    assert (args.rope_scaling or {}).get("rope_type") == ("llama3" if kind == "llama3" else None)
+
+
+def test_gguf_rope_factors_scale_the_frequencies_as_the_llama3_rule_does():
+    """llama.cpp's converter stores Llama 3.x's scaling as `rope_freqs.weight`, one divisor per frequency
+    (its rule: inv_freq / scaled inv_freq); the loader's factors give the same tables as the config's rule."""
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    base = ModelArgs(vocab_size=8, hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64,
+                     intermediate_size=64, rope_theta=500000.0, max_position_embeddings=300)
+    plain = rope_tables(base, torch.device("cpu"))
+    scaled = rope_tables(dataclasses.replace(base, rope_scaling=scaling), torch.device("cpu"))
+    # llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors), written out again here
+    factors = []
+    for freq in (1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))).tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < 64 / 4.0:
+            factors.append(1.0)
+        elif wavelen > 64 / 1.0:
+            factors.append(32.0)
+        else:
+            smooth = (64 / wavelen - 1.0) / (4.0 - 1.0)
+            factors.append(1 / ((1 - smooth) / 32.0 + smooth))
+    assert factors[0] == 1.0 and factors[-1] == 32.0 and any(1 < f < 32 for f in factors)  # all three cases
+    from_gguf = rope_tables(dataclasses.replace(base, rope_freq_factors=factors), torch.device("cpu"))
+    torch.testing.assert_close(from_gguf[0], scaled[0], atol=2e-6, rtol=0)
+    torch.testing.assert_close(from_gguf[1], scaled[1], atol=2e-6, rtol=0)
+    assert not torch.allclose(plain[0], scaled[0])
 
 
 def test_tiny_model_logits_match_transformers(tiny):
