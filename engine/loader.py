@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from .gguf_blocks import DECODERS, GroupBlocks, group_blocks
+from .gguf_blocks import DECODERS, GroupBlocks, HalfWeights, group_blocks, half_weights
 from .tuning_cache import file_fingerprint
 
 log = logging.getLogger(__name__)
@@ -116,8 +116,9 @@ class LoadedModel:
     # dequantized; the engine's int4 matmul reads these codes directly (engine/weights.py, Int4Weight).
     q4_blocks: MutableMapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # GGUF linear weights of the other block types the native CPU step reads (Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
-    # Q8_0) as codes and group scales (engine/gguf_blocks.py); `weights` holds them dequantized too.
-    group_blocks: MutableMapping[str, GroupBlocks] = field(default_factory=dict)
+    # Q8_0) as codes and group scales, F16/BF16 ones as fp16 (engine/gguf_blocks.py); `weights` holds them
+    # dequantized too.
+    group_blocks: MutableMapping[str, GroupBlocks | HalfWeights | None] = field(default_factory=dict)
     # GGUF: the block types of the layers' matrices (type name -> how many), what decides whether the native
     # CPU step can read the file (it reads Q4_0 and Q4_1) and what the start-up log names when it cannot.
     layer_types: dict[str, int] = field(default_factory=dict)
@@ -235,6 +236,16 @@ def _gguf_group(t: Any, heads: int) -> GroupBlocks:
     return dataclasses.replace(b, codes=rows[0], scale=rows[1], mn=rows[2])
 
 
+def _gguf_half(t: Any, heads: int) -> HalfWeights | None:
+    """An F16/BF16 matrix as fp16 (RoPE rows unpermuted); None for a BF16 one fp16 cannot hold."""
+    shape = tuple(int(d) for d in reversed(t.shape))
+    h = half_weights(t.data, t.tensor_type.name, shape)  # type: ignore[arg-type]
+    if h is None or not heads:
+        return h
+    return dataclasses.replace(h, weight=torch.from_numpy(np.ascontiguousarray(
+        _unpermute_rope_rows(h.weight.numpy(), heads))))
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     return reader.fields.get(key, default)
 
@@ -268,7 +279,7 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
     )
     weights: LazyTensors[torch.Tensor] = LazyTensors()
     q4: LazyTensors[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = LazyTensors()
-    groups: LazyTensors[GroupBlocks] = LazyTensors()
+    groups: LazyTensors[GroupBlocks | HalfWeights | None] = LazyTensors()
     layer_types: dict[str, int] = {}
     for t in reader.tensors if with_weights else []:
         name = t.name
@@ -294,6 +305,8 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
             elif t.tensor_type.name in DECODERS and len(t.shape) == 2 and int(t.shape[0]) % DECODERS[
                     t.tensor_type.name][0] == 0:
                 groups.add(hf, functools.partial(_gguf_group, t, heads))
+            elif t.tensor_type.name in ("F16", "BF16") and len(t.shape) == 2:
+                groups.add(hf, functools.partial(_gguf_half, t, heads))
         else:
             continue
         weights.add(hf, functools.partial(_gguf_dense, t, heads))

@@ -21,7 +21,7 @@ from kernels import AttentionMetadata, fused_add_rms_norm, paged_attention, rms_
 
 from . import batch_invariant
 from .cpu_plan import CpuKernels, Plan, measure_plan
-from .gguf_blocks import GroupBlocks
+from .gguf_blocks import GroupBlocks, HalfWeights
 from .loader import LazyTensors, ModelArgs
 from .weights import (
     LAYER_LINEARS,
@@ -81,7 +81,8 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, weights: MutableMapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, weight_dtype: torch.dtype | None = None, deterministic: bool = False,
                  q4_blocks: MutableMapping[str, Q4Blocks] | None = None, native_block_size: int = 0,
-                 kernels: CpuKernels | None = None, group_blocks: MutableMapping[str, GroupBlocks] | None = None):
+                 kernels: CpuKernels | None = None,
+                 group_blocks: MutableMapping[str, GroupBlocks | HalfWeights | None] | None = None):
         """q4_blocks: the file's 4-bit weights, for small steps (CPU only; see `Linear`); with them the
         output layer also gets an int8 copy for small steps. `native_block_size`: the KV cache's block
         size, to run every step through the native CPU forward step (kernels/cpu) when `kernels` allows

@@ -102,13 +102,17 @@ def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
-# the GGUF block types the native CPU step reads (Q4_0/Q4_1 in the loader, the others engine/gguf_blocks.py)
-NATIVE_TYPES = ("Q4_0", "Q4_1", *DECODERS)
+# the GGUF types the native CPU step reads (Q4_0/Q4_1 in the loader, the others engine/gguf_blocks.py; BF16
+# where fp16 holds its values)
+NATIVE_TYPES = ("Q4_0", "Q4_1", *DECODERS, "F16", "BF16")
 
 
 def native_refusal(loaded: LoadedModel, eligible: bool) -> str:
     """Why a CPU that has the native step does not run it on this model, in words for the start-up log."""
     other = {t: n for t, n in loaded.layer_types.items() if t not in NATIVE_TYPES}
+    half = {t for t in loaded.layer_types if t in ("F16", "BF16")}
+    if not other and half and half != set(loaded.layer_types):
+        return "it does not mix 16-bit (F16/BF16) and quantised matrices in one file"
     if other:
         total = sum(loaded.layer_types.values())
         kinds = ", ".join(f"{t} ({n})" for t, n in sorted(other.items(), key=lambda kv: -kv[1]))

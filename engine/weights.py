@@ -13,7 +13,7 @@ apart from its model.py the same way).
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 
 import torch
 import torch.nn.functional as F
@@ -21,11 +21,11 @@ import torch.nn.functional as F
 import kernels.cpu as cpu_kernels
 
 from . import batch_invariant
-from .gguf_blocks import GroupBlocks
+from .gguf_blocks import GroupBlocks, HalfWeights
 from .loader import ModelArgs
 
 Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] 0..15, scale, min [N, K/32]
-NativeBlocks = Q4Blocks | GroupBlocks  # what the native step repacks
+NativeBlocks = Q4Blocks | GroupBlocks | HalfWeights  # what the native step repacks
 Q4_GROUP = 32
 # The fused linears of a layer and the checkpoint weights each one concatenates along its rows.
 LAYER_LINEARS = {
@@ -139,8 +139,7 @@ def fused_blocks(parts: list[Q4Blocks | None]) -> Q4Blocks | None:
     return tuple(torch.cat([b[j] for b in parts if b is not None]) for j in range(3))
 
 
-def native_fits(args: ModelArgs, blocks: MutableMapping[str, Q4Blocks] | MutableMapping[str, GroupBlocks],
-                *more: MutableMapping[str, GroupBlocks]) -> bool:
+def native_fits(args: ModelArgs, blocks: Mapping[str, object], *more: Mapping[str, object]) -> bool:
     """Every linear weight of every layer has blocks the native step reads (in any of the mappings), and
     the shapes are ones it takes (checked before anything is built, so a model it cannot run gets the torch
     path whole)."""
@@ -153,8 +152,8 @@ def native_fits(args: ModelArgs, blocks: MutableMapping[str, Q4Blocks] | Mutable
                              for names in LAYER_LINEARS.values() for n in names)
 
 
-def _as_groups(b: NativeBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Any blocks as (int8 codes, scale per 16, min per 32)."""
+def _as_groups(b: Q4Blocks | GroupBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantised blocks as (int8 codes, scale per 16, min per 32)."""
     if isinstance(b, GroupBlocks):
         return b.codes, b.scale, b.mn
     codes, scale, mn = b
@@ -164,9 +163,14 @@ def _as_groups(b: NativeBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def pack_native(parts: list[NativeBlocks | None]) -> cpu_kernels.LayerTiles | None:
     """A fused matrix's parts (rows stacked) in the native step's tiles: the file's Q4_0/Q4_1 blocks as
     they are; 4-bit ones with a K type among them (Q4_K: a scale that is a product, rounded to fp16) in
-    4-bit tiles too; with any other type, int8 group tiles for all. None when a part is missing."""
+    4-bit tiles too; with any other type, int8 group tiles for all; F16 (BF16) ones in fp16 tiles. None when
+    a part is missing, or 16-bit parts are mixed with quantised ones."""
     if any(p is None for p in parts):
         return None
+    if any(isinstance(p, HalfWeights) for p in parts):  # 16-bit weights stay 16-bit: all of them or none
+        if not all(isinstance(p, HalfWeights) for p in parts):
+            return None
+        return cpu_kernels.pack_f16(torch.cat([p.weight for p in parts]))  # type: ignore[union-attr]
     if all(isinstance(p, tuple) for p in parts):
         return cpu_kernels.pack_q4_1(*(torch.cat([p[j] for p in parts]) for j in range(3)))  # type: ignore[index]
     if all(isinstance(p, tuple) or p.four_bit for p in parts):  # type: ignore[union-attr]
@@ -174,7 +178,7 @@ def pack_native(parts: list[NativeBlocks | None]) -> cpu_kernels.LayerTiles | No
                 for p in parts]
         codes, scale, mn = (torch.cat([p[j] for p in four]) for j in range(3))
         return cpu_kernels.pack_q4_1(codes, scale, mn, round_scales=True)
-    groups = [_as_groups(p) for p in parts if p is not None]
+    groups = [_as_groups(p) for p in parts if p is not None and not isinstance(p, HalfWeights)]
     return cpu_kernels.pack_q8g(*(torch.cat([g[j] for g in groups]) for j in range(3)))
 
 

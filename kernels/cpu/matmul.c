@@ -245,35 +245,110 @@ static inline __attribute__((always_inline)) void q8g_column(const uint8_t *col,
         for (int n = 0; n < TILE_N; n++) y[(size_t)b * ldy + n] = out[b][n] * qx->dx[b];
 }
 
-/* A column of either format for a constant nb (the compiler keeps each row's accumulator in a register). */
-#define COLUMN(fmt, col, G, part, K, nb, yb, N)                     \
+/* One column of F16 blocks for nb <= ROWS_PER_PASS input rows: y[b, n0 + n] = sum_k x[b, k] W[n0 + n, k] in
+ * fp32 from the fp32 inputs (xf, [nb, K]): 16-bit weights keep their 11 bits, which int16 dot products
+ * would not. A tile row's 32 lanes are 16 output rows by 2 inputs: the pairs are added at the end. */
+static inline __attribute__((always_inline)) void f16_column(const uint8_t *col, int G, const float *xf, int K, int nb,
+                                                             float *y, int ldy) {
+    float out[ROWS_PER_PASS][TILE_N];
+#if defined(__AVX512F__)
+    __m512 acc[ROWS_PER_PASS][2];
+    for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * F16_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, F16_BLOCK_BYTES);
+        for (int r = 0; r < 16; r++) {
+            const __m512 wa = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 64 * r))); /* rows 0-7 */
+            const __m512 wb = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 64 * r + 32))); /* 8-15 */
+            for (int b = 0; b < nb; b++) {
+                double pair;
+                memcpy(&pair, xf + (size_t)b * K + g * GROUP + 2 * r, 8);
+                const __m512 xv = _mm512_castpd_ps(_mm512_set1_pd(pair)); /* x[2r], x[2r + 1], x[2r], ... */
+                acc[b][0] = _mm512_fmadd_ps(wa, xv, acc[b][0]);
+                acc[b][1] = _mm512_fmadd_ps(wb, xv, acc[b][1]);
+            }
+        }
+    }
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int b = 0; b < nb; b++)
+        _mm512_storeu_ps(out[b], _mm512_add_ps(_mm512_permutex2var_ps(acc[b][0], even, acc[b][1]),
+                                               _mm512_permutex2var_ps(acc[b][0], odd, acc[b][1])));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    __m256 acc[ROWS_PER_PASS][4]; /* lanes of rows 0-3, 4-7, 8-11, 12-15 (pairs) */
+    for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = acc[b][2] = acc[b][3] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * F16_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, F16_BLOCK_BYTES);
+        for (int r = 0; r < 16; r++) {
+            __m256 w[4];
+            for (int q = 0; q < 4; q++) w[q] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 64 * r + 16 * q)));
+            for (int b = 0; b < nb; b++) {
+                double pair;
+                memcpy(&pair, xf + (size_t)b * K + g * GROUP + 2 * r, 8);
+                const __m256 xv = _mm256_castpd_ps(_mm256_set1_pd(pair));
+                for (int q = 0; q < 4; q++) acc[b][q] = _mm256_fmadd_ps(w[q], xv, acc[b][q]);
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++)
+        for (int q = 0; q < 4; q++) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, acc[b][q]);
+            for (int n = 0; n < 4; n++) out[b][4 * q + n] = lanes[2 * n] + lanes[2 * n + 1];
+        }
+#else
+    for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
+    for (int g = 0; g < G; g++) {
+        const uint16_t *blk = (const uint16_t *)(col + (size_t)g * F16_BLOCK_BYTES);
+        for (int b = 0; b < nb; b++) {
+            const float *xp = xf + (size_t)b * K + g * GROUP;
+            for (int r = 0; r < 16; r++)
+                for (int i = 0; i < 32; i++) out[b][i / 2] += fp16_to_f32(blk[32 * r + i]) * xp[2 * r + i % 2];
+        }
+    }
+#endif
+    for (int b = 0; b < nb; b++)
+        for (int n = 0; n < TILE_N; n++) y[(size_t)b * ldy + n] = out[b][n];
+}
+
+static inline int tile_bytes(int format) {
+    return format == TILES_Q8G ? Q8G_BLOCK_BYTES : format == TILES_F16 ? F16_BLOCK_BYTES : BLOCK_BYTES;
+}
+
+/* A column of any format for a constant nb (the compiler keeps each row's accumulator in a register). */
+#define COLUMN(fmt, col, G, part, xb, K, nb, yb, N)                 \
     do {                                                            \
         if ((fmt) == TILES_Q8G)                                     \
             q8g_column(col, G, part, K, nb, yb, N);                 \
+        else if ((fmt) == TILES_F16)                                \
+            f16_column(col, G, xb, K, nb, yb, N);                   \
         else                                                        \
             q4_column(col, G, part, K, nb, yb, N);                  \
     } while (0)
 
 /* This thread's share of y[B, N] = x[B, K] W^T (x quantised by quantize_x): columns of blocks split evenly. */
-static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, int B, float *y, int tid, int nt) {
+static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, const float *x, int B, float *y, int tid,
+                         int nt) {
     const int G = K / GROUP, NB = N / TILE_N, per = (NB + nt - 1) / nt;
     const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
-    const int fmt = w->format, bytes = fmt == TILES_Q8G ? Q8G_BLOCK_BYTES : BLOCK_BYTES;
+    const int fmt = w->format, bytes = tile_bytes(fmt);
     for (int c = c0; c < c1; c++) {
         const uint8_t *col = w->blocks + (size_t)c * G * bytes;
         for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {
             const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
             qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL};
             float *yb = y + (size_t)b0 * N + c * TILE_N;
+            const float *xb = x + (size_t)b0 * K;
             switch (nb) {
-                case 1: COLUMN(fmt, col, G, &part, K, 1, yb, N); break;
-                case 2: COLUMN(fmt, col, G, &part, K, 2, yb, N); break;
-                case 3: COLUMN(fmt, col, G, &part, K, 3, yb, N); break;
-                case 4: COLUMN(fmt, col, G, &part, K, 4, yb, N); break;
-                case 5: COLUMN(fmt, col, G, &part, K, 5, yb, N); break;
-                case 6: COLUMN(fmt, col, G, &part, K, 6, yb, N); break;
-                case 7: COLUMN(fmt, col, G, &part, K, 7, yb, N); break;
-                default: COLUMN(fmt, col, G, &part, K, 8, yb, N); break;
+                case 1: COLUMN(fmt, col, G, &part, xb, K, 1, yb, N); break;
+                case 2: COLUMN(fmt, col, G, &part, xb, K, 2, yb, N); break;
+                case 3: COLUMN(fmt, col, G, &part, xb, K, 3, yb, N); break;
+                case 4: COLUMN(fmt, col, G, &part, xb, K, 4, yb, N); break;
+                case 5: COLUMN(fmt, col, G, &part, xb, K, 5, yb, N); break;
+                case 6: COLUMN(fmt, col, G, &part, xb, K, 6, yb, N); break;
+                case 7: COLUMN(fmt, col, G, &part, xb, K, 7, yb, N); break;
+                default: COLUMN(fmt, col, G, &part, xb, K, 8, yb, N); break;
             }
         }
     }
@@ -333,12 +408,23 @@ static inline void widen_q8g_block(const uint8_t *blk, uint16_t *tile) {
     }
 }
 
+/* An F16 block -> a bf16 B tile (the same lanes, rounded). */
+static inline void widen_f16_block(const uint8_t *blk, uint16_t *tile) {
+    for (int r = 0; r < 16; r++) {
+        __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 64 * r)));
+        __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 64 * r + 32)));
+        _mm512_storeu_si512(tile + r * 32, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+}
+
 static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *tile) {
     const uint8_t *blk = w->blocks + ((size_t)c * G + g) * w->block_bytes;
     if (w->row_scale)
         widen_q8_block(blk, w->row_scale + (size_t)c * TILE_N, tile);
     else if (w->block_bytes == Q8G_BLOCK_BYTES)
         widen_q8g_block(blk, tile);
+    else if (w->block_bytes == F16_BLOCK_BYTES)
+        widen_f16_block(blk, tile);
     else
         widen_block(blk, tile);
 }

@@ -43,16 +43,17 @@ typedef struct {
 
 static void prepare_x(step_ctx *c, const float *x, int K, int b0, int b1) { quantize_x(x, K, &c->qx, b0, b1, c->amx); }
 
-static void step_matmul(step_ctx *c, const layer_tiles *w, int N, int K, float *y, int tid) {
+/* y = x W^T for the step's rows; x (fp32, [B, K]) was prepared by prepare_x (the F16 tiles read it as is). */
+static void step_matmul(step_ctx *c, const layer_tiles *w, const float *x, int N, int K, float *y, int tid) {
 #if HAVE_AMX
     if (c->amx) {
-        const tile_weights tw = {w->blocks, w->format == TILES_Q8G ? Q8G_BLOCK_BYTES : BLOCK_BYTES, NULL};
+        const tile_weights tw = {w->blocks, tile_bytes(w->format), NULL};
         matmul_amx(&tw, N, K, &c->qx, c->B, y, c->tile_scratch + (size_t)tid * c->tile_scratch_per_thread, tid,
                    c->nthreads);
         return;
     }
 #endif
-    matmul_int16(w, N, K, &c->qx, c->B, y, tid, c->nthreads);
+    matmul_int16(w, N, K, &c->qx, x, c->B, y, tid, c->nthreads);
 }
 
 /* Every thread runs this; the phases between barriers split their work: matmul columns, attention by
@@ -84,7 +85,7 @@ static void run_step(void *arg, int tid) {
         }
         prepare_x(c, c->h, H, b0, b1);
         PHASE(tid, PH_WAIT, barrier(nt));
-        PHASE(tid, PH_MATMUL, step_matmul(c, &lw->qkv, qkv_n, H, c->qkv, tid));
+        PHASE(tid, PH_MATMUL, step_matmul(c, &lw->qkv, c->h, qkv_n, H, c->qkv, tid));
         PHASE(tid, PH_WAIT, barrier(nt));
         uint16_t *kc = c->kv + l * c->layer_stride, *vc = kc + c->kv_stride;
         for (int b = b0; b < b1; b++) {
@@ -112,7 +113,7 @@ static void run_step(void *arg, int tid) {
         PHASE(tid, PH_WAIT, barrier(nt));
         prepare_x(c, c->att, q_n, b0, b1);
         PHASE(tid, PH_WAIT, barrier(nt));
-        PHASE(tid, PH_MATMUL, step_matmul(c, &lw->o, H, q_n, c->h, tid));
+        PHASE(tid, PH_MATMUL, step_matmul(c, &lw->o, c->att, H, q_n, c->h, tid));
         PHASE(tid, PH_WAIT, barrier(nt));
         for (int b = b0; b < b1; b++) {
             float *xb = c->x + (size_t)b * H;
@@ -121,7 +122,7 @@ static void run_step(void *arg, int tid) {
         }
         prepare_x(c, c->h, H, b0, b1);
         PHASE(tid, PH_WAIT, barrier(nt));
-        PHASE(tid, PH_MATMUL, step_matmul(c, &lw->gate_up, 2 * I, H, c->gu, tid));
+        PHASE(tid, PH_MATMUL, step_matmul(c, &lw->gate_up, c->h, 2 * I, H, c->gu, tid));
         PHASE(tid, PH_WAIT, barrier(nt));
         for (int b = 0; b < B; b++) {
             const float *g = c->gu + (size_t)b * 2 * I, *u = g + I;
@@ -131,7 +132,7 @@ static void run_step(void *arg, int tid) {
         PHASE(tid, PH_WAIT, barrier(nt));
         prepare_x(c, c->act, I, b0, b1);
         PHASE(tid, PH_WAIT, barrier(nt));
-        PHASE(tid, PH_MATMUL, step_matmul(c, &lw->down, H, I, c->h, tid));
+        PHASE(tid, PH_MATMUL, step_matmul(c, &lw->down, c->act, H, I, c->h, tid));
         PHASE(tid, PH_WAIT, barrier(nt));
     }
     for (int b = b0; b < b1; b++)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.gguf_blocks import DECODERS, dequantize, group_blocks
+from engine.gguf_blocks import DECODERS, dequantize, group_blocks, half_weights
 from engine.weights import pack_native
 from kernels.cpu import TILES_Q4, TILES_Q8G, ForwardStep, LayerBlocks
 from kernels.cpu import build as cpu_build
@@ -60,6 +60,20 @@ def test_llama_quantize_k_types_decode_to_gguf_py_values():
 def test_other_types_and_partial_blocks_are_not_decoded():
     assert group_blocks(np.zeros((2, 64), np.uint8), "F16", (2, 32)) is None
     assert group_blocks(np.zeros((2, 144), np.uint8), "Q4_K", (2, 128)) is None  # K not a whole super-block
+
+
+def test_f16_stays_16_bit_and_bf16_only_where_fp16_holds_it():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((16, 64)).astype(np.float16)
+    h = half_weights(w, "F16", (16, 64))
+    assert h is not None and h.weight.dtype == torch.float16 and torch.equal(h.weight, torch.from_numpy(w))
+    bf = (torch.randn(16, 64, generator=torch.Generator().manual_seed(5)) * 0.1).to(torch.bfloat16)
+    raw = bf.view(torch.int16).numpy().view(np.uint8)  # how the file's reader maps BF16: bytes per row
+    h = half_weights(raw, "BF16", (16, 64))
+    assert h is not None and torch.equal(h.weight.float(), bf.float())
+    tiny = torch.full((16, 64), 1e-9).to(torch.bfloat16)  # below fp16's range: it would not hold the same weights
+    assert half_weights(tiny.view(torch.int16).numpy().view(np.uint8), "BF16", (16, 64)) is None
+    assert half_weights(w, "Q8_0", (16, 64)) is None
 
 
 def _tile_values(b) -> torch.Tensor:

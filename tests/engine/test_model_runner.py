@@ -1,5 +1,5 @@
 """engine/model_runner.py's choice of path, said at start: a GGUF whose layers mix in a block type the
-native CPU step does not read (here one tensor requantised to F16 with gguf-py) takes the torch path, and
+native CPU step does not read (here one tensor written as F32 with gguf-py) takes the torch path, and
 the log names the type and the path in one line; one of the types it reads besides Q4_0/Q4_1 (Q8_0, Q5_0,
 Q5_1, requantised with gguf-py) runs natively with the float reference's greedy tokens."""
 
@@ -44,7 +44,7 @@ def requantised(src, dst, names: dict[str, str]) -> None:
 
 def test_a_block_type_the_native_step_does_not_read_is_named_with_the_path_taken(tmp_path, caplog):
     path = tmp_path / "SmolLM2-135M-Instruct-mixed.gguf"
-    requantised(default_model_path(), path, {"blk.0.attn_v.weight": "F16"})
+    requantised(default_model_path(), path, {"blk.0.attn_v.weight": "F32"})
     with caplog.at_level(logging.INFO, logger="engine"):
         engine = LLMEngine(EngineConfig(model=str(path), kv_cache_tokens=1024, max_running_requests=2))
     said = [r.getMessage() for r in caplog.records if "native CPU forward step not used" in r.getMessage()]
@@ -52,7 +52,7 @@ def test_a_block_type_the_native_step_does_not_read_is_named_with_the_path_taken
         pytest.skip("no native CPU step on this machine (no C compiler)")
     assert engine.runner.model.native is None
     assert len(said) == 1, said
-    assert "F16 (1)" in said[0] and "of this file's 210 are" in said[0] and "torch path" in said[0], said[0]
+    assert "F32 (1)" in said[0] and "of this file's 210 are" in said[0] and "torch path" in said[0], said[0]
     out = engine.generate([EngineRequest("r", engine.tokenizer.encode("Hello"),
                                          SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))])
     assert sum(len(o.token_ids) for o in out["r"]) == 4
@@ -64,25 +64,29 @@ def _greedy(engine: LLMEngine, prompt: str, n: int = 32) -> list[int]:
     return [t for o in out for t in o.token_ids]
 
 
-def test_a_file_of_q8_0_q5_0_and_q5_1_layers_runs_natively_with_the_float_references_greedy_tokens(tmp_path, caplog):
-    """SmolLM2 requantised by gguf-py (the types it writes), one type per kind of matrix: the native step
-    reads every layer (int8 group tiles, no torch copy) and its greedy tokens equal those of the torch path
-    over the same file's weights dequantised to float32, for 32 tokens."""
+Q8Q5 = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q5_0",
+        "ffn_up": "Q5_0", "ffn_down": "Q5_1"}
+F16 = dict.fromkeys(Q8Q5, "F16")
+
+
+@pytest.mark.parametrize("kinds,tiles", [(Q8Q5, "int8 group"), (F16, "fp16")], ids=["q8_0-q5_0-q5_1", "f16"])
+def test_a_file_of_other_types_runs_natively_with_the_float_references_greedy_tokens(tmp_path, caplog, kinds, tiles):
+    """SmolLM2 requantised by gguf-py (the types it writes), one type per kind of matrix, or all F16: the
+    native step reads every layer (int8 group or fp16 tiles, no torch copy) and its greedy tokens equal
+    those of the torch path over the same file's weights dequantised to float32, for 32 tokens."""
     import gguf
 
     src = default_model_path()
-    kinds = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q5_0",
-             "ffn_up": "Q5_0", "ffn_down": "Q5_1"}
     names = {t.name: kinds[t.name.split(".")[2]] for t in gguf.GGUFReader(str(src)).tensors
              if t.name.startswith("blk.") and t.name.split(".")[2] in kinds}
-    path = tmp_path / "SmolLM2-135M-Instruct-q8q5.gguf"
+    path = tmp_path / f"SmolLM2-135M-Instruct-{tiles.replace(' ', '-')}.gguf"
     requantised(src, path, names)
     with caplog.at_level(logging.INFO, logger="engine"):
         native = LLMEngine(EngineConfig(model=str(path), kv_cache_tokens=2048, max_running_requests=2))
     if not native.runner.kernels.native:
         pytest.skip("no native CPU step on this machine (no C compiler)")
     assert native.runner.model.native is not None and not native.runner.model.layers
-    assert native.runner.model.native.tile_formats() == {"int8 group": 120}
+    assert native.runner.model.native.tile_formats() == {tiles: 120}
     assert not [r for r in caplog.records if "not used" in r.getMessage()]
     ref = LLMEngine(EngineConfig(model=str(path), kv_cache_tokens=2048, max_running_requests=2, dtype="float32",
                                  weight_dtype="float32"))

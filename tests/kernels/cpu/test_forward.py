@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from kernels.cpu import TILES_Q8G, ForwardStep, LayerBlocks, pack_q4_1, pack_q8g
+from kernels.cpu import TILES_F16, TILES_Q8G, ForwardStep, LayerBlocks, pack_f16, pack_q4_1, pack_q8g
 from kernels.cpu import build as cpu_build
 from kernels.cpu.cpuinfo import cpu_info
 
@@ -51,27 +51,34 @@ def _q8g(n: int, k: int, gen: torch.Generator):
     return (codes, scale, mn), dense
 
 
+def _f16(n: int, k: int, gen: torch.Generator):
+    """fp16 weights (an F16 file's); and their float64 value."""
+    w = (torch.randn(n, k, generator=gen) * 0.05).half()
+    return (w,), w.double()
+
+
 def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).double()
 
 
 class TinyModel:
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int,
-                 bias: bool, seed: int = 0, q8g: tuple[str, ...] = ()):
-        """`q8g`: the matrices (qkv, o, gate_up, down) held as Q8G tiles, the others as Q4 tiles."""
+                 bias: bool, seed: int = 0, q8g: tuple[str, ...] = (), f16: tuple[str, ...] = ()):
+        """`q8g`, `f16`: the matrices (qkv, o, gate_up, down) held as Q8G or F16 tiles, the others as Q4."""
         gen = torch.Generator().manual_seed(seed)
         self.dims = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, eps=1e-5)
         qkv_n = (heads + 2 * kv_heads) * head_dim
         self.layers = []
         self.blocks = []
         for _ in range(layers):
-            mats = {name: (_q8g if name in q8g else _q4)(n, k, gen) for name, (n, k) in {
+            mats = {name: (_q8g if name in q8g else _f16 if name in f16 else _q4)(n, k, gen) for name, (n, k) in {
                 "qkv": (qkv_n, hidden), "o": (hidden, heads * head_dim), "gate_up": (2 * inter, hidden),
                 "down": (hidden, inter)}.items()}
             norms = (1 + 0.1 * torch.randn(hidden, generator=gen), 1 + 0.1 * torch.randn(hidden, generator=gen))
             b = 0.05 * torch.randn(qkv_n, generator=gen) if bias else None
             self.layers.append(({k: v[1] for k, v in mats.items()}, norms, b))
-            packed = {k: (pack_q8g if k in q8g else pack_q4_1)(*v[0]) for k, v in mats.items()}
+            packed = {k: (pack_q8g if k in q8g else pack_f16 if k in f16 else pack_q4_1)(*v[0])
+                      for k, v in mats.items()}
             self.blocks.append(LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], qkv_bias=b, **packed))  # type: ignore[arg-type]
         pos = torch.arange(512, dtype=torch.float64)
         inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -217,6 +224,36 @@ def test_int8_group_tiles_and_mixed_formats_match_the_float64_reference(build, q
         got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, amx_min_rows=amx)
         err = (got.double() - want).abs().max().item()
         assert err < 2e-3 * want.abs().max().item(), (step.isa, amx, err)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_fp16_tiles_beside_the_others_match_the_float64_reference(build, rows):
+    """F16 tiles (16-bit weights, fp32 products) in a layer with Q4 and Q8G ones, every build, and AMX."""
+    lib = _library(build)
+    model = TinyModel(**CONFIGS["odd-groups"], q8g=("o",), f16=("qkv", "down"))
+    assert model.blocks[0].qkv.format == TILES_F16 and model.blocks[0].down.format == TILES_F16
+    d = model.dims
+    gen = torch.Generator().manual_seed(200 + rows)
+    step = ForwardStep(**d, block_size=4, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
+    positions, slots, tables, row_seq, num_blocks = _step(rows, gen, 4, 8)
+    kv = torch.randn(len(model.layers), 2, num_blocks * 4, d["kv_heads"], d["head_dim"], generator=gen).to(
+        torch.bfloat16)
+    x = torch.randn(rows, d["hidden"], generator=gen)
+    for amx in _amx_modes(lib):
+        want = model.reference(x, positions, slots, tables, row_seq, kv.clone(), 4, bf16_matmuls=bool(amx))
+        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, amx_min_rows=amx)
+        err = (got.double() - want).abs().max().item()
+        assert err < 2e-3 * want.abs().max().item(), (step.isa, amx, err)
+
+
+def test_pack_f16_puts_each_weight_where_the_kernel_reads_it():
+    w = torch.randn(32, 64).half()
+    t = pack_f16(w)
+    assert t is not None and t.format == TILES_F16 and t.blocks.shape == (2, 2, 1024)
+    tile = t.blocks[1, 0].view(torch.float16).view(16, 32)  # rows 16-31, inputs 0-31: [tile row r, 2 n + j]
+    assert tile[7, 2 * 4 + 1] == w[16 + 4, 2 * 7 + 1] and tile[0, 0] == w[16, 0]
+    assert pack_f16(w[:24]) is None and pack_f16(w.float()) is None
 
 
 def test_pack_q8g_puts_each_weight_where_the_kernel_reads_it():
