@@ -2,8 +2,8 @@
 downloaded here: Llama 3.2 1B (llama3 RoPE scaling as llama.cpp's `rope_freqs.weight`, tied embeddings,
 128k vocabulary, head size 64) and Qwen 2.5 0.5B (QKV bias, 152k vocabulary, head size 64). Written in F16
 with gguf-py (weights ~ N(0, 1/fan_in), norms ~ 1), then quantised by llama.cpp's own `llama-quantize`
-(bench/setup_llama_server.sh builds it). The tokenizer is SmolLM2's, its vocabulary padded with unused
-tokens to the shape's size, so both servers tokenize the bench's prompts the same way.
+(bench/setup_llama_server.sh builds it). The tokenizer is SmolLM2's, its vocabulary padded with tokens no
+merge makes to the shape's size, so both servers tokenize the bench's prompts the same way.
 
     python -m bench.random_gguf --shape llama32-1b --type Q4_K_M --out /tmp/llama32-1b-Q4_K_M.gguf
 """
@@ -67,14 +67,15 @@ def write_f16(path: Path, shape: str, seed: int = 0) -> None:
     w.add_rope_freq_base(s["rope_base"])
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    # SmolLM2's tokenizer, padded to the vocabulary with unused (control) tokens
+    # SmolLM2's tokenizer, padded to the vocabulary with plain tokens no merge makes (as control tokens, 79k
+    # of them made llguidance's tokenizer take 30 s to build; a real Llama 3 has 256)
     tokens = list(src.fields["tokenizer.ggml.tokens"].contents())
     types = list(src.fields["tokenizer.ggml.token_type"].contents())
     pad = vocab - len(tokens)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(src.fields["tokenizer.ggml.pre"].contents())
-    w.add_token_list(tokens + [f"<|unused_{i}|>" for i in range(pad)])
-    w.add_token_types(types + [int(gguf.TokenType.CONTROL)] * pad)
+    w.add_token_list(tokens + [f"unused{i}" for i in range(pad)])
+    w.add_token_types(types + [int(gguf.TokenType.NORMAL)] * pad)
     w.add_token_merges(list(src.fields["tokenizer.ggml.merges"].contents()))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
