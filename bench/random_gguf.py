@@ -24,6 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 QUANTIZE = ROOT / "bench" / ".llama-server" / "build" / "bin" / "llama-quantize"
 
 SHAPES = {
+    # the packaged model's own shape: a stand-in for it where its 98 MB package cannot travel (bench/gpu.sh)
+    "smollm2-135m": dict(arch="llama", layers=30, hidden=576, inter=1536, heads=9, kv_heads=3, vocab=49152,
+                         rope_base=100000.0, eps=1e-5, bias=False, llama3=None),
     "llama32-1b": dict(arch="llama", layers=16, hidden=2048, inter=8192, heads=32, kv_heads=8, vocab=128256,
                        rope_base=500000.0, eps=1e-5, bias=False,
                        llama3=dict(factor=32.0, low=1.0, high=4.0, original=8192)),
@@ -48,13 +51,30 @@ def llama3_factors(head_dim: int, base: float, factor: float, low: float, high: 
     return np.array(out, dtype=np.float32)
 
 
-def write_f16(path: Path, shape: str, seed: int = 0) -> None:
+def write_tokenizer(path: Path) -> None:
+    """A GGUF of the packaged model's tokenizer fields alone (no tensors, 2 MB): what `--tokenizer-from`
+    reads where the model's package is not installed."""
+    import gguf
+
+    src = gguf.GGUFReader(str(default_model_path()))
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_f16(path: Path, shape: str, seed: int = 0, tokenizer_from: Path | None = None) -> None:
     import gguf
 
     s = SHAPES[shape]
     arch, hidden, heads, kv, vocab = s["arch"], s["hidden"], s["heads"], s["kv_heads"], s["vocab"]
     d = hidden // heads
-    src = gguf.GGUFReader(str(default_model_path()))
+    src = gguf.GGUFReader(str(tokenizer_from or default_model_path()))
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"random {shape}")
     w.add_block_count(s["layers"])
@@ -118,10 +138,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama32-1b")
     ap.add_argument("--type", default="Q4_K_M", help="llama-quantize's type name, or F16 to keep the source")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--tokenizer-from", default=None, help="a GGUF with the tokenizer fields (default: the packaged "
+                    "model's)")
+    ap.add_argument("--tokenizer-only", action="store_true", help="write only the packaged model's tokenizer fields")
     a = ap.parse_args(argv)
     out = Path(a.out)
+    if a.tokenizer_only:
+        write_tokenizer(out)
+        return
     if a.type == "F16":
-        write_f16(out, a.shape)
+        write_f16(out, a.shape, tokenizer_from=Path(a.tokenizer_from) if a.tokenizer_from else None)
         return
     if not QUANTIZE.exists():
         raise SystemExit(f"{QUANTIZE} is missing: bash bench/setup_llama_server.sh")
