@@ -62,6 +62,23 @@ def test_device_sampler_is_greedy_at_zero_and_seeded_independent_of_batch(engine
     assert len(set(diff_index)) > 1  # the noise moves on with the token index
 
 
+def test_an_all_greedy_batch_takes_the_argmax_without_drawing_noise(monkeypatch):
+    import kernels.sampling
+    from engine.sequence import Sequence
+
+    def no_noise(*_a, **_k):
+        raise AssertionError("a greedy batch drew the race's noise")
+
+    seqs = [Sequence.from_request(EngineRequest(f"g{i}", [1, 2, 3], SamplingParams(temperature=0)), 8)
+            for i in range(3)]
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(kernels.sampling, "uniform_noise", no_noise)
+    assert sample_on_device(logits, seqs).tolist() == logits.argmax(-1).tolist()
+    seqs.append(Sequence.from_request(EngineRequest("t", [1, 2, 3], SamplingParams(temperature=1.0, seed=3)), 8))
+    with pytest.raises(AssertionError, match="noise"):  # one sampled row: the race, for every row
+        sample_on_device(torch.cat([logits, logits[:1]]), seqs)
+
+
 def test_device_sampler_applies_controls_and_grammar_masks_per_row(engine):
     import json
 
