@@ -21,18 +21,7 @@ static inline __attribute__((always_inline)) void q8_column(const uint8_t *col, 
         prefetch_l2(blk + PREFETCH_AHEAD, Q8_BLOCK_BYTES);
         __m512i acc[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
-        for (int r = 0; r < 16; r++) {
-            __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * r)));
-            for (int b = 0; b < nb; b++) {
-                int32_t xp;
-                memcpy(&xp, qx->q + (size_t)b * K + g * GROUP + 2 * r, 4);
-#if defined(__AVX512VNNI__)
-                acc[b] = _mm512_dpwssd_epi32(acc[b], w, _mm512_set1_epi32(xp));
-#else
-                acc[b] = _mm512_add_epi32(acc[b], _mm512_madd_epi16(w, _mm512_set1_epi32(xp)));
-#endif
-            }
-        }
+        q8_tile_rows(blk, 0, 16, qx, K, g, nb, acc);
         for (int b = 0; b < nb; b++) accf[b] = _mm512_add_ps(accf[b], _mm512_cvtepi32_ps(acc[b]));
     }
     for (int b = 0; b < nb; b++) _mm512_storeu_ps(out[b], accf[b]);
@@ -44,17 +33,7 @@ static inline __attribute__((always_inline)) void q8_column(const uint8_t *col, 
         prefetch_l2(blk + PREFETCH_AHEAD, Q8_BLOCK_BYTES);
         __m256i acc[ROWS_PER_PASS][2];
         for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
-        for (int r = 0; r < 16; r++) {
-            __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r))); /* rows 0-7 */
-            __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r + 16))); /* 8-15 */
-            for (int b = 0; b < nb; b++) {
-                int32_t xp;
-                memcpy(&xp, qx->q + (size_t)b * K + g * GROUP + 2 * r, 4);
-                const __m256i xv = _mm256_set1_epi32(xp);
-                acc[b][0] = _mm256_add_epi32(acc[b][0], _mm256_madd_epi16(lo, xv));
-                acc[b][1] = _mm256_add_epi32(acc[b][1], _mm256_madd_epi16(hi, xv));
-            }
-        }
+        q8_tile_rows(blk, 0, 16, qx, K, g, nb, acc);
         for (int b = 0; b < nb; b++)
             for (int h = 0; h < 2; h++) accf[b][h] = _mm256_add_ps(accf[b][h], _mm256_cvtepi32_ps(acc[b][h]));
     }

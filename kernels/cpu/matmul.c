@@ -155,6 +155,41 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
         for (int n = 0; n < TILE_N; n++) y[(size_t)b * ldy + n] = out[b][n] * qx->dx[b];
 }
 
+/* The int32 dot products of tile rows [r0, r1) of an int8 block (Q8G's codes, the output layer's) with
+ * nb input rows' int16 pairs, added to acc[b] (AVX-512: all 16 output rows; AVX2: rows 0-7 and 8-15). */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline __attribute__((always_inline)) void q8_tile_rows(const uint8_t *blk, int r0, int r1, const qx_t *qx,
+                                                               int K, int g, int nb, __m512i *acc) {
+    for (int r = r0; r < r1; r++) {
+        __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * r)));
+        for (int b = 0; b < nb; b++) {
+            int32_t xp;
+            memcpy(&xp, qx->q + (size_t)b * K + g * GROUP + 2 * r, 4);
+#if defined(__AVX512VNNI__)
+            acc[b] = _mm512_dpwssd_epi32(acc[b], w, _mm512_set1_epi32(xp));
+#else
+            acc[b] = _mm512_add_epi32(acc[b], _mm512_madd_epi16(w, _mm512_set1_epi32(xp)));
+#endif
+        }
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __attribute__((always_inline)) void q8_tile_rows(const uint8_t *blk, int r0, int r1, const qx_t *qx,
+                                                               int K, int g, int nb, __m256i (*acc)[2]) {
+    for (int r = r0; r < r1; r++) {
+        __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r))); /* rows 0-7 */
+        __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r + 16))); /* 8-15 */
+        for (int b = 0; b < nb; b++) {
+            int32_t xp;
+            memcpy(&xp, qx->q + (size_t)b * K + g * GROUP + 2 * r, 4);
+            const __m256i xv = _mm256_set1_epi32(xp);
+            acc[b][0] = _mm256_add_epi32(acc[b][0], _mm256_madd_epi16(lo, xv));
+            acc[b][1] = _mm256_add_epi32(acc[b][1], _mm256_madd_epi16(hi, xv));
+        }
+    }
+}
+#endif
+
 /* One column of Q8G blocks (int8 codes, d per half group, m per group) for nb <= ROWS_PER_PASS input rows:
  * y[b, n0 + n]. Each half group's int32 sums (127 * 32767 * 16 < 2^31) take their own d. */
 static inline __attribute__((always_inline)) void q8g_column(const uint8_t *col, int G, const qx_t *qx, int K,
@@ -169,18 +204,7 @@ static inline __attribute__((always_inline)) void q8g_column(const uint8_t *col,
         for (int h = 0; h < 2; h++) {
             __m512i acc[ROWS_PER_PASS];
             for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
-            for (int r = 8 * h; r < 8 * h + 8; r++) {
-                __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * r)));
-                for (int b = 0; b < nb; b++) {
-                    int32_t xp;
-                    memcpy(&xp, qx->q + (size_t)b * K + g * GROUP + 2 * r, 4);
-#if defined(__AVX512VNNI__)
-                    acc[b] = _mm512_dpwssd_epi32(acc[b], w, _mm512_set1_epi32(xp));
-#else
-                    acc[b] = _mm512_add_epi32(acc[b], _mm512_madd_epi16(w, _mm512_set1_epi32(xp)));
-#endif
-                }
-            }
+            q8_tile_rows(blk, 8 * h, 8 * h + 8, qx, K, g, nb, acc);
             __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512 + 32 * h)));
             for (int b = 0; b < nb; b++) accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b]), d, accf[b]);
         }
@@ -196,17 +220,7 @@ static inline __attribute__((always_inline)) void q8g_column(const uint8_t *col,
         for (int h = 0; h < 2; h++) {
             __m256i acc[ROWS_PER_PASS][2];
             for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
-            for (int r = 8 * h; r < 8 * h + 8; r++) {
-                __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r))); /* rows 0-7 */
-                __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r + 16))); /* 8-15 */
-                for (int b = 0; b < nb; b++) {
-                    int32_t xp;
-                    memcpy(&xp, qx->q + (size_t)b * K + g * GROUP + 2 * r, 4);
-                    const __m256i xv = _mm256_set1_epi32(xp);
-                    acc[b][0] = _mm256_add_epi32(acc[b][0], _mm256_madd_epi16(lo, xv));
-                    acc[b][1] = _mm256_add_epi32(acc[b][1], _mm256_madd_epi16(hi, xv));
-                }
-            }
+            q8_tile_rows(blk, 8 * h, 8 * h + 8, qx, K, g, nb, acc);
             for (int q = 0; q < 2; q++) {
                 __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 32 * h + 16 * q)));
                 for (int b = 0; b < nb; b++) {

@@ -14,9 +14,9 @@ import torch
 
 from engine.gguf_blocks import DECODERS, dequantize, group_blocks, half_weights
 from engine.weights import pack_native
-from kernels.cpu import TILES_Q4, TILES_Q8G, ForwardStep, LayerBlocks
+from kernels.cpu import TILES_Q4, TILES_Q8G, LayerBlocks
 from kernels.cpu import build as cpu_build
-from tests.kernels.cpu.test_forward import TinyModel, _amx_modes, _step
+from tests.kernels.cpu.test_forward import TinyModel, assert_step_matches_reference
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-kquants.gguf"
 
@@ -120,14 +120,4 @@ def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(
         ("0.qkv", "0.o", "0.gate_up", "0.down"), TILES_Q8G)
     assert {k: v for k, v in formats.items() if k.startswith("1.")} == dict.fromkeys(
         ("1.qkv", "1.o", "1.gate_up", "1.down"), TILES_Q4)
-    d = model.dims
-    gen = torch.Generator().manual_seed(rows)
-    step = ForwardStep(**d, block_size=4, layers=model.blocks, cos=model.cos, sin=model.sin)
-    positions, slots, tables, row_seq, num_blocks = _step(rows, gen, 4, 8)
-    kv = torch.randn(2, 2, num_blocks * 4, d["kv_heads"], d["head_dim"], generator=gen).to(torch.bfloat16)
-    x = torch.randn(rows, d["hidden"], generator=gen)
-    for amx in _amx_modes(cpu_build.load()):
-        want = model.reference(x, positions, slots, tables, row_seq, kv.clone(), 4, bf16_matmuls=bool(amx))
-        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, amx_min_rows=amx)
-        err = (got.double() - want).abs().max().item()
-        assert err < 2e-3 * want.abs().max().item(), (step.isa, amx, err)
+    assert_step_matches_reference(model, cpu_build.load(), rows, seed=rows)

@@ -202,6 +202,24 @@ def test_forward_step_matches_a_float64_reference(build, config, rows):
             assert torch.equal(kv_ours[:, :, others], kv[:, :, others])
 
 
+def assert_step_matches_reference(model: TinyModel, lib, rows: int, seed: int) -> None:
+    """One step of `rows` mixed decode/prefill rows through `lib`'s native step (int16, and AMX where the CPU
+    has it) against the model's float64 reference (bf16-rounded matmuls for AMX), within 2e-3 of its
+    largest output."""
+    d = model.dims
+    gen = torch.Generator().manual_seed(seed)
+    step = ForwardStep(**d, block_size=4, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
+    positions, slots, tables, row_seq, num_blocks = _step(rows, gen, 4, 8)
+    kv = torch.randn(len(model.layers), 2, num_blocks * 4, d["kv_heads"], d["head_dim"], generator=gen).to(
+        torch.bfloat16)
+    x = torch.randn(rows, d["hidden"], generator=gen)
+    for amx in _amx_modes(lib):
+        want = model.reference(x, positions, slots, tables, row_seq, kv.clone(), 4, bf16_matmuls=bool(amx))
+        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, amx_min_rows=amx)
+        err = (got.double() - want).abs().max().item()
+        assert err < 2e-3 * want.abs().max().item(), (step.isa, amx, err)
+
+
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("q8g", [("qkv", "down"), ("o", "gate_up"), ("qkv", "o", "gate_up", "down")])
 @pytest.mark.parametrize("rows", [1, 9, 40])
@@ -212,18 +230,7 @@ def test_int8_group_tiles_and_mixed_formats_match_the_float64_reference(build, q
     model = TinyModel(**CONFIGS["odd-groups"], q8g=q8g)
     layer = model.blocks[0]
     assert [m for m in ("qkv", "o", "gate_up", "down") if getattr(layer, m).format == TILES_Q8G] == list(q8g)
-    d = model.dims
-    gen = torch.Generator().manual_seed(100 + rows)
-    step = ForwardStep(**d, block_size=4, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
-    positions, slots, tables, row_seq, num_blocks = _step(rows, gen, 4, 8)
-    kv = torch.randn(len(model.layers), 2, num_blocks * 4, d["kv_heads"], d["head_dim"], generator=gen).to(
-        torch.bfloat16)
-    x = torch.randn(rows, d["hidden"], generator=gen)
-    for amx in _amx_modes(lib):
-        want = model.reference(x, positions, slots, tables, row_seq, kv.clone(), 4, bf16_matmuls=bool(amx))
-        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, amx_min_rows=amx)
-        err = (got.double() - want).abs().max().item()
-        assert err < 2e-3 * want.abs().max().item(), (step.isa, amx, err)
+    assert_step_matches_reference(model, lib, rows, seed=100 + rows)
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
@@ -233,18 +240,7 @@ def test_fp16_tiles_beside_the_others_match_the_float64_reference(build, rows):
     lib = _library(build)
     model = TinyModel(**CONFIGS["odd-groups"], q8g=("o",), f16=("qkv", "down"))
     assert model.blocks[0].qkv.format == TILES_F16 and model.blocks[0].down.format == TILES_F16
-    d = model.dims
-    gen = torch.Generator().manual_seed(200 + rows)
-    step = ForwardStep(**d, block_size=4, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
-    positions, slots, tables, row_seq, num_blocks = _step(rows, gen, 4, 8)
-    kv = torch.randn(len(model.layers), 2, num_blocks * 4, d["kv_heads"], d["head_dim"], generator=gen).to(
-        torch.bfloat16)
-    x = torch.randn(rows, d["hidden"], generator=gen)
-    for amx in _amx_modes(lib):
-        want = model.reference(x, positions, slots, tables, row_seq, kv.clone(), 4, bf16_matmuls=bool(amx))
-        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, amx_min_rows=amx)
-        err = (got.double() - want).abs().max().item()
-        assert err < 2e-3 * want.abs().max().item(), (step.isa, amx, err)
+    assert_step_matches_reference(model, lib, rows, seed=200 + rows)
 
 
 def test_pack_f16_puts_each_weight_where_the_kernel_reads_it():
