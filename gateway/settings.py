@@ -505,6 +505,7 @@ class Settings(BaseSettings):
 
 
 @functools.lru_cache(maxsize=4096)  # per request; the arguments are few and short (a salt <= 256 chars)
+@functools.lru_cache(maxsize=4096)  # a pure function of names and the client's salt, asked per request
 def cache_salt(scope: str, key: str | None, tier: str, client_salt: str | None) -> str | None:
     """The engine's prefix-cache salt for one request: requests share cached blocks only when it is equal.
 

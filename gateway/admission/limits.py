@@ -33,6 +33,9 @@ class Verdict:
     limit: int | float | None = None
 
 
+_NO_LIMITS = KeyLimits()  # a tier without limits configured (asked several times per request: made once)
+
+
 def _ident(key: str | None, tier: str) -> str:
     """The counters' owner: a key, or anonymous use by tier (never confused with a key's name)."""
     return f"key:{key}" if key is not None else f"tier:{tier}"
@@ -46,7 +49,7 @@ class Limiter:
         self.clock = clock
 
     def limits_for(self, key: str | None, tier: str) -> KeyLimits:
-        base = self.settings.tiers.get(tier, KeyLimits())
+        base = self.settings.tiers.get(tier, _NO_LIMITS)
         own = self.settings.keys.get(key) if key is not None else None
         if own is None:
             return base

@@ -90,6 +90,9 @@ def body_timeout(timeout_s: float) -> web.middleware:  # type: ignore[valid-type
         # chunks and its own size limit, instead of being read whole into memory here.
         upload = request.path == "/v1/files" and request.content_type.startswith("multipart/")
         if request.body_exists and request.method in ("POST", "PUT", "PATCH") and not upload:
+            if request.content.is_eof():  # all of it is here already (a small body): nothing to wait for
+                await request.read()
+                return await handler(request)
             try:
                 async with asyncio.timeout(timeout_s):
                     await request.read()  # 413 beyond client_max_size, as before

@@ -23,7 +23,7 @@ from gateway.errors import APIError
 from gateway.http import prepare, prompt
 from gateway.http.middleware import END_USER, request_id
 from gateway.http.offload import OFFLOAD
-from gateway.http.sse import collect, stream_sse
+from gateway.http.sse import read_all, send_then_close, stream_sse
 from gateway.openai import tools
 from gateway.openai.choices import ChoiceAcc, TokenUsage
 from gateway.openai.schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -66,12 +66,19 @@ async def _answer(request: web.Request, state: GatewayState, p: prepare.Prepared
         return TokenUsage.of(len(gen.prompt_token_ids) if reported is None else reported, accs)
 
     if not p.req.stream:
-        accs = await collect(stream, gen.n)
-        u = usage(accs)
+        try:
+            accs = await read_all(stream, gen.n)
+            u = usage(accs)
+            answer = web.Response(body=jsonio.dumps(endpoint.answer(gen.request_id, created, model, accs, u,
+                                                                    p.shape)),
+                                  headers={"Content-Type": "application/json; charset=utf-8",
+                                           BACKEND_HEADER: stream.backend})
+        except BaseException:
+            await stream.aclose()
+            raise
+        await send_then_close(request, answer, stream)
         state.metrics.completion_tokens.inc(u.completion_tokens)
-        return web.Response(body=jsonio.dumps(endpoint.answer(gen.request_id, created, model, accs, u, p.shape)),
-                            content_type="application/json", charset="utf-8",
-                            headers={BACKEND_HEADER: stream.backend})
+        return answer
 
     include_usage = p.req.include_usage()
     encoder = endpoint.chunks(gen.request_id, created, model, include_usage, p.shape)

@@ -35,16 +35,45 @@ def raise_for_output(out: RequestOutput) -> None:
 
 
 async def collect(stream: ChoiceStream, n: int) -> list[ChoiceAcc]:
-    """Every output of a non-streamed request, per choice; the first failure raises its APIError."""
-    accs = [ChoiceAcc() for _ in range(n)]
+    """Every output of a non-streamed request, per choice; the first failure raises its APIError. The
+    stream is closed on the way out."""
     async with stream:
-        async for ch in stream:
+        return await read_all(stream, n)
+
+
+async def read_all(stream: ChoiceStream, n: int) -> list[ChoiceAcc]:
+    """As `collect`, leaving the stream open: the caller closes it (after sending the answer)."""
+    accs = [ChoiceAcc() for _ in range(n)]
+    while True:
+        try:
+            batch = await stream.next_batch()  # a relayed JSON answer is one batch
+        except StopAsyncIteration:
+            return accs
+        for ch in batch:
             raise_for_output(ch.output)
             acc = accs[ch.index]
             if ch.output.text:
                 acc.text.append(ch.output.text)
             acc.add(ch.output)
-    return accs
+
+
+async def send_then_close(request: web.Request, resp: web.Response, stream: ChoiceStream) -> web.Response:
+    """Sends a whole JSON answer, then closes its stream. Closing does the request's bookkeeping (usage
+    and cost, metrics, the backend's slot): none of it needs to keep the client waiting, so the answer
+    goes out first. A client already gone gets nothing; the stream is closed all the same."""
+    try:
+        await resp.prepare(request)
+        await resp.write_eof()
+    except ConnectionError:
+        log.debug("the client left before its answer was sent")
+    except BaseException:
+        await stream.aclose()
+        raise
+    try:
+        await stream.aclose()
+    except Exception:  # the answer is out: a failure in the bookkeeping must not become a second response
+        log.exception("closing the stream of an answered request failed")
+    return resp
 
 
 async def _first(stream: ChoiceStream) -> ChoiceOutput | None:

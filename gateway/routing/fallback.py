@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from engine import RequestOutput
 from gateway.backends.base import ChoiceStream, WrappedStream
@@ -23,6 +24,7 @@ from gateway.observability.metrics import Metrics
 from gateway.routing.reasons import RouteReason
 
 log = logging.getLogger("sluice.router")
+T = TypeVar("T")
 
 
 def _failed_locally(out: RequestOutput) -> bool:
@@ -111,9 +113,18 @@ class PoolFallbackStream(WrappedStream):
     async def __anext__(self) -> ChoiceOutput:
         if not self._first:
             return await self._inner.__anext__()
+        return await self._first_read(lambda: self._inner.__anext__())
+
+    async def next_batch(self) -> list[ChoiceOutput]:
+        if not self._first:
+            return await self._inner.next_batch()
+        return await self._first_read(lambda: self._inner.next_batch())
+
+    async def _first_read(self, read: Callable[[], Awaitable[T]]) -> T:
+        """The first read, moved elsewhere when the replicas gave up before it."""
         self._first = False
         try:
-            return await self._inner.__anext__()
+            return await read()
         except APIError as e:
             if e.status not in (429, 503):
                 raise
@@ -124,12 +135,7 @@ class PoolFallbackStream(WrappedStream):
                 self._inner = await self._elsewhere(self._gen)
             except Exception:
                 raise e from None
-            return await self._inner.__anext__()
-
-    async def next_batch(self) -> list[ChoiceOutput]:
-        if self._first:
-            return [await self.__anext__()]
-        return await self._inner.next_batch()
+            return await read()
 
     async def aclose(self) -> None:
         await self._inner.aclose()

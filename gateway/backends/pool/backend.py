@@ -33,12 +33,19 @@ from gateway.backends.pool.balancer import fallback_order, pick, prefix_hashes, 
 from gateway.backends.pool.load import parse_load
 from gateway.backends.pool.replica import Replica
 from gateway.backends.pool.slo import Durations, expected_wait, wait_budget
-from gateway.backends.remote.backend import CONTINUES, RemoteAnswer, RemoteBackend, RemoteStream, TryResult
+from gateway.backends.remote.backend import (
+    CONTINUES,
+    SLUICE_ONLY_FIELDS,
+    RemoteAnswer,
+    RemoteBackend,
+    RemoteStream,
+    TryResult,
+)
 from gateway.backends.remote.provider import Provider
 from gateway.errors import APIError
 from gateway.messages import EmbeddingJob, GenerationRequest
 from gateway.observability.metrics import Metrics
-from gateway.openai.schema import engine_only_fields
+from gateway.openai.schema import ChatMessage, engine_only_fields
 from gateway.queue.fair import FairShare, request_cost
 from gateway.settings import EngineReplicaSettings, ProviderSettings, RoutingSettings
 
@@ -66,6 +73,8 @@ def prompt_text(gen: GenerationRequest) -> str:
         return ""
     if isinstance(part, str):
         return part
+    if all(isinstance(m, ChatMessage) for m in part):  # each turn's role and text (what a prefix cache holds)
+        return "".join(f"{m.role}\n{m.text()}\n" for m in part)
     return jsonio.dumps([m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
                          for m in part]).decode()
 
@@ -95,12 +104,17 @@ class PoolStream(RemoteStream):
         self._unhold()  # the try holds an in-flight slot now
         return await super()._attempt(p, deadline)
 
+    def _dropped(self, p: Provider) -> set[str]:
+        if isinstance(p, Replica) and p.kind in CONTINUES:
+            # vLLM's extras, which these engines apply (a Sluice replica salts its own prefix cache by key)
+            return set(SLUICE_ONLY_FIELDS.difference(ENGINE_EXTRAS))
+        return super()._dropped(p)
+
     def _body(self, p: Provider) -> dict[str, Any]:
         body = super()._body(p)
-        if isinstance(p, Replica) and p.kind in CONTINUES and self._gen.api is not None:
-            # vLLM's extras, which these engines apply (a Sluice replica salts its own prefix cache by key)
-            sent = self._gen.api.model_dump(exclude_unset=True, include=set(ENGINE_EXTRAS))
-            body.update({k: v for k, v in sent.items() if v is not None})
+        for k in ENGINE_EXTRAS:  # an extra set to null is left to the engine's default
+            if k in body and body[k] is None:
+                del body[k]
         if isinstance(p, Replica) and p.engine.pass_priority:
             body["priority"] = -self._gen.priority if p.kind == "sglang" else self._gen.priority
         return body

@@ -259,7 +259,7 @@ class RemoteStream(ChoiceStream):
     def _body(self, p: Provider) -> dict[str, Any]:
         api = self._gen.api
         assert api is not None  # the handler always passes the validated request
-        body = api.model_dump(exclude_unset=True, exclude=set(SLUICE_ONLY_FIELDS))
+        body = api.model_dump(exclude_unset=True, exclude=self._dropped(p))
         body["model"] = p.settings.models[self._gen.model]
         if body.get("stream"):
             body["stream_options"] = {"include_usage": True}  # every token is counted
@@ -273,6 +273,10 @@ class RemoteStream(ChoiceStream):
                 if isinstance(body.get(k), int):
                     body[k] = max(1, body[k] - made)
         return body
+
+    def _dropped(self, p: Provider) -> set[str]:  # noqa: ARG002 (a pool stream decides per replica)
+        """The request's fields `p` is not sent: Sluice's own (a provider does not know them)."""
+        return set(SLUICE_ONLY_FIELDS)
 
     # ---------------------------------------------------------------- one try
 
