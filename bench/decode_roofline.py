@@ -60,9 +60,13 @@ def weight_bytes(engine: LLMEngine, batch: int) -> int:
     or dense as the model's plan says)."""
     m = engine.runner.model
     if m.native is not None:  # its 4-bit layers and, with them, its int8 output layer
-        return m.native.nbytes() + (m.head_tiles.nbytes() if m.head_tiles is not None else m.lm_head.nbytes())
+        if m.head_tiles is not None:
+            return m.native.nbytes() + m.head_tiles.nbytes()
+        return m.native.nbytes() + (m.head_rows.nbytes() if m.head_rows is not None else m.lm_head.nbytes()) \
+            # type: ignore[union-attr]
     layers_packed = m.layer_plan.for_rows(batch).packed if m.layer_plan else False
     head = m.lm_head_fast or m.lm_head  # the output layer actually read each step
+    assert head is not None
     head_packed = m.head_plan.for_rows(batch).packed if m.head_plan and m.lm_head_fast else False
     return head.nbytes(head_packed) + sum(lin.nbytes(layers_packed) for lin in m.linears())
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 QK_K = 256  # a K type's super-block
+_ROWS = 2048  # rows decoded at once
 
 
 @dataclass(frozen=True)
@@ -139,14 +140,15 @@ def group_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Gr
     per, size, decode = DECODERS[type_name]
     if k % per:
         return None
-    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(n * (k // per), size)
-    codes, scale, mn = decode(blocks)
-    scale, mn = scale.reshape(n, k // 16), mn.reshape(n, k // 32)
+    raw = np.asarray(data, dtype=np.uint8).reshape(n, (k // per) * size)
+    codes, scale, mn = np.empty((n, k), np.int8), np.empty((n, k // 16), np.float32), np.empty((n, k // 32), np.float32)
+    for a in range(0, n, _ROWS):  # in slices of rows: the decoders' temporaries are several times the codes' size
+        b = min(a + _ROWS, n)
+        c, s, m = decode(np.ascontiguousarray(raw[a:b]).reshape((b - a) * (k // per), size))
+        codes[a:b], scale[a:b], mn[a:b] = c.reshape(b - a, k), s.reshape(b - a, k // 16), m.reshape(b - a, k // 32)
     exact = bool(np.array_equal(scale.astype(np.float16).astype(np.float32), scale)
                  and np.array_equal(mn.astype(np.float16).astype(np.float32), mn))
-    return GroupBlocks(torch.from_numpy(np.ascontiguousarray(codes.reshape(n, k))),
-                       torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
-                       torch.from_numpy(np.ascontiguousarray(mn, dtype=np.float32)), type_name,
+    return GroupBlocks(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(mn), type_name,
                        four_bit=type_name == "Q4_K", exact=exact)
 
 

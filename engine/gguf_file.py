@@ -40,6 +40,14 @@ class GGUFTensor:
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # GGUF order: innermost dimension first
     data: np.ndarray  # memory-mapped: the values, or for quantised types [rows..., bytes per row] uint8
+    file: GGUFFile | None = None
+
+    def release(self) -> None:
+        """Done reading `data` for now: its pages leave this process's resident set (the page cache keeps
+        them, and reading it again maps them back). A loader that has copied a tensor out calls this, so
+        loading a model never holds the whole file resident beside what it built from it."""
+        if self.file is not None:
+            self.file.release(self.data)
 
 
 class GGUFFile:
@@ -119,4 +127,16 @@ class GGUFFile:
             rows = (*shape[:-1], shape[-1] // block * size)
             data = np.frombuffer(self._buf, dtype=np.uint8, count=n // block * size,
                                  offset=start + offset).reshape(rows)
-        return GGUFTensor(name, qtype, tuple(int(d) for d in dims), data)
+        return GGUFTensor(name, qtype, tuple(int(d) for d in dims), data, self)
+
+    def release(self, data: np.ndarray) -> None:
+        """Drops the whole pages of `data` (a view of this file) from the resident set (MADV_DONTNEED on
+        a read-only file mapping: the next read faults them back in from the page cache)."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        base = np.frombuffer(self._buf, dtype=np.uint8).ctypes.data
+        start = data.ctypes.data - base
+        a = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # the pages wholly inside the tensor only
+        b = (start + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if b > a:
+            self._buf.madvise(mmap.MADV_DONTNEED, a, b - a)

@@ -117,7 +117,8 @@ class LoadedModel:
     q4_blocks: MutableMapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # GGUF linear weights of the other block types the native CPU step reads (Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
     # Q8_0) as codes and group scales, F16/BF16 ones as fp16 (engine/gguf_blocks.py); `weights` holds them
-    # dequantized too.
+    # dequantized too. Also the token embedding and output layer of any of those types or Q4_0/Q4_1, which
+    # the native step keeps in this form (engine/token_rows.py) instead of in fp32.
     group_blocks: MutableMapping[str, GroupBlocks | HalfWeights | None] = field(default_factory=dict)
     # GGUF: the block types of the layers' matrices (type name -> how many), what decides whether the native
     # CPU step can read the file (it reads Q4_0 and Q4_1) and what the start-up log names when it cannot.
@@ -246,6 +247,31 @@ def _gguf_half(t: Any, heads: int) -> HalfWeights | None:
         _unpermute_rope_rows(h.weight.numpy(), heads))))
 
 
+def _gguf_rows(t: Any) -> GroupBlocks | HalfWeights | None:
+    """The token embedding or output layer in a compact exact form (engine/token_rows.py): Q4_0/Q4_1 and
+    `DECODERS`' types as codes and group scales, F16 (BF16 that fp16 holds) as fp16; None for another type."""
+    shape = tuple(int(d) for d in reversed(t.shape))
+    name = t.tensor_type.name
+    if name in ("F16", "BF16"):
+        return half_weights(t.data, name, shape)  # type: ignore[arg-type]
+    q4 = _q4_blocks(t.data, name, shape)  # type: ignore[arg-type]
+    if q4 is not None:
+        codes, d, m = q4
+        return GroupBlocks(torch.from_numpy(codes.astype(np.int8)), torch.from_numpy(np.repeat(d, 2, axis=-1)),
+                           torch.from_numpy(np.ascontiguousarray(m)), name, four_bit=True)
+    return group_blocks(t.data, name, shape)  # type: ignore[arg-type]
+
+
+def _released(t: Any, make: Callable[[], T]) -> Callable[[], T]:
+    """`make`, then the tensor's file pages let go (GGUFTensor.release): what `make` returns is a copy."""
+    def run() -> T:
+        try:
+            return make()
+        finally:
+            t.release()
+    return run
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     return reader.fields.get(key, default)
 
@@ -301,15 +327,17 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
             if len(t.shape) == 2:
                 layer_types[t.tensor_type.name] = layer_types.get(t.tensor_type.name, 0) + 1
             if t.tensor_type.name in ("Q4_0", "Q4_1") and len(t.shape) == 2:
-                q4.add(hf, functools.partial(_gguf_q4, t, heads))
+                q4.add(hf, _released(t, functools.partial(_gguf_q4, t, heads)))
             elif t.tensor_type.name in DECODERS and len(t.shape) == 2 and int(t.shape[0]) % DECODERS[
                     t.tensor_type.name][0] == 0:
-                groups.add(hf, functools.partial(_gguf_group, t, heads))
+                groups.add(hf, _released(t, functools.partial(_gguf_group, t, heads)))
             elif t.tensor_type.name in ("F16", "BF16") and len(t.shape) == 2:
-                groups.add(hf, functools.partial(_gguf_half, t, heads))
+                groups.add(hf, _released(t, functools.partial(_gguf_half, t, heads)))
         else:
             continue
-        weights.add(hf, functools.partial(_gguf_dense, t, heads))
+        if hf in ("model.embed_tokens.weight", "lm_head.weight"):
+            groups.add(hf, _released(t, functools.partial(_gguf_rows, t)))
+        weights.add(hf, _released(t, functools.partial(_gguf_dense, t, heads)))
     names = {t.name for t in reader.tensors}
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:

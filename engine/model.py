@@ -23,6 +23,7 @@ from . import batch_invariant
 from .cpu_plan import CpuKernels, Plan, measure_plan
 from .gguf_blocks import GroupBlocks, HalfWeights
 from .loader import LazyTensors, ModelArgs
+from .token_rows import TokenRows
 from .weights import (
     LAYER_LINEARS,
     Int4Weight,
@@ -34,6 +35,7 @@ from .weights import (
     int4_available,
     int8_available,
     native_fits,
+    native_head,
     native_layers,
     q4_matches,
 )
@@ -78,6 +80,8 @@ class LayerWeights:
 
 
 class LlamaModel(nn.Module):
+    head_rows: TokenRows | None = None  # (a class default: tests build the output layer alone)
+
     def __init__(self, args: ModelArgs, weights: MutableMapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, weight_dtype: torch.dtype | None = None, deterministic: bool = False,
                  q4_blocks: MutableMapping[str, Q4Blocks] | None = None, native_block_size: int = 0,
@@ -103,15 +107,7 @@ class LlamaModel(nn.Module):
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
 
-        self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        lm_head = self.embed if args.tie_word_embeddings else w("lm_head.weight")
-        # The output layer reads as many bytes as a third of the model. With bf16 weights it runs in
-        # bf16 too, and each row's top candidates are then recomputed at full precision, so near-ties
-        # between the likeliest tokens (all that greedy, top-k and top-p look at) are decided exactly;
-        # bf16 alone flips such ties.
-        self.lm_head = Linear(lm_head, None, dtype, det)
-        # (Not in deterministic mode: the output layer stays one full-precision batch-invariant matmul.)
         use_q4 = bool(q4_blocks) and int4_available(device) and not det
         self.cos, self.sin = rope_tables(args, device)
         # Deterministic bf16 weights on a CPU without bf16 units: the fixed-shape chunks multiply in float32
@@ -157,6 +153,24 @@ class LlamaModel(nn.Module):
         if (native_block_size and self.kernels.native and not det and dtype == torch.float32
                 and native_fits(args, q4_blocks if use_q4 and q4_blocks is not None else {}, group_blocks or {})):
             self.native = self._native_step(args, weights, native_blocks, drop_layer, native_block_size)
+        # The token embedding and the output layer. With the native step, both in the file's own codes where
+        # it has them (engine/token_rows.py: rows expanded on demand, exactly), not as fp32 copies.
+        rows = self._token_rows(weights, group_blocks, args.tie_word_embeddings) if self.native else None
+        self.embed: torch.Tensor | TokenRows
+        self.head_rows: TokenRows | None = None if rows is None else rows[1]
+        self.lm_head: Linear | None = None
+        lm_head: torch.Tensor | TokenRows
+        if rows is not None:
+            self.embed, lm_head = rows
+        else:
+            self.embed = w("model.embed_tokens.weight")
+            lm_head = self.embed if args.tie_word_embeddings else w("lm_head.weight")
+            # The output layer reads as many bytes as a third of the model. With bf16 weights it runs in
+            # bf16 too, and each row's top candidates are then recomputed at full precision, so near-ties
+            # between the likeliest tokens (all that greedy, top-k and top-p look at) are decided exactly;
+            # bf16 alone flips such ties.
+            self.lm_head = Linear(lm_head, None, dtype, det)
+            # (Not in deterministic mode: the output layer stays one full-precision batch-invariant matmul.)
         self.layers: list[LayerWeights] = []
         q4_used = self.native is not None
         for i in range(args.num_layers if self.native is None else 0):
@@ -182,15 +196,32 @@ class LlamaModel(nn.Module):
         self.head_tiles: cpu_kernels.Q8Tiles | None = None
         self.lm_head_fast: Linear | None = None
         if self.native is not None:
-            head = Int8Weight(lm_head)
-            self.head_tiles = cpu_kernels.pack_int8(head.q, head.scales.float())
+            self.head_tiles = native_head(lm_head)
         elif wdt != dtype and not det:
+            assert isinstance(lm_head, torch.Tensor)
             head8 = Int8Weight(lm_head) if q4_used and int8_available(device) else None
             self.lm_head_fast = Linear(lm_head, None, wdt, packed=head8)
         # Per step size: packed or dense weights, and threads (CPU; engine/cpu_plan.py). None: leave
         # both alone (GPU, deterministic mode, or before `plan_cpu_steps`).
         self.layer_plan: Plan | None = None
         self.head_plan: Plan | None = None
+
+    @staticmethod
+    def _token_rows(weights: MutableMapping[str, torch.Tensor],
+                    group_blocks: MutableMapping[str, GroupBlocks | HalfWeights | None] | None,
+                    tied: bool) -> tuple[TokenRows, TokenRows] | None:
+        """(embedding, output layer) in the file's own codes, when the loader has them for both (and they are
+        the file's, not weights a caller replaced); else None: fp32 copies."""
+        names = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+        if group_blocks is None or not isinstance(weights, LazyTensors) or not all(
+                n in group_blocks and n in weights and weights.from_file(n)
+                and (not isinstance(group_blocks, LazyTensors) or group_blocks.from_file(n)) for n in names):
+            return None
+        blocks = [group_blocks[n] for n in names]
+        if any(b is None for b in blocks):
+            return None
+        rows = [TokenRows(b) for b in blocks if b is not None]
+        return rows[0], rows[-1]
 
     def _native_step(self, args: ModelArgs, weights: MutableMapping[str, torch.Tensor],
                      blocks: Callable[[str], NativeBlocks | None], drop_layer: Callable[[int], None],
@@ -266,15 +297,30 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def logits(self, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
         if exact or not self.approximate_logits:
+            if self.head_rows is not None:
+                return self.head_rows.product(h)
+            assert self.lm_head is not None
             return self.lm_head(h).float()
         if self.head_tiles is not None:
-            # One native call: the int8 products, each row's top candidates and their exact values.
-            return cpu_kernels.int8_logits(h, self.head_tiles, self.kernels.threads, exact=self.lm_head.weight,
+            rows = self.head_rows
+            if rows is not None and rows.groups is None:  # fp16 rows: the candidates refined here
+                return self._refine(h, cpu_kernels.int8_logits(h, self.head_tiles, self.kernels.threads,
+                                                               amx_min_rows=self.kernels.amx_min_rows), rows)
+            dense = self.lm_head.weight if rows is None and self.lm_head is not None else None
+            # One native call: the int8 products, each row's top candidates and their exact values (from
+            # the fp32 copy, or the file's codes).
+            return cpu_kernels.int8_logits(h, self.head_tiles, self.kernels.threads, exact=dense,
+                                           exact_groups=None if rows is None else rows.groups,
                                            refine=REFINE_TOP, amx_min_rows=self.kernels.amx_min_rows)
-        assert self.lm_head_fast is not None
+        assert self.lm_head_fast is not None and self.lm_head is not None
         logits = self.lm_head_fast(h, self._use(self.head_plan, h.shape[0])).float()
+        return self._refine(h, logits, self.lm_head.weight)
+
+    @staticmethod
+    def _refine(h: torch.Tensor, logits: torch.Tensor, exact: torch.Tensor | TokenRows) -> torch.Tensor:
+        """`logits` with each row's REFINE_TOP largest recomputed against the exact weights (in place)."""
         top = logits.topk(REFINE_TOP, dim=-1).indices  # [n, k]
-        rows = self.lm_head.weight[top]  # [n, k, hidden], full precision
+        rows = exact[top]  # [n, k, hidden], full precision
         return logits.scatter_(1, top, torch.einsum("nd,nkd->nk", h.to(rows.dtype), rows).float())
 
     @torch.inference_mode()

@@ -23,6 +23,7 @@ import kernels.cpu as cpu_kernels
 from . import batch_invariant
 from .gguf_blocks import GroupBlocks, HalfWeights
 from .loader import ModelArgs
+from .token_rows import TokenRows
 
 Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes [N, K] 0..15, scale, min [N, K/32]
 NativeBlocks = Q4Blocks | GroupBlocks | HalfWeights  # what the native step repacks
@@ -66,20 +67,40 @@ class Int4Weight:
         return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, Q4_GROUP, self.scales_zeros)
 
 
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows as int8 with one scale per row: (q [N, K] int8, scale [N] fp32), w ~ q * scale."""
+    w = w.float()
+    s = w.abs().amax(1).clamp_min(1e-12) / 127
+    return (w / s[:, None]).round_().clamp_(-127, 127).to(torch.int8), s
+
+
+def native_head(weight: torch.Tensor | TokenRows, chunk_rows: int = 4096) -> cpu_kernels.Q8Tiles | None:
+    """The output layer's int8 copy (as `Int8Weight`, bf16-rounded scales) in the native kernel's tiles,
+    quantised and packed a slice of rows at a time: at load, no full int8 matrix beside the tiles. None
+    when the shape is not whole tiles."""
+    v, k = weight.shape
+    if v % 16 or k % 32:
+        return None
+    blocks, scales = torch.empty(v // 16, k // 32, 512, dtype=torch.int8), torch.empty(v)
+    for a in range(0, v, chunk_rows - chunk_rows % 16):
+        q, s = int8_rows(weight[a:a + chunk_rows - chunk_rows % 16])
+        part = cpu_kernels.pack_int8(q, s.to(torch.bfloat16).float())
+        assert part is not None
+        blocks[a // 16:(a + q.shape[0]) // 16], scales[a:a + q.shape[0]] = part.blocks, part.scales
+    return cpu_kernels.Q8Tiles(blocks, scales, (v, k))
+
+
 class Int8Weight:
     """A weight as int8 with one scale per output row (`_weight_int8pack_mm`): half of bf16's bytes.
     Used for the output layer, whose rows a decode step reads in full while only each row's top
     candidates matter (and those are recomputed at full precision, see `LlamaModel.logits`)."""
 
-    def __init__(self, weight: torch.Tensor, chunk_rows: int = 4096):
+    def __init__(self, weight: torch.Tensor | TokenRows, chunk_rows: int = 4096):
         n = weight.shape[0]
         self.q = torch.empty(weight.shape, dtype=torch.int8)
         scales = torch.empty(n)
         for a in range(0, n, chunk_rows):  # in slices: no full-size float temporaries at load
-            w = weight[a:a + chunk_rows].float()
-            s = w.abs().amax(1).clamp_min(1e-12) / 127
-            self.q[a:a + chunk_rows] = (w / s[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-            scales[a:a + chunk_rows] = s
+            self.q[a:a + chunk_rows], scales[a:a + chunk_rows] = int8_rows(weight[a:a + chunk_rows])
         self.scales = scales.to(torch.bfloat16)
 
     def nbytes(self) -> int:

@@ -257,22 +257,34 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> Q8Tiles | None:
 
 
 def int8_logits(x: torch.Tensor, head: Q8Tiles, threads: int, exact: torch.Tensor | None = None, refine: int = 0,
-                amx_min_rows: int = 0, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                amx_min_rows: int = 0, lib: ctypes.CDLL | None = None,
+                exact_groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [B, K] fp32 times the int8 weights of `head`, natively: int16 activations in integer dot products,
     or from `amx_min_rows` rows on (CPUs with AMX) bf16 tiles. With `exact` ([V, K] fp32), each row's
-    `refine` largest outputs are recomputed against it at full precision. Returns [B, V] fp32."""
+    `refine` largest outputs are recomputed against it at full precision; `exact_groups` instead: the same
+    weights as (codes int8 [V, K], scale fp32 [V, K / 16], min fp32 [V, K / 32]), w = code * scale + min
+    (engine/token_rows.py). Returns [B, V] fp32."""
     lib = _library(lib, "native CPU kernels")
     b, k = x.shape
     assert k == head.shape[1]
     x = x.float().contiguous()
     if exact is not None:
         assert exact.dtype == torch.float32 and exact.is_contiguous() and tuple(exact.shape) == head.shape
+    groups: list[ctypes.c_void_p] = [ctypes.c_void_p(None)] * 3
+    if exact is None and exact_groups is not None:
+        codes, gscale, gmin = exact_groups
+        v = head.shape[0]
+        assert codes.dtype == torch.int8 and tuple(codes.shape) == head.shape and codes.is_contiguous()
+        assert gscale.dtype == gmin.dtype == torch.float32 and gscale.is_contiguous() and gmin.is_contiguous()
+        assert tuple(gscale.shape) == (v, k // 16) and tuple(gmin.shape) == (v, k // 32)
+        groups = [ctypes.c_void_p(t.data_ptr()) for t in (codes, gscale, gmin)]
+    has_exact = exact is not None or exact_groups is not None
     out = torch.empty(b, head.shape[0])
     rc = lib.sluice_int8_logits(ctypes.c_int(b), ctypes.c_int(k), ctypes.c_void_p(x.data_ptr()),
                                 ctypes.c_void_p(head.blocks.data_ptr()), ctypes.c_void_p(head.scales.data_ptr()),
                                 ctypes.c_int(head.shape[0]), ctypes.c_void_p(out.data_ptr()),
-                                ctypes.c_void_p(None if exact is None else exact.data_ptr()),
-                                ctypes.c_int(refine if exact is not None else 0), ctypes.c_int(threads),
+                                ctypes.c_void_p(None if exact is None else exact.data_ptr()), *groups,
+                                ctypes.c_int(refine if has_exact else 0), ctypes.c_int(threads),
                                 ctypes.c_int(amx_min_rows))
     _check(rc, "native int8 output layer")
     return out

@@ -63,6 +63,8 @@ typedef struct {
     const float *x;
     tile_weights w;
     const float *exact; /* [V, K] fp32 or NULL */
+    const int8_t *exact_codes; /* or the exact weights as codes [V, K] */
+    const float *exact_scale, *exact_min; /* times a scale per 16 [V, K / 16] plus a min per 32 [V, K / 32] */
     float *out;
     qx_t qx;
     uint16_t *tile_scratch; /* per thread: a widened column pair (AMX) */
@@ -98,6 +100,20 @@ static void top_k(const float *out, int r0, int r1, int k, int32_t *idx) {
             }
     }
     for (; n < k; n++) idx[n] = -1;
+}
+
+/* x . w for one row of weights held as codes and group scales, w = q * scale + min (a scale per 16 inputs,
+ * a min per 32): each group expanded to fp32 as the dense copy holds it, then multiplied. */
+static float group_row_dot(const float *x, const int8_t *q, const float *s16, const float *m32, int K) {
+    float acc[16] = {0}, w[16];
+    for (int g = 0; g < K / 16; g++) {
+        const float s = s16[g], m = m32[g / 2];
+        for (int i = 0; i < 16; i++) w[i] = (float)q[g * 16 + i] * s + m;
+        for (int i = 0; i < 16; i++) acc[i] += x[g * 16 + i] * w[i];
+    }
+    float sum = 0;
+    for (int i = 0; i < 16; i++) sum += acc[i];
+    return sum;
 }
 
 /* This thread's columns of blocks for every input row (int16 matmul), row scales and dx applied. */
@@ -144,7 +160,7 @@ static void run_head(void *arg, int tid) {
     } else
 #endif
         head_int16(c, tid);
-    if (!c->exact || c->refine <= 0) return;
+    if ((!c->exact && !c->exact_codes) || c->refine <= 0) return;
     /* Each row's best candidates at full precision: every thread's best of a share of the outputs,
      * then the best of those, each recomputed as an fp32 dot product with the exact weights. */
     barrier(c->nthreads);
@@ -172,17 +188,25 @@ static void run_head(void *arg, int tid) {
             val[i] = val[m], all[i] = all[m], val[m] = tv, all[m] = ti;
             best[i] = all[i];
         }
-        for (int i = 0; i < kept; i++) row[best[i]] = dot(c->x + (size_t)b * c->K, c->exact + (size_t)best[i] * c->K, c->K);
+        const float *xb = c->x + (size_t)b * c->K;
+        for (int i = 0; i < kept; i++) {
+            const size_t r = (size_t)best[i], K = (size_t)c->K;
+            row[r] = c->exact ? dot(xb, c->exact + r * K, c->K)
+                              : group_row_dot(xb, c->exact_codes + r * K, c->exact_scale + r * (K / 16),
+                                              c->exact_min + r * (K / 32), c->K);
+        }
     }
 }
 
 /* out [B, V] = x [B, K] (fp32) W^T for W int8 in tile order (blocks [V / 16, K / 32, 512], w = q *
  * scale[n]), V a multiple of 16 and K of 32. `exact` [V, K] fp32 (or NULL): each row's `refine`
- * largest outputs are then recomputed against it at full precision. Steps of at least amx_min_rows
+ * largest outputs are then recomputed against it at full precision; or, with `exact` NULL, against
+ * `exact_codes` [V, K] * `exact_scale` (per 16) + `exact_min` (per 32), the file's own codes. Steps of at least amx_min_rows
  * rows multiply on AMX tiles where this build and the OS allow it (0: never). Returns 0, -1 when out
  * of memory, -2 for shapes it does not take. */
 int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int V, float *out,
-                       const float *exact, int refine, int nthreads, int amx_min_rows) {
+                       const float *exact, const int8_t *exact_codes, const float *exact_scale,
+                       const float *exact_min, int refine, int nthreads, int amx_min_rows) {
     if (B < 0 || K % GROUP || V % TILE_N || refine > MAX_REFINE || refine > V) return -2;
     if (B == 0) return 0; /* a step that samples nothing (a prefill chunk) */
     pthread_mutex_lock(&step_lock);
@@ -196,7 +220,8 @@ int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, cons
         pthread_mutex_unlock(&step_lock);
         return -1;
     }
-    head_ctx c = {B, K, V, nthreads, refine, amx, x, {blocks, Q8_BLOCK_BYTES, scale}, exact, out,
+    head_ctx c = {B, K, V, nthreads, refine, amx, x, {blocks, Q8_BLOCK_BYTES, scale}, exact,
+                  exact_codes, exact_scale, exact_min, out,
                   {NULL, NULL, NULL, NULL}, NULL, per_thread, NULL};
     float *p = buf;
     c.qx.dx = p, p += R;

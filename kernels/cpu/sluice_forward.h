@@ -49,7 +49,8 @@ int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x,
 int sluice_amx_available(void);
 /* The output layer's logits from int8 blocks, each row's best `refine` candidates made exact (head.c). */
 int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int V, float *out,
-                       const float *exact, int refine, int nthreads, int amx_min_rows);
+                       const float *exact, const int8_t *exact_codes, const float *exact_scale,
+                       const float *exact_min, int refine, int nthreads, int amx_min_rows);
 /* Sampling (sampler.c). */
 int sluice_sample(int B, int V, const float *logits, const float *temperature, const int64_t *top_k,
                   const float *top_p, const int64_t *seeds, const int64_t *offsets, int64_t *out, int nthreads);

@@ -40,3 +40,28 @@ def test_refuses_files_that_are_not_gguf(tmp_path):
     cut.write_bytes(default_model_path().read_bytes()[:4096])  # the header, then the fields stop mid-way
     with pytest.raises(GGUFFormatError, match="truncated or corrupt"):
         GGUFFile(cut)
+
+
+def _mapped_rss_kib(path) -> int:
+    """This process's resident KiB of the mappings of `path` (/proc/self/smaps)."""
+    total, ours = 0, False
+    for line in open("/proc/self/smaps"):
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's header line
+            ours = line.rstrip().endswith(str(path))
+        elif ours and first == "Rss:":
+            total += int(line.split()[1])
+    return total
+
+
+def test_a_released_tensor_leaves_the_resident_set_and_reads_the_same():
+    path = default_model_path()
+    f = GGUFFile(path)
+    t = next(t for t in f.tensors if t.name == "token_embd.weight")
+    before = _mapped_rss_kib(path)
+    want = t.data.copy()  # touches every page
+    touched = _mapped_rss_kib(path)
+    assert touched - before > t.data.nbytes // 1024 * 0.9
+    t.release()
+    assert touched - _mapped_rss_kib(path) > t.data.nbytes // 1024 * 0.9
+    assert np.array_equal(t.data, want)  # read again from the page cache

@@ -6,7 +6,7 @@ import torch
 import kernels.cpu as cpu_kernels
 from engine.cpu_plan import CpuKernels, Plan
 from engine.model import REFINE_TOP, LlamaModel
-from engine.weights import Int4Weight, Int8Weight, Linear, int4_available, int8_available
+from engine.weights import Int4Weight, Int8Weight, Linear, int4_available, int8_available, native_head
 
 
 def test_fast_logits_are_exact_where_it_matters():
@@ -104,3 +104,38 @@ def test_native_int8_output_layer_refines_the_top_candidates(rows):
     model.lm_head_fast, model.head_tiles, model.kernels = None, head, CpuKernels(native=True, threads=2, amx_min_rows=0)
     assert model.approximate_logits
     torch.testing.assert_close(model.logits(x), cpu_kernels.int8_logits(x, head, 2, weight, REFINE_TOP))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for kernels/cpu")
+@pytest.mark.parametrize("rows", [1, 9])
+def test_native_output_layer_refines_from_the_files_codes(rows):
+    """The candidates recomputed from codes and group scales (engine/token_rows.py) get the values the fp32
+    copy of the same weights gives, on one and two threads."""
+    torch.manual_seed(rows)
+    v, k = 1024, 96
+    codes = torch.randint(-32, 32, (v, k), dtype=torch.int8)
+    scale, mn = torch.rand(v, k // 16) * 0.003, torch.randn(v, k // 32) * 0.01
+    weight = ((codes.float().view(v, k // 16, 16) * scale[..., None]).view(v, k // 32, 32) + mn[..., None]).view(v, k)
+    w8 = Int8Weight(weight)
+    head = cpu_kernels.pack_int8(w8.q, w8.scales.float())
+    x = torch.randn(rows, k)
+    exact = x @ weight.T
+    for threads in (1, 2):
+        dense = cpu_kernels.int8_logits(x, head, threads, exact=weight, refine=REFINE_TOP)
+        coded = cpu_kernels.int8_logits(x, head, threads, refine=REFINE_TOP, exact_groups=(codes, scale, mn))
+        plain = cpu_kernels.int8_logits(x, head, threads)
+        torch.testing.assert_close(coded, dense, rtol=1e-5, atol=1e-5)
+        top = plain.topk(REFINE_TOP, dim=-1).indices
+        torch.testing.assert_close(coded.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(coded.gather(1, top), plain.gather(1, top), rtol=1e-5, atol=1e-5)
+
+
+def test_native_head_packs_in_slices_what_the_whole_int8_copy_packs():
+    torch.manual_seed(0)
+    weight = torch.randn(4992, 64) * 0.05
+    w8 = Int8Weight(weight)
+    whole = cpu_kernels.pack_int8(w8.q, w8.scales.float())
+    sliced = native_head(weight, chunk_rows=1000)  # slices of 992 rows: the last one shorter
+    assert whole is not None and sliced is not None and sliced.shape == whole.shape
+    assert torch.equal(sliced.blocks, whole.blocks) and torch.equal(sliced.scales, whole.scales)
+    assert native_head(weight[:40]) is None  # not whole tiles
