@@ -298,7 +298,7 @@ class LlamaModel(nn.Module):
     def logits(self, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
         if exact or not self.approximate_logits:
             if self.head_rows is not None:
-                return self.head_rows.product(h)
+                return self.head_rows.product(h, threads=self.kernels.threads if self.kernels.native else 0)
             assert self.lm_head is not None
             return self.lm_head(h).float()
         if self.head_tiles is not None:

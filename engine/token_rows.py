@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import torch
 
+import kernels.cpu as cpu_kernels
+
 from .gguf_blocks import GroupBlocks, HalfWeights
 
 CHUNK_ROWS = 4096  # rows expanded at once for a full product: 9 MiB of fp32 at 576 columns
+NATIVE_MAX_ROWS = 8  # up to this many input rows, the native product (each weight row expanded once)
 
 
 class TokenRows:
@@ -65,10 +68,13 @@ class TokenRows:
         w.view(n, k // 32, 32).add_(self.mn[index][..., None])
         return w
 
-    def product(self, h: torch.Tensor, chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
-        """h [B, K] @ W^T at full precision -> [B, V] fp32, expanding `chunk_rows` rows at a time into one
-        reused buffer (no full-size fp32 copy, ever)."""
+    def product(self, h: torch.Tensor, chunk_rows: int = CHUNK_ROWS, threads: int = 0) -> torch.Tensor:
+        """h [B, K] @ W^T at full precision -> [B, V] fp32. A few rows of h (a decode step's logprobs), with
+        `threads` for the native kernels: each row of W expanded once and multiplied natively. Otherwise
+        `chunk_rows` rows of W at a time into one reused buffer, then a GEMM. No full-size fp32 copy, ever."""
         h = h.float()
+        if threads and self.groups is not None and h.shape[0] <= NATIVE_MAX_ROWS:
+            return cpu_kernels.group_rows_product(h, *self.groups, threads)
         v, k = self.shape
         out = torch.empty(h.shape[0], v)
         buf = torch.empty(min(chunk_rows, v), k)

@@ -290,6 +290,26 @@ def int8_logits(x: torch.Tensor, head: Q8Tiles, threads: int, exact: torch.Tenso
     return out
 
 
+def group_rows_product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, threads: int,
+                       lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [B, K] @ W^T at full precision for W = codes [V, K] int8 * scale [V, K / 16] + min [V, K / 32] (fp32),
+    each row of W expanded once and multiplied with every row of x: for a few rows of x (a step's logprobs);
+    a GEMM does many better. Returns [B, V] fp32."""
+    lib = _library(lib, "native CPU kernels")
+    b, k = x.shape
+    v = codes.shape[0]
+    assert codes.dtype == torch.int8 and tuple(codes.shape) == (v, k) and codes.is_contiguous()
+    assert scale.dtype == mn.dtype == torch.float32 and scale.is_contiguous() and mn.is_contiguous()
+    assert tuple(scale.shape) == (v, k // 16) and tuple(mn.shape) == (v, k // 32)
+    x = x.float().contiguous()
+    out = torch.empty(b, v)
+    rc = lib.sluice_group_rows_product(ctypes.c_int(b), ctypes.c_int(k), ctypes.c_void_p(x.data_ptr()),
+                                       *[ctypes.c_void_p(t.data_ptr()) for t in (codes, scale, mn)], ctypes.c_int(v),
+                                       ctypes.c_void_p(out.data_ptr()), ctypes.c_int(threads))
+    _check(rc, "native exact output layer")
+    return out
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor, offsets: torch.Tensor, threads: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """kernels.sampling.sample_tokens natively, row by row (the same semantics and noise): logits [B, V]

@@ -236,3 +236,68 @@ int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     return 0;
 }
 
+
+/* w [K] = q * scale + min: a row of codes with a scale per 16 and a min per 32, in fp32. */
+static void expand_group_row(const int8_t *q, const float *s16, const float *m32, int K, float *w) {
+    for (int g = 0; g < K / 16; g++) {
+        const float s = s16[g], m = m32[g / 2];
+#if defined(__AVX512F__)
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 16))));
+        _mm512_storeu_ps(w + g * 16, _mm512_fmadd_ps(v, _mm512_set1_ps(s), _mm512_set1_ps(m)));
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (int h = 0; h < 16; h += 8) {
+            const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + g * 16 + h))));
+            _mm256_storeu_ps(w + g * 16 + h, _mm256_fmadd_ps(v, _mm256_set1_ps(s), _mm256_set1_ps(m)));
+        }
+#else
+        for (int i = 0; i < 16; i++) w[g * 16 + i] = (float)q[g * 16 + i] * s + m;
+#endif
+    }
+}
+
+typedef struct {
+    int B, K, V, nthreads;
+    const float *x;
+    const int8_t *codes;
+    const float *scale, *mn;
+    float *out, *scratch; /* scratch: K floats per thread */
+} rows_ctx;
+
+/* This thread's share of the rows: each expanded once to fp32 (w = q * scale + min, as the dense copy
+ * holds it), then multiplied with every input row. */
+static void run_rows(void *arg, int tid) {
+    rows_ctx *c = arg;
+    if (tid >= c->nthreads) return;
+    const size_t K = (size_t)c->K;
+    float *w = c->scratch + (size_t)tid * K;
+    int r0, r1;
+    span(c->V, tid, c->nthreads, &r0, &r1);
+    for (int r = r0; r < r1; r++) {
+        const int8_t *q = c->codes + (size_t)r * K;
+        const float *s16 = c->scale + (size_t)r * (K / 16), *m32 = c->mn + (size_t)r * (K / 32);
+        expand_group_row(q, s16, m32, c->K, w);
+        for (int b = 0; b < c->B; b++) c->out[(size_t)b * c->V + r] = dot(c->x + (size_t)b * K, w, c->K);
+    }
+}
+
+/* out [B, V] = x [B, K] W^T at full precision for W held as codes [V, K] int8 times a scale per 16 inputs
+ * [V, K / 16] plus a min per 32 [V, K / 32] (engine/token_rows.py): the output layer's exact logits
+ * (logprobs) without an fp32 copy of it. K a multiple of 32. Returns 0, -1 when out of memory, -2 for
+ * shapes it does not take. */
+int sluice_group_rows_product(int B, int K, const float *x, const int8_t *codes, const float *scale, const float *mn,
+                              int V, float *out, int nthreads) {
+    if (B < 0 || V < 0 || K <= 0 || K % GROUP) return -2;
+    if (B == 0 || V == 0) return 0;
+    pthread_mutex_lock(&step_lock);
+    nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
+    float *scratch = malloc((size_t)nthreads * K * sizeof(float));
+    if (!scratch) {
+        pthread_mutex_unlock(&step_lock);
+        return -1;
+    }
+    rows_ctx c = {B, K, V, nthreads, x, codes, scale, mn, out, scratch};
+    run_parallel(run_rows, &c, nthreads);
+    free(scratch);
+    pthread_mutex_unlock(&step_lock);
+    return 0;
+}

@@ -51,6 +51,9 @@ int sluice_amx_available(void);
 int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int V, float *out,
                        const float *exact, const int8_t *exact_codes, const float *exact_scale,
                        const float *exact_min, int refine, int nthreads, int amx_min_rows);
+/* x W^T at full precision for W as int8 codes with a scale per 16 and a min per 32 (head.c). */
+int sluice_group_rows_product(int B, int K, const float *x, const int8_t *codes, const float *scale, const float *mn,
+                              int V, float *out, int nthreads);
 /* Sampling (sampler.c). */
 int sluice_sample(int B, int V, const float *logits, const float *temperature, const int64_t *top_k,
                   const float *top_p, const int64_t *seeds, const int64_t *offsets, int64_t *out, int nthreads);

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import kernels.cpu as cpu_kernels
 from engine.loader import _gguf_rows
 from engine.token_rows import TokenRows
 
@@ -40,6 +41,11 @@ def _check(t, want: np.ndarray, max_ratio: float) -> TokenRows:
     ref = h.double() @ torch.from_numpy(want).double().T
     for chunk in (7, 4096):  # chunks that do and do not divide the rows
         torch.testing.assert_close(rows.product(h, chunk_rows=chunk).double(), ref, rtol=1e-5, atol=1e-4)
+    if rows.groups is not None and cpu_kernels.available():
+        for threads in (1, 2):  # the native product, for a decode step's few rows
+            torch.testing.assert_close(cpu_kernels.group_rows_product(h, *rows.groups, threads).double(), ref,
+                                       rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(rows.product(h, threads=threads).double(), ref, rtol=1e-5, atol=1e-4)
     return rows
 
 

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+import kernels.cpu as cpu_kernels
 from kernels.cpu import TILES_F16, TILES_Q8G, ForwardStep, LayerBlocks, pack_f16, pack_q4_1, pack_q8g
 from kernels.cpu import build as cpu_build
 from kernels.cpu.cpuinfo import cpu_info
@@ -435,3 +436,30 @@ def test_phase_timers_split_a_step_and_stay_off_unless_asked():
     assert times["step"] >= times["matmuls"] + times["attention"] + times["waits at barriers"]
     step.run(x.clone(), positions, slots, tables, row_seq, kv, 2)
     assert all(v == 0 for v in profile_read(lib=lib).values())  # off: nothing counted
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("rows", [1, 3, 12])
+def test_output_layer_from_codes_matches_the_float64_reference(build, rows):
+    """The output layer's exact paths over a matrix held as codes and group scales (engine/token_rows.py):
+    the full product (logprobs) and the int8 candidates refined from the codes, every build."""
+    lib = _library(build)
+    gen = torch.Generator().manual_seed(rows)
+    v, k = 992, 96  # 62 tiles of 16 rows; three groups of 32 inputs
+    codes = torch.randint(-128, 128, (v, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(v, k // 16, generator=gen) * 0.002
+    mn = torch.randn(v, k // 32, generator=gen) * 0.01
+    w = (codes.double().view(v, k // 16, 16) * scale.double()[..., None]).view(v, k // 32, 32) + mn.double()[..., None]
+    w = w.view(v, k)
+    x = torch.randn(rows, k, generator=gen)
+    ref = x.double() @ w.T
+    for threads in (1, 2):
+        got = cpu_kernels.group_rows_product(x, codes, scale, mn, threads, lib=lib)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    q = (w / (w.abs().amax(1, keepdim=True) / 127)).round().to(torch.int8)
+    head = cpu_kernels.pack_int8(q, (w.abs().amax(1) / 127).float())
+    refined = cpu_kernels.int8_logits(x, head, 2, refine=16, exact_groups=(codes, scale, mn), lib=lib)
+    plain = cpu_kernels.int8_logits(x, head, 2, lib=lib)
+    top = plain.topk(16, dim=-1).indices
+    torch.testing.assert_close(refined.gather(1, top).double(), ref.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert (plain.double() - ref).gather(1, top).abs().max() > 1e-4  # the int8 values alone are not exact
