@@ -8,7 +8,8 @@ load on AMX CPUs) and `-c` = slots x context per slot; it is restarted per concu
 llama.cpp's own OpenMP default (threads spin between graph nodes; Sluice's `OMP_WAIT_POLICY` and
 `GOMP_SPINCOUNT` are removed from its environment), which is what its users get; `--llama-omp default,PASSIVE` adds a
 row for it with sleeping threads as well. Sluice runs
-`sluice serve` at its default configuration, started once. Printed: output tok/s, TTFT p50/p99, the
+`sluice serve` at its default configuration but for the models it serves (the chat model alone, as
+llama-server: no embedding model beside it), started once. Printed: output tok/s, TTFT p50/p99, the
 ratios, and each server process's peak RSS (VmHWM from /proc).
 
 llama-cpp-python's Python server is a further row only if `bench/.venv-llamacpp` exists
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -131,9 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         results.setdefault((name, c), []).append(r)
         print(r.line(f"  round {rnd} {name:12s}"), flush=True)
 
-    sluice_args = ["--model", str(model)] if model is not None else []
-    with sluice_server_process({"SLUICE_MODEL__SERVED_MODEL_NAME": MODEL} if model else None, sluice_args) as (
-            sluice_url, sluice_proc):
+    # The chat model alone, as llama-server serves it (the default configuration adds an embedding model).
+    only_chat = {"SLUICE_MODELS": json.dumps([{"id": MODEL, "path": None if model is None else str(model)}])}
+    with sluice_server_process(only_chat) as (sluice_url, sluice_proc):
         asyncio.run(run_load(sluice_url, MODEL, mixed_workload(2, 8, 8, seed=-1), 2))  # warm-up
         for c in levels:
             with contextlib.ExitStack() as stack:
