@@ -2,7 +2,8 @@
 gateway and one started here, same engine settings) behind a gateway that serves from the pool alone.
 Requests spread over both; a replica SIGKILLed under concurrent streams loses none of them (the streams on
 it continue on the other, greedy text equal to an uninterrupted run, nothing repeated); it is taken out,
-and taken back once restarted."""
+and taken back once restarted. With both full, waiting requests leave pro first, and past the tier's target
+a request overflows to a provider or, with none, is refused early with 429."""
 
 from __future__ import annotations
 
@@ -143,3 +144,88 @@ async def test_a_pool_of_real_replicas_spreads_survives_a_sigkill_and_takes_the_
     finally:
         await server.close()
         await pool.close()
+
+
+async def test_full_real_replicas_serve_pro_first_then_overflow_or_refuse_early(tmp_path, replicas):
+    """Both replicas full (one request each, `max_in_flight = 1`): waiting requests leave Sluice's tier queue
+    pro first; past the tier's target a request goes to a provider, or with none is refused at once."""
+    from tests.fixtures.mock_provider import MockProvider
+
+    a, b = replicas
+    store = KeyStore(tmp_path / "keys.json")
+    pro, std = store.create("p", "pro"), store.create("s", "standard")
+
+    def engine(name: str, base: str) -> dict:
+        return {"name": name, "base_url": base + "/v1", "kind": "sluice", "models": [MODEL],
+                "api_key_env": "SLUICE_TEST_POOL_KEY", "max_in_flight": 1}
+
+    engines = [engine("a", a.base), engine("b", f"http://127.0.0.1:{b.port}")]
+
+    async def serving(target_ms: float, providers: list[dict]):
+        settings = Settings(auth={"keys_file": str(tmp_path / "keys.json")}, server={"prepare_helper_at_start": False},
+                            engines=engines, providers=providers,
+                            tiers={"pro": {"priority": 0, "max_queue_wait_ms": target_ms},
+                                   "standard": {"priority": 1, "max_queue_wait_ms": target_ms}})
+        app = create_app(settings, keys=store, no_engine=True)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        return app, server, f"http://127.0.0.1:{server.port}"
+
+    async def fill(s: aiohttp.ClientSession, base: str) -> list[asyncio.Task]:
+        """Both replicas busy with a long answer each, once both have begun."""
+        firsts = [asyncio.Event(), asyncio.Event()]
+        busy = [asyncio.create_task(_stream(s, base, PROMPTS[i], 96, firsts[i])) for i in range(2)]
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
+        return busy
+
+    def session(key: str) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"})
+
+    app, server, base = await serving(60000, [])
+    try:
+        async with session(std) as s, session(pro) as p:
+            busy = await fill(s, base)
+            done: list[str] = []
+
+            async def short(sess: aiohttp.ClientSession, who: str) -> None:
+                backend, _ = await _stream(sess, base, PROMPTS[2], 4)
+                assert backend in ("engine:a", "engine:b")
+                done.append(who)
+
+            waiting = [asyncio.create_task(short(s, f"standard{i}")) for i in range(3)]
+            await asyncio.sleep(0.3)  # the standard ones wait in Sluice's queue first
+            waiting.append(asyncio.create_task(short(p, "pro")))
+            await asyncio.wait_for(asyncio.gather(*busy, *waiting), 120)
+            # Dispatched in tier order as the replicas free up: pro within the first two, though it came last
+            # (first come, first served would start it after two standard ones had finished).
+            assert done.index("pro") <= 1, done
+    finally:
+        await server.close()
+        await app[STATE].engines.close()
+
+    os.environ["SLUICE_TEST_UP_KEY"] = "sk-upstream"
+    up = await MockProvider("up", tokens=4).start()
+    provider = {"name": "up", "base_url": up.base_url, "api_key_env": "SLUICE_TEST_UP_KEY", "models": {MODEL: "up-m"},
+                "input_price_per_m": 1.0, "output_price_per_m": 2.0, "timeout_s": 5.0}
+    try:
+        for providers in ([provider], []):
+            app, server, base = await serving(200, providers)
+            try:
+                async with session(std) as s:
+                    busy = await fill(s, base)
+                    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 4}
+                    t0 = time.monotonic()
+                    async with s.post(base + "/v1/chat/completions", json=body) as r:
+                        answer = await r.json()
+                        if providers:  # past the target: overflow to the provider
+                            assert r.status == 200 and r.headers["x-sluice-backend"] == "remote:up", answer
+                        else:  # no provider: refused at once, not after waiting
+                            assert r.status == 429 and answer["error"]["code"] == "engines_busy", answer
+                            assert r.headers["Retry-After"]
+                            assert time.monotonic() - t0 < 1.0
+                    await asyncio.wait_for(asyncio.gather(*busy), 120)
+            finally:
+                await server.close()
+                await app[STATE].engines.close()
+    finally:
+        await up.stop()
