@@ -433,6 +433,7 @@ static inline void widen_f16_block(const uint8_t *blk, uint16_t *tile) {
 
 static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *tile) {
     const uint8_t *blk = w->blocks + ((size_t)c * G + g) * w->block_bytes;
+    prefetch_l2(blk + PREFETCH_AHEAD, w->block_bytes); /* as the int16 path: widening does not wait on memory */
     if (w->row_scale)
         widen_q8_block(blk, w->row_scale + (size_t)c * TILE_N, tile);
     else if (w->block_bytes == Q8G_BLOCK_BYTES)
