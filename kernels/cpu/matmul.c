@@ -459,7 +459,8 @@ static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *t
 
 /* This thread's share of y[M, N] = x[M, K] W^T with x in bf16 (qx->bf, A tiles with rows padded to a
  * multiple of 16): pairs of block columns (32 outputs) split evenly; each pair widened once into
- * `scratch` ([K / 32][2][512] bf16) and multiplied by every 32-row slice of x. */
+ * `scratch` ([K / 32][2][512] bf16) and multiplied by every 32-row slice of x (with one slice, group by
+ * group as it is multiplied). */
 static void matmul_amx(const tile_weights *w, int N, int K, const qx_t *qx, int M, float *y, uint16_t *scratch,
                        int tid, int nt) {
     const int G = K / GROUP, NB = N / TILE_N, NP = (NB + 1) / 2, per = (NP + nt - 1) / nt;
@@ -469,42 +470,11 @@ static void matmul_amx(const tile_weights *w, int N, int K, const qx_t *qx, int 
     const uint16_t *x = qx->bf;
     for (int pc = p0; pc < p1; pc++) {
         const int c = 2 * pc, two_cols = c + 1 < NB;
-        if (M <= 32) { /* one slice of rows: each group widened and multiplied at once, so the weight
-                        * stream keeps flowing while the tiles multiply (widening the whole column pair
-                        * first left memory idle during the multiplies) */
-            const int two_rows = M > 16;
-            const uint16_t *xa = x, *xb = x + (size_t)16 * K;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int g = 0; g < G; g++) {
-                uint16_t *bt = scratch + (size_t)g * 1024;
-                widen(w, c, G, g, bt);
-                if (two_cols) widen(w, c + 1, G, g, bt + 512);
-                _tile_loadd(4, xa + (size_t)g * 16 * GROUP, 64);
-                _tile_loadd(6, bt, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (two_cols) {
-                    _tile_loadd(7, bt + 512, 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
-                if (two_rows) {
-                    _tile_loadd(5, xb + (size_t)g * 16 * GROUP, 64);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two_cols) _tile_dpbf16ps(3, 5, 7);
-                }
-            }
-            float *ya = y + c * TILE_N, *yb = ya + (size_t)16 * N;
-            STORE_TILE(0, ya, N, 0, M);
-            if (two_cols) STORE_TILE(1, ya + TILE_N, N, 0, M);
-            if (two_rows) {
-                STORE_TILE(2, yb, N, 16, M);
-                if (two_cols) STORE_TILE(3, yb + TILE_N, N, 16, M);
-            }
-            continue;
-        }
-        for (int g = 0; g < G; g++) {
+        /* One slice of rows (up to 32): each group is widened just before it is multiplied, so the weight
+         * stream keeps flowing while the tiles multiply (widening the whole pair first left memory idle
+         * during the multiplies); more rows: the pair is widened once, for every slice. */
+        const int at_once = M <= 32;
+        for (int g = 0; g < G && !at_once; g++) {
             widen(w, c, G, g, scratch + (size_t)g * 1024);
             if (two_cols) widen(w, c + 1, G, g, scratch + (size_t)g * 1024 + 512);
         }
@@ -516,7 +486,11 @@ static void matmul_amx(const tile_weights *w, int N, int K, const qx_t *qx, int 
             _tile_zero(2);
             _tile_zero(3);
             for (int g = 0; g < G; g++) {
-                const uint16_t *bt = scratch + (size_t)g * 1024;
+                uint16_t *bt = scratch + (size_t)g * 1024;
+                if (at_once) {
+                    widen(w, c, G, g, bt);
+                    if (two_cols) widen(w, c + 1, G, g, bt + 512);
+                }
                 _tile_loadd(4, xa + (size_t)g * 16 * GROUP, 64);
                 _tile_loadd(6, bt, 64);
                 _tile_dpbf16ps(0, 4, 6);
