@@ -43,8 +43,8 @@ class GGUFTensor:
     file: GGUFFile | None = None
 
     def release(self) -> None:
-        """Done reading `data` for now: its pages leave this process's resident set (the page cache keeps
-        them, and reading it again maps them back). A loader that has copied a tensor out calls this, so
+        """Drops `data`'s pages from this process's resident set (the page cache keeps them, and reading
+        it again maps them back). A loader that has copied a tensor out calls this, so
         loading a model never holds the whole file resident beside what it built from it."""
         if self.file is not None:
             self.file.release(self.data)
