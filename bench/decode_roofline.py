@@ -60,10 +60,9 @@ def weight_bytes(engine: LLMEngine, batch: int) -> int:
     or dense as the model's plan says)."""
     m = engine.runner.model
     if m.native is not None:  # its 4-bit layers and, with them, its int8 output layer
-        if m.head_tiles is not None:
-            return m.native.nbytes() + m.head_tiles.nbytes()
-        return m.native.nbytes() + (m.head_rows.nbytes() if m.head_rows is not None else m.lm_head.nbytes()) \
-            # type: ignore[union-attr]
+        head = m.head_tiles if m.head_tiles is not None else m.head_rows if m.head_rows is not None else m.lm_head
+        assert head is not None
+        return m.native.nbytes() + head.nbytes()
     layers_packed = m.layer_plan.for_rows(batch).packed if m.layer_plan else False
     head = m.lm_head_fast or m.lm_head  # the output layer actually read each step
     assert head is not None

@@ -65,6 +65,7 @@ typedef struct {
     const float *exact; /* [V, K] fp32 or NULL */
     const int8_t *exact_codes; /* or the exact weights as codes [V, K] */
     const float *exact_scale, *exact_min; /* times a scale per 16 [V, K / 16] plus a min per 32 [V, K / 32] */
+    float *row_scratch; /* per thread: K floats, a row of exact_codes expanded */
     float *out;
     qx_t qx;
     uint16_t *tile_scratch; /* per thread: a widened column pair (AMX) */
@@ -102,18 +103,22 @@ static void top_k(const float *out, int r0, int r1, int k, int32_t *idx) {
     for (; n < k; n++) idx[n] = -1;
 }
 
-/* x . w for one row of weights held as codes and group scales, w = q * scale + min (a scale per 16 inputs,
- * a min per 32): each group expanded to fp32 as the dense copy holds it, then multiplied. */
-static float group_row_dot(const float *x, const int8_t *q, const float *s16, const float *m32, int K) {
-    float acc[16] = {0}, w[16];
+/* w [K] = q * scale + min: a row of codes with a scale per 16 and a min per 32, in fp32. */
+static void expand_group_row(const int8_t *q, const float *s16, const float *m32, int K, float *w) {
     for (int g = 0; g < K / 16; g++) {
         const float s = s16[g], m = m32[g / 2];
-        for (int i = 0; i < 16; i++) w[i] = (float)q[g * 16 + i] * s + m;
-        for (int i = 0; i < 16; i++) acc[i] += x[g * 16 + i] * w[i];
+#if defined(__AVX512F__)
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 16))));
+        _mm512_storeu_ps(w + g * 16, _mm512_fmadd_ps(v, _mm512_set1_ps(s), _mm512_set1_ps(m)));
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (int h = 0; h < 16; h += 8) {
+            const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + g * 16 + h))));
+            _mm256_storeu_ps(w + g * 16 + h, _mm256_fmadd_ps(v, _mm256_set1_ps(s), _mm256_set1_ps(m)));
+        }
+#else
+        for (int i = 0; i < 16; i++) w[g * 16 + i] = (float)q[g * 16 + i] * s + m;
+#endif
     }
-    float sum = 0;
-    for (int i = 0; i < 16; i++) sum += acc[i];
-    return sum;
 }
 
 /* This thread's columns of blocks for every input row (int16 matmul), row scales and dx applied. */
@@ -191,9 +196,16 @@ static void run_head(void *arg, int tid) {
         const float *xb = c->x + (size_t)b * c->K;
         for (int i = 0; i < kept; i++) {
             const size_t r = (size_t)best[i], K = (size_t)c->K;
-            row[r] = c->exact ? dot(xb, c->exact + r * K, c->K)
-                              : group_row_dot(xb, c->exact_codes + r * K, c->exact_scale + r * (K / 16),
-                                              c->exact_min + r * (K / 32), c->K);
+            const float *w;
+            if (c->exact) {
+                w = c->exact + r * K;
+            } else {
+                float *e = c->row_scratch + (size_t)tid * K;
+                expand_group_row(c->exact_codes + r * K, c->exact_scale + r * (K / 16), c->exact_min + r * (K / 32),
+                                 c->K, e);
+                w = e;
+            }
+            row[r] = dot(xb, w, c->K);
         }
     }
 }
@@ -201,8 +213,8 @@ static void run_head(void *arg, int tid) {
 /* out [B, V] = x [B, K] (fp32) W^T for W int8 in tile order (blocks [V / 16, K / 32, 512], w = q *
  * scale[n]), V a multiple of 16 and K of 32. `exact` [V, K] fp32 (or NULL): each row's `refine`
  * largest outputs are then recomputed against it at full precision; or, with `exact` NULL, against
- * `exact_codes` [V, K] * `exact_scale` (per 16) + `exact_min` (per 32), the file's own codes. Steps of at least amx_min_rows
- * rows multiply on AMX tiles where this build and the OS allow it (0: never). Returns 0, -1 when out
+ * `exact_codes` [V, K] * `exact_scale` (per 16) + `exact_min` (per 32), the file's own codes. Steps of
+ * at least amx_min_rows rows multiply on AMX tiles where this build and the OS allow it (0: never). Returns 0, -1 when out
  * of memory, -2 for shapes it does not take. */
 int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int V, float *out,
                        const float *exact, const int8_t *exact_codes, const float *exact_scale,
@@ -213,15 +225,16 @@ int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
     const int amx = amx_min_rows > 0 && B >= amx_min_rows && amx_usable();
     const size_t R = (size_t)(B + 31) / 32 * 32, per_thread = (size_t)(K / GROUP) * 1024;
+    const size_t rows_scratch = exact || !exact_codes ? 0 : (size_t)nthreads * K;
     const size_t floats = R * (1 + K / GROUP) + R * K / 2 + R * K / 2 + (size_t)nthreads * B * MAX_REFINE +
-                          (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
+                          rows_scratch + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
     float *buf = calloc(floats, sizeof(float));
     if (!buf) {
         pthread_mutex_unlock(&step_lock);
         return -1;
     }
     head_ctx c = {B, K, V, nthreads, refine, amx, x, {blocks, Q8_BLOCK_BYTES, scale}, exact,
-                  exact_codes, exact_scale, exact_min, out,
+                  exact_codes, exact_scale, exact_min, NULL, out,
                   {NULL, NULL, NULL, NULL}, NULL, per_thread, NULL};
     float *p = buf;
     c.qx.dx = p, p += R;
@@ -229,6 +242,7 @@ int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     c.qx.q = (int16_t *)p, p += R * K / 2;
     c.qx.bf = (uint16_t *)p, p += R * K / 2;
     c.cand = (int32_t *)p, p += (size_t)nthreads * B * MAX_REFINE;
+    c.row_scratch = p, p += rows_scratch;
     c.tile_scratch = (uint16_t *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
     run_parallel(run_head, &c, nthreads);
     free(buf);
@@ -236,24 +250,6 @@ int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     return 0;
 }
 
-
-/* w [K] = q * scale + min: a row of codes with a scale per 16 and a min per 32, in fp32. */
-static void expand_group_row(const int8_t *q, const float *s16, const float *m32, int K, float *w) {
-    for (int g = 0; g < K / 16; g++) {
-        const float s = s16[g], m = m32[g / 2];
-#if defined(__AVX512F__)
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 16))));
-        _mm512_storeu_ps(w + g * 16, _mm512_fmadd_ps(v, _mm512_set1_ps(s), _mm512_set1_ps(m)));
-#elif defined(__AVX2__) && defined(__FMA__)
-        for (int h = 0; h < 16; h += 8) {
-            const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + g * 16 + h))));
-            _mm256_storeu_ps(w + g * 16 + h, _mm256_fmadd_ps(v, _mm256_set1_ps(s), _mm256_set1_ps(m)));
-        }
-#else
-        for (int i = 0; i < 16; i++) w[g * 16 + i] = (float)q[g * 16 + i] * s + m;
-#endif
-    }
-}
 
 typedef struct {
     int B, K, V, nthreads;
