@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
         budget = a.steps * 3 + 10 + b * a.context // engine.config.max_num_batched_tokens
         reqs = [EngineRequest(f"{b}-{i}", [(i * 7 + j) % 1000 + 100 for j in range(a.context)],
                               SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)) for i in range(b)]
+        for r in list(engine.scheduler.running):  # the previous batch size's sequences: this one runs alone
+            engine.abort(r.request_id)
         for r in reqs:
             engine.add_request(r)
         while any(s.is_prefilling for s in engine.scheduler.running) or engine.num_waiting:

@@ -20,7 +20,10 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+import kernels.cpu as cpu_kernels
+
 from .gguf_blocks import DECODERS, GroupBlocks, HalfWeights, group_blocks, half_weights
+from .token_rows import ROW_TYPES, TokenRows
 from .tuning_cache import file_fingerprint
 
 log = logging.getLogger(__name__)
@@ -117,9 +120,9 @@ class LoadedModel:
     q4_blocks: MutableMapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # GGUF linear weights of the other block types the native CPU step reads (Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
     # Q8_0) as codes and group scales, F16/BF16 ones as fp16 (engine/gguf_blocks.py); `weights` holds them
-    # dequantized too. Also the token embedding and output layer of any of those types or Q4_0/Q4_1, which
-    # the native step keeps in this form (engine/token_rows.py) instead of in fp32.
-    group_blocks: MutableMapping[str, GroupBlocks | HalfWeights | None] = field(default_factory=dict)
+    # dequantized too. Also the token embedding and output layer of any type the native kernels decode, as
+    # the file's own rows (engine/token_rows.py), which the native step reads instead of an fp32 copy.
+    group_blocks: MutableMapping[str, GroupBlocks | HalfWeights | TokenRows | None] = field(default_factory=dict)
     # GGUF: the block types of the layers' matrices (type name -> how many), what decides whether the native
     # CPU step can read the file (it reads Q4_0 and Q4_1) and what the start-up log names when it cannot.
     layer_types: dict[str, int] = field(default_factory=dict)
@@ -247,19 +250,17 @@ def _gguf_half(t: Any, heads: int) -> HalfWeights | None:
         _unpermute_rope_rows(h.weight.numpy(), heads))))
 
 
-def _gguf_rows(t: Any) -> GroupBlocks | HalfWeights | None:
-    """The token embedding or output layer in a compact exact form (engine/token_rows.py): Q4_0/Q4_1 and
-    `DECODERS`' types as codes and group scales, F16 (BF16 that fp16 holds) as fp16; None for another type."""
-    shape = tuple(int(d) for d in reversed(t.shape))
-    name = t.tensor_type.name
-    if name in ("F16", "BF16"):
-        return half_weights(t.data, name, shape)  # type: ignore[arg-type]
-    q4 = _q4_blocks(t.data, name, shape)  # type: ignore[arg-type]
-    if q4 is not None:
-        codes, d, m = q4
-        return GroupBlocks(torch.from_numpy(codes.astype(np.int8)), torch.from_numpy(np.repeat(d, 2, axis=-1)),
-                           torch.from_numpy(np.ascontiguousarray(m)), name, four_bit=True)
-    return group_blocks(t.data, name, shape)  # type: ignore[arg-type]
+def _gguf_rows(t: Any) -> TokenRows | None:
+    """The token embedding or output layer read from the file itself, rows decoded as they are needed
+    (engine/token_rows.py): any type the native kernels decode; None for another one."""
+    v, k = (int(d) for d in reversed(t.shape))
+    kind = int(t.tensor_type)
+    if kind not in ROW_TYPES or k % 32 or k % ROW_TYPES[kind]:
+        return None
+    data = np.asarray(t.data).reshape(v, -1).view(np.uint8)
+
+    return TokenRows(cpu_kernels.GGUFRows(data, kind, (v, k)), t.tensor_type.name,
+                     release=None if getattr(t, "file", None) is None else t.file.release)
 
 
 def _released(t: Any, make: Callable[[], T]) -> Callable[[], T]:
@@ -305,7 +306,7 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
     )
     weights: LazyTensors[torch.Tensor] = LazyTensors()
     q4: LazyTensors[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = LazyTensors()
-    groups: LazyTensors[GroupBlocks | HalfWeights | None] = LazyTensors()
+    groups: LazyTensors[GroupBlocks | HalfWeights | TokenRows | None] = LazyTensors()
     layer_types: dict[str, int] = {}
     for t in reader.tensors if with_weights else []:
         name = t.name
@@ -336,7 +337,7 @@ def _load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
         else:
             continue
         if hf in ("model.embed_tokens.weight", "lm_head.weight"):
-            groups.add(hf, _released(t, functools.partial(_gguf_rows, t)))
+            groups.add(hf, functools.partial(_gguf_rows, t))  # nothing copied: nothing to release
         weights.add(hf, _released(t, functools.partial(_gguf_dense, t, heads)))
     names = {t.name for t in reader.tensors}
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)

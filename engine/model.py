@@ -86,7 +86,7 @@ class LlamaModel(nn.Module):
                  device: torch.device, weight_dtype: torch.dtype | None = None, deterministic: bool = False,
                  q4_blocks: MutableMapping[str, Q4Blocks] | None = None, native_block_size: int = 0,
                  kernels: CpuKernels | None = None,
-                 group_blocks: MutableMapping[str, GroupBlocks | HalfWeights | None] | None = None):
+                 group_blocks: MutableMapping[str, GroupBlocks | HalfWeights | TokenRows | None] | None = None):
         """q4_blocks: the file's 4-bit weights, for small steps (CPU only; see `Linear`); with them the
         output layer also gets an int8 copy for small steps. `native_block_size`: the KV cache's block
         size, to run every step through the native CPU forward step (kernels/cpu) when `kernels` allows
@@ -135,7 +135,8 @@ class LlamaModel(nn.Module):
                 return b
             if isinstance(weights, LazyTensors) and weights.from_file(name) and (
                     not isinstance(group_blocks, LazyTensors) or group_blocks.from_file(name)):
-                return group_blocks[name]
+                g = group_blocks[name]
+                return None if isinstance(g, TokenRows) else g
             return None
 
         def drop_layer(i: int) -> None:
@@ -153,8 +154,8 @@ class LlamaModel(nn.Module):
         if (native_block_size and self.kernels.native and not det and dtype == torch.float32
                 and native_fits(args, q4_blocks if use_q4 and q4_blocks is not None else {}, group_blocks or {})):
             self.native = self._native_step(args, weights, native_blocks, drop_layer, native_block_size)
-        # The token embedding and the output layer. With the native step, both in the file's own codes where
-        # it has them (engine/token_rows.py: rows expanded on demand, exactly), not as fp32 copies.
+        # The token embedding and the output layer. With the native step, both read from the file itself where
+        # the kernels decode its type (engine/token_rows.py: rows decoded on demand, exactly), not fp32 copies.
         rows = self._token_rows(weights, group_blocks, args.tie_word_embeddings) if self.native else None
         self.embed: torch.Tensor | TokenRows
         self.head_rows: TokenRows | None = None if rows is None else rows[1]
@@ -206,22 +207,22 @@ class LlamaModel(nn.Module):
         self.layer_plan: Plan | None = None
         self.head_plan: Plan | None = None
 
-    @staticmethod
-    def _token_rows(weights: MutableMapping[str, torch.Tensor],
-                    group_blocks: MutableMapping[str, GroupBlocks | HalfWeights | None] | None,
+    def _token_rows(self, weights: MutableMapping[str, torch.Tensor],
+                    group_blocks: MutableMapping[str, GroupBlocks | HalfWeights | TokenRows | None] | None,
                     tied: bool) -> tuple[TokenRows, TokenRows] | None:
-        """(embedding, output layer) in the file's own codes, when the loader has them for both (and they are
-        the file's, not weights a caller replaced); else None: fp32 copies."""
+        """(embedding, output layer) read from the file, when the loader has them for both (and they are the
+        file's, not weights a caller replaced); else None: fp32 copies."""
         names = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
         if group_blocks is None or not isinstance(weights, LazyTensors) or not all(
                 n in group_blocks and n in weights and weights.from_file(n)
                 and (not isinstance(group_blocks, LazyTensors) or group_blocks.from_file(n)) for n in names):
             return None
-        blocks = [group_blocks[n] for n in names]
-        if any(b is None for b in blocks):
+        rows = [group_blocks[n] for n in names]
+        if not all(isinstance(r, TokenRows) for r in rows):
             return None
-        rows = [TokenRows(b) for b in blocks if b is not None]
-        return rows[0], rows[-1]
+        for r in rows:
+            r.threads = self.kernels.threads  # type: ignore[union-attr]
+        return rows[0], rows[-1]  # type: ignore[return-value]
 
     def _native_step(self, args: ModelArgs, weights: MutableMapping[str, torch.Tensor],
                      blocks: Callable[[str], NativeBlocks | None], drop_layer: Callable[[int], None],
@@ -303,14 +304,11 @@ class LlamaModel(nn.Module):
             return self.lm_head(h).float()
         if self.head_tiles is not None:
             rows = self.head_rows
-            if rows is not None and rows.groups is None:  # fp16 rows: the candidates refined here
-                return self._refine(h, cpu_kernels.int8_logits(h, self.head_tiles, self.kernels.threads,
-                                                               amx_min_rows=self.kernels.amx_min_rows), rows)
             dense = self.lm_head.weight if rows is None and self.lm_head is not None else None
             # One native call: the int8 products, each row's top candidates and their exact values (from
-            # the fp32 copy, or the file's codes).
+            # the fp32 copy, or the file's rows).
             return cpu_kernels.int8_logits(h, self.head_tiles, self.kernels.threads, exact=dense,
-                                           exact_groups=None if rows is None else rows.groups,
+                                           exact_rows=None if rows is None else rows.rows,
                                            refine=REFINE_TOP, amx_min_rows=self.kernels.amx_min_rows)
         assert self.lm_head_fast is not None and self.lm_head is not None
         logits = self.lm_head_fast(h, self._use(self.head_plan, h.shape[0])).float()

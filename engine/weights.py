@@ -87,6 +87,10 @@ def native_head(weight: torch.Tensor | TokenRows, chunk_rows: int = 4096) -> cpu
         part = cpu_kernels.pack_int8(q, s.to(torch.bfloat16).float())
         assert part is not None
         blocks[a // 16:(a + q.shape[0]) // 16], scales[a:a + q.shape[0]] = part.blocks, part.scales
+        if isinstance(weight, TokenRows):
+            weight.release(a, a + q.shape[0])  # the file's pages of these rows: read, not needed resident
+    if isinstance(weight, TokenRows):
+        weight.release()  # and the pages the slices share
     return cpu_kernels.Q8Tiles(blocks, scales, (v, k))
 
 

@@ -12,6 +12,7 @@ import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import build
@@ -256,57 +257,91 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> Q8Tiles | None:
     return Q8Tiles(blocks, scales.float().contiguous(), (v, k))
 
 
+@dataclass(frozen=True)
+class GGUFRows:
+    """A GGUF matrix [V, K] as the file holds it, for the kernels that decode its rows (gguf_rows.c):
+    `data` [V, bytes per row] uint8 (a view of the memory-mapped file: nothing is copied), `type` GGML's
+    type number (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K)."""
+
+    data: np.ndarray
+    type: int
+    shape: tuple[int, int]
+
+    def check(self, lib: ctypes.CDLL) -> None:
+        v, k = self.shape
+        row = int(lib.sluice_gguf_row_bytes(ctypes.c_int(self.type), ctypes.c_int(k)))
+        if row == 0 or k % GROUP:
+            raise ValueError(f"GGML type {self.type} with {k} columns: not rows the native kernels decode")
+        if self.data.dtype != np.uint8 or self.data.shape != (v, row) or not self.data.flags.c_contiguous:
+            raise ValueError(f"GGUF rows: data {self.data.dtype} {self.data.shape}, expected uint8 ({v}, {row})")
+
+    def pointer(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(self.data.ctypes.data)
+
+
+def gguf_rows(rows: GGUFRows, ids: torch.Tensor, threads: int = 1, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The rows `ids` ([n] int64, each in [0, V)) of `rows` as fp32 [n, K], decoded from the file's blocks
+    exactly as ggml dequantises them."""
+    lib = _library(lib, "native CPU kernels")
+    rows.check(lib)
+    v, k = rows.shape
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < v):
+        raise IndexError(f"row ids out of range for {v} rows")
+    out = torch.empty(ids.numel(), k)
+    rc = lib.sluice_gguf_rows(rows.pointer(), ctypes.c_int(rows.type), ctypes.c_int(k), ctypes.c_int(v),
+                              ctypes.c_void_p(ids.data_ptr()), ctypes.c_int(ids.numel()),
+                              ctypes.c_void_p(out.data_ptr()), ctypes.c_int(threads))
+    _check(rc, "GGUF row decoding")
+    return out
+
+
+def gguf_rows_product(x: torch.Tensor, rows: GGUFRows, threads: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [B, K] @ W^T at full precision for W the GGUF matrix `rows`, each of its rows decoded once and
+    multiplied with every row of x: for a few rows of x (a step's logprobs); a GEMM does many better.
+    Returns [B, V] fp32."""
+    lib = _library(lib, "native CPU kernels")
+    rows.check(lib)
+    v, k = rows.shape
+    b = x.shape[0]
+    assert x.shape[1] == k
+    x = x.float().contiguous()
+    out = torch.empty(b, v)
+    rc = lib.sluice_gguf_rows_product(ctypes.c_int(b), ctypes.c_int(k), ctypes.c_void_p(x.data_ptr()), rows.pointer(),
+                                      ctypes.c_int(rows.type), ctypes.c_int(v), ctypes.c_void_p(out.data_ptr()),
+                                      ctypes.c_int(threads))
+    _check(rc, "native exact output layer")
+    return out
+
+
 def int8_logits(x: torch.Tensor, head: Q8Tiles, threads: int, exact: torch.Tensor | None = None, refine: int = 0,
                 amx_min_rows: int = 0, lib: ctypes.CDLL | None = None,
-                exact_groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                exact_rows: GGUFRows | None = None) -> torch.Tensor:
     """x [B, K] fp32 times the int8 weights of `head`, natively: int16 activations in integer dot products,
     or from `amx_min_rows` rows on (CPUs with AMX) bf16 tiles. With `exact` ([V, K] fp32), each row's
-    `refine` largest outputs are recomputed against it at full precision; `exact_groups` instead: the same
-    weights as (codes int8 [V, K], scale fp32 [V, K / 16], min fp32 [V, K / 32]), w = code * scale + min
-    (engine/token_rows.py). Returns [B, V] fp32."""
+    `refine` largest outputs are recomputed against it at full precision; `exact_rows` instead: the same
+    weights as the file's rows (engine/token_rows.py), decoded as they are needed. Returns [B, V] fp32."""
     lib = _library(lib, "native CPU kernels")
     b, k = x.shape
     assert k == head.shape[1]
     x = x.float().contiguous()
     if exact is not None:
         assert exact.dtype == torch.float32 and exact.is_contiguous() and tuple(exact.shape) == head.shape
-    groups: list[ctypes.c_void_p] = [ctypes.c_void_p(None)] * 3
-    if exact is None and exact_groups is not None:
-        codes, gscale, gmin = exact_groups
-        v = head.shape[0]
-        assert codes.dtype == torch.int8 and tuple(codes.shape) == head.shape and codes.is_contiguous()
-        assert gscale.dtype == gmin.dtype == torch.float32 and gscale.is_contiguous() and gmin.is_contiguous()
-        assert tuple(gscale.shape) == (v, k // 16) and tuple(gmin.shape) == (v, k // 32)
-        groups = [ctypes.c_void_p(t.data_ptr()) for t in (codes, gscale, gmin)]
-    has_exact = exact is not None or exact_groups is not None
+    use_rows = exact is None and exact_rows is not None
+    if use_rows:
+        assert exact_rows is not None and exact_rows.shape == head.shape
+        exact_rows.check(lib)
+    has_exact = exact is not None or use_rows
     out = torch.empty(b, head.shape[0])
     rc = lib.sluice_int8_logits(ctypes.c_int(b), ctypes.c_int(k), ctypes.c_void_p(x.data_ptr()),
                                 ctypes.c_void_p(head.blocks.data_ptr()), ctypes.c_void_p(head.scales.data_ptr()),
                                 ctypes.c_int(head.shape[0]), ctypes.c_void_p(out.data_ptr()),
-                                ctypes.c_void_p(None if exact is None else exact.data_ptr()), *groups,
+                                ctypes.c_void_p(None if exact is None else exact.data_ptr()),
+                                exact_rows.pointer() if use_rows and exact_rows is not None else ctypes.c_void_p(None),
+                                ctypes.c_int(exact_rows.type if use_rows and exact_rows is not None else 0),
                                 ctypes.c_int(refine if has_exact else 0), ctypes.c_int(threads),
                                 ctypes.c_int(amx_min_rows))
     _check(rc, "native int8 output layer")
-    return out
-
-
-def group_rows_product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, threads: int,
-                       lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """x [B, K] @ W^T at full precision for W = codes [V, K] int8 * scale [V, K / 16] + min [V, K / 32] (fp32),
-    each row of W expanded once and multiplied with every row of x: for a few rows of x (a step's logprobs);
-    a GEMM does many better. Returns [B, V] fp32."""
-    lib = _library(lib, "native CPU kernels")
-    b, k = x.shape
-    v = codes.shape[0]
-    assert codes.dtype == torch.int8 and tuple(codes.shape) == (v, k) and codes.is_contiguous()
-    assert scale.dtype == mn.dtype == torch.float32 and scale.is_contiguous() and mn.is_contiguous()
-    assert tuple(scale.shape) == (v, k // 16) and tuple(mn.shape) == (v, k // 32)
-    x = x.float().contiguous()
-    out = torch.empty(b, v)
-    rc = lib.sluice_group_rows_product(ctypes.c_int(b), ctypes.c_int(k), ctypes.c_void_p(x.data_ptr()),
-                                       *[ctypes.c_void_p(t.data_ptr()) for t in (codes, scale, mn)], ctypes.c_int(v),
-                                       ctypes.c_void_p(out.data_ptr()), ctypes.c_int(threads))
-    _check(rc, "native exact output layer")
     return out
 
 

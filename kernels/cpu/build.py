@@ -89,9 +89,10 @@ def compile_library(arch: tuple[str, ...]) -> ctypes.CDLL | None:
             log.error("native CPU forward step refused: %s; using the torch path", wrong)
             return None
         for fn in (lib.sluice_forward, lib.sluice_decode_attention, lib.sluice_amx_available,
-                   lib.sluice_int8_logits, lib.sluice_group_rows_product, lib.sluice_sample,
+                   lib.sluice_int8_logits, lib.sluice_gguf_rows, lib.sluice_gguf_rows_product, lib.sluice_sample,
                    lib.sluice_sample_masked):
             fn.restype = ctypes.c_int  # (ctypes' default; said once here rather than per call)
+        lib.sluice_gguf_row_bytes.restype = ctypes.c_int64
         lib.sluice_forward_isa.restype = ctypes.c_char_p
         lib.sluice_profile.restype = lib.sluice_profile_read.restype = None
         return lib

@@ -31,6 +31,7 @@
  *   attention.c        paged attention per ISA and its plan of jobs
  *   profile.c          where a step's time goes
  *   step.c             the layer step (sluice_forward)
+ *   gguf_rows.c        rows decoded from the file's own blocks (embedding, exact candidates)
  *   head.c             the output layer (sluice_int8_logits)
  *   sampler.c          sampling (sluice_sample, sluice_sample_masked)
  *   decode_attention.c attention alone for the torch path (sluice_decode_attention)
@@ -47,6 +48,7 @@
 #include "attention.c"
 #include "profile.c"
 #include "step.c"
+#include "gguf_rows.c"
 #include "head.c"
 #include "sampler.c"
 #include "decode_attention.c"

@@ -63,9 +63,8 @@ typedef struct {
     const float *x;
     tile_weights w;
     const float *exact; /* [V, K] fp32 or NULL */
-    const int8_t *exact_codes; /* or the exact weights as codes [V, K] */
-    const float *exact_scale, *exact_min; /* times a scale per 16 [V, K / 16] plus a min per 32 [V, K / 32] */
-    float *row_scratch; /* per thread: K floats, a row of exact_codes expanded */
+    gguf_matrix exact_rows; /* or the exact weights as the file's rows (data NULL: none) */
+    float *row_scratch; /* per thread: K floats, a row of exact_rows decoded */
     float *out;
     qx_t qx;
     uint16_t *tile_scratch; /* per thread: a widened column pair (AMX) */
@@ -101,24 +100,6 @@ static void top_k(const float *out, int r0, int r1, int k, int32_t *idx) {
             }
     }
     for (; n < k; n++) idx[n] = -1;
-}
-
-/* w [K] = q * scale + min: a row of codes with a scale per 16 and a min per 32, in fp32. */
-static void expand_group_row(const int8_t *q, const float *s16, const float *m32, int K, float *w) {
-    for (int g = 0; g < K / 16; g++) {
-        const float s = s16[g], m = m32[g / 2];
-#if defined(__AVX512F__)
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 16))));
-        _mm512_storeu_ps(w + g * 16, _mm512_fmadd_ps(v, _mm512_set1_ps(s), _mm512_set1_ps(m)));
-#elif defined(__AVX2__) && defined(__FMA__)
-        for (int h = 0; h < 16; h += 8) {
-            const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + g * 16 + h))));
-            _mm256_storeu_ps(w + g * 16 + h, _mm256_fmadd_ps(v, _mm256_set1_ps(s), _mm256_set1_ps(m)));
-        }
-#else
-        for (int i = 0; i < 16; i++) w[g * 16 + i] = (float)q[g * 16 + i] * s + m;
-#endif
-    }
 }
 
 /* This thread's columns of blocks for every input row (int16 matmul), row scales and dx applied. */
@@ -165,7 +146,7 @@ static void run_head(void *arg, int tid) {
     } else
 #endif
         head_int16(c, tid);
-    if ((!c->exact && !c->exact_codes) || c->refine <= 0) return;
+    if ((!c->exact && !c->exact_rows.data) || c->refine <= 0) return;
     /* Each row's best candidates at full precision: every thread's best of a share of the outputs,
      * then the best of those, each recomputed as an fp32 dot product with the exact weights. */
     barrier(c->nthreads);
@@ -201,8 +182,7 @@ static void run_head(void *arg, int tid) {
                 w = c->exact + r * K;
             } else {
                 float *e = c->row_scratch + (size_t)tid * K;
-                expand_group_row(c->exact_codes + r * K, c->exact_scale + r * (K / 16), c->exact_min + r * (K / 32),
-                                 c->K, e);
+                gguf_matrix_row(&c->exact_rows, (int64_t)r, e);
                 w = e;
             }
             row[r] = dot(xb, w, c->K);
@@ -213,19 +193,21 @@ static void run_head(void *arg, int tid) {
 /* out [B, V] = x [B, K] (fp32) W^T for W int8 in tile order (blocks [V / 16, K / 32, 512], w = q *
  * scale[n]), V a multiple of 16 and K of 32. `exact` [V, K] fp32 (or NULL): each row's `refine`
  * largest outputs are then recomputed against it at full precision; or, with `exact` NULL, against
- * `exact_codes` [V, K] * `exact_scale` (per 16) + `exact_min` (per 32), the file's own codes. Steps of
+ * the rows of `exact_rows` (gguf_rows.c: V rows of GGML type `exact_type`, NULL for none), the file's own. Steps of
  * at least amx_min_rows rows multiply on AMX tiles where this build and the OS allow it (0: never). Returns 0, -1 when out
  * of memory, -2 for shapes it does not take. */
 int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int V, float *out,
-                       const float *exact, const int8_t *exact_codes, const float *exact_scale,
-                       const float *exact_min, int refine, int nthreads, int amx_min_rows) {
-    if (B < 0 || K % GROUP || V % TILE_N || refine > MAX_REFINE || refine > V) return -2;
+                       const float *exact, const uint8_t *exact_rows, int exact_type, int refine, int nthreads,
+                       int amx_min_rows) {
+    const size_t exact_row_bytes = exact_rows ? gguf_row_bytes(exact_type, K) : 0;
+    if (B < 0 || K % GROUP || V % TILE_N || refine > MAX_REFINE || refine > V || (exact_rows && !exact_row_bytes))
+        return -2;
     if (B == 0) return 0; /* a step that samples nothing (a prefill chunk) */
     pthread_mutex_lock(&step_lock);
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
     const int amx = amx_min_rows > 0 && B >= amx_min_rows && amx_usable();
     const size_t R = (size_t)(B + 31) / 32 * 32, per_thread = (size_t)(K / GROUP) * 1024;
-    const size_t rows_scratch = exact || !exact_codes ? 0 : (size_t)nthreads * K;
+    const size_t rows_scratch = exact || !exact_rows ? 0 : (size_t)nthreads * K;
     const size_t floats = R * (1 + K / GROUP) + R * K / 2 + R * K / 2 + (size_t)nthreads * B * MAX_REFINE +
                           rows_scratch + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
     float *buf = calloc(floats, sizeof(float));
@@ -234,7 +216,7 @@ int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, cons
         return -1;
     }
     head_ctx c = {B, K, V, nthreads, refine, amx, x, {blocks, Q8_BLOCK_BYTES, scale}, exact,
-                  exact_codes, exact_scale, exact_min, NULL, out,
+                  {exact_rows, exact_type, K, exact_row_bytes}, NULL, out,
                   {NULL, NULL, NULL, NULL}, NULL, per_thread, NULL};
     float *p = buf;
     c.qx.dx = p, p += R;
@@ -250,50 +232,3 @@ int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     return 0;
 }
 
-
-typedef struct {
-    int B, K, V, nthreads;
-    const float *x;
-    const int8_t *codes;
-    const float *scale, *mn;
-    float *out, *scratch; /* scratch: K floats per thread */
-} rows_ctx;
-
-/* This thread's share of the rows: each expanded once to fp32 (w = q * scale + min, as the dense copy
- * holds it), then multiplied with every input row. */
-static void run_rows(void *arg, int tid) {
-    rows_ctx *c = arg;
-    if (tid >= c->nthreads) return;
-    const size_t K = (size_t)c->K;
-    float *w = c->scratch + (size_t)tid * K;
-    int r0, r1;
-    span(c->V, tid, c->nthreads, &r0, &r1);
-    for (int r = r0; r < r1; r++) {
-        const int8_t *q = c->codes + (size_t)r * K;
-        const float *s16 = c->scale + (size_t)r * (K / 16), *m32 = c->mn + (size_t)r * (K / 32);
-        expand_group_row(q, s16, m32, c->K, w);
-        for (int b = 0; b < c->B; b++) c->out[(size_t)b * c->V + r] = dot(c->x + (size_t)b * K, w, c->K);
-    }
-}
-
-/* out [B, V] = x [B, K] W^T at full precision for W held as codes [V, K] int8 times a scale per 16 inputs
- * [V, K / 16] plus a min per 32 [V, K / 32] (engine/token_rows.py): the output layer's exact logits
- * (logprobs) without an fp32 copy of it. K a multiple of 32. Returns 0, -1 when out of memory, -2 for
- * shapes it does not take. */
-int sluice_group_rows_product(int B, int K, const float *x, const int8_t *codes, const float *scale, const float *mn,
-                              int V, float *out, int nthreads) {
-    if (B < 0 || V < 0 || K <= 0 || K % GROUP) return -2;
-    if (B == 0 || V == 0) return 0;
-    pthread_mutex_lock(&step_lock);
-    nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
-    float *scratch = malloc((size_t)nthreads * K * sizeof(float));
-    if (!scratch) {
-        pthread_mutex_unlock(&step_lock);
-        return -1;
-    }
-    rows_ctx c = {B, K, V, nthreads, x, codes, scale, mn, out, scratch};
-    run_parallel(run_rows, &c, nthreads);
-    free(scratch);
-    pthread_mutex_unlock(&step_lock);
-    return 0;
-}

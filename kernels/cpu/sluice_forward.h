@@ -49,11 +49,13 @@ int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x,
 int sluice_amx_available(void);
 /* The output layer's logits from int8 blocks, each row's best `refine` candidates made exact (head.c). */
 int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int V, float *out,
-                       const float *exact, const int8_t *exact_codes, const float *exact_scale,
-                       const float *exact_min, int refine, int nthreads, int amx_min_rows);
-/* x W^T at full precision for W as int8 codes with a scale per 16 and a min per 32 (head.c). */
-int sluice_group_rows_product(int B, int K, const float *x, const int8_t *codes, const float *scale, const float *mn,
-                              int V, float *out, int nthreads);
+                       const float *exact, const uint8_t *exact_rows, int exact_type, int refine, int nthreads,
+                       int amx_min_rows);
+/* Rows of a GGUF matrix decoded from its blocks, and x W^T at full precision from them (gguf_rows.c). */
+int64_t sluice_gguf_row_bytes(int type, int K);
+int sluice_gguf_rows(const uint8_t *data, int type, int K, int V, const int64_t *ids, int n, float *out, int nthreads);
+int sluice_gguf_rows_product(int B, int K, const float *x, const uint8_t *data, int type, int V, float *out,
+                             int nthreads);
 /* Sampling (sampler.c). */
 int sluice_sample(int B, int V, const float *logits, const float *temperature, const int64_t *top_k,
                   const float *top_p, const int64_t *seeds, const int64_t *offsets, int64_t *out, int nthreads);

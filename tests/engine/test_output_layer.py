@@ -1,5 +1,7 @@
 """The bf16 output layer with exact recomputation of each row's top candidates."""
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -108,21 +110,22 @@ def test_native_int8_output_layer_refines_the_top_candidates(rows):
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for kernels/cpu")
 @pytest.mark.parametrize("rows", [1, 9])
-def test_native_output_layer_refines_from_the_files_codes(rows):
-    """The candidates recomputed from codes and group scales (engine/token_rows.py) get the values the fp32
-    copy of the same weights gives, on one and two threads."""
+def test_native_output_layer_refines_from_the_files_rows(rows):
+    """The candidates recomputed from the file's rows (engine/token_rows.py) get the values the fp32 copy
+    of the same weights gives, on one and two threads."""
     torch.manual_seed(rows)
     v, k = 1024, 96
-    codes = torch.randint(-32, 32, (v, k), dtype=torch.int8)
-    scale, mn = torch.rand(v, k // 16) * 0.003, torch.randn(v, k // 32) * 0.01
-    weight = ((codes.float().view(v, k // 16, 16) * scale[..., None]).view(v, k // 32, 32) + mn[..., None]).view(v, k)
+    qt = gguf.GGMLQuantizationType.Q5_1
+    data = np.ascontiguousarray(gguf.quants.quantize((torch.randn(v, k) * 0.05).numpy(), qt)).reshape(v, -1)
+    weight = torch.from_numpy(gguf.quants.dequantize(data, qt).astype(np.float32).reshape(v, k))
+    file_rows = cpu_kernels.GGUFRows(data.view(np.uint8), int(qt), (v, k))
     w8 = Int8Weight(weight)
     head = cpu_kernels.pack_int8(w8.q, w8.scales.float())
     x = torch.randn(rows, k)
     exact = x @ weight.T
     for threads in (1, 2):
         dense = cpu_kernels.int8_logits(x, head, threads, exact=weight, refine=REFINE_TOP)
-        coded = cpu_kernels.int8_logits(x, head, threads, refine=REFINE_TOP, exact_groups=(codes, scale, mn))
+        coded = cpu_kernels.int8_logits(x, head, threads, refine=REFINE_TOP, exact_rows=file_rows)
         plain = cpu_kernels.int8_logits(x, head, threads)
         torch.testing.assert_close(coded, dense, rtol=1e-5, atol=1e-5)
         top = plain.topk(REFINE_TOP, dim=-1).indices

@@ -9,7 +9,10 @@ and every build of forward.c that this CPU can run (native, AVX2, plain C), with
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +24,7 @@ from kernels.cpu.cpuinfo import cpu_info
 pytestmark = pytest.mark.skipif(cpu_build.load() is None, reason="no C compiler to build kernels/cpu/forward.c")
 
 
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "tiny-kquants.gguf"
 BUILDS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3",), "plain": ("-march=x86-64",)}
 
 
@@ -438,27 +442,70 @@ def test_phase_timers_split_a_step_and_stay_off_unless_asked():
     assert all(v == 0 for v in profile_read(lib=lib).values())  # off: nothing counted
 
 
+def _gguf_matrices() -> list[tuple[str, cpu_kernels.GGUFRows, np.ndarray]]:
+    """(type, the file's rows, gguf-py's dequantisation) for the types gguf-py quantises and the K types of
+    the llama-quantize fixture."""
+    rng = np.random.default_rng(0)
+    dense = (rng.standard_normal((40, 96)) * 0.05).astype(np.float32)
+    out = []
+    for name in ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        t = gguf.GGMLQuantizationType[name]
+        data = np.ascontiguousarray(gguf.quants.quantize(dense, t)).reshape(40, -1).view(np.uint8)
+        out.append((name, cpu_kernels.GGUFRows(data, int(t), (40, 96)),
+                    gguf.quants.dequantize(data, t).astype(np.float32).reshape(40, 96)))
+    seen = set()
+    for t in gguf.GGUFReader(str(FIXTURE)).tensors:
+        name = t.tensor_type.name
+        if len(t.shape) == 2 and name in ("Q4_K", "Q5_K", "Q6_K") and name not in seen:
+            seen.add(name)
+            v, k = int(t.shape[1]), int(t.shape[0])
+            data = np.ascontiguousarray(t.data).reshape(v, -1)
+            out.append((name, cpu_kernels.GGUFRows(data, int(t.tensor_type), (v, k)),
+                        gguf.quants.dequantize(data, t.tensor_type).astype(np.float32).reshape(v, k)))
+    assert len(seen) == 3
+    return out
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_gguf_rows_are_ggmls_dequantisation_bit_for_bit(build):
+    """Rows decoded from the file's blocks (gguf_rows.c) are the values gguf-py's dequantisation gives,
+    exactly (no fused multiply-add in any build), one row at a time and many on two threads; the full
+    product from them matches the float64 reference; a row outside the matrix is refused."""
+    lib = _library(build)
+    for name, rows, want in _gguf_matrices():
+        v, k = rows.shape
+        ids = torch.tensor([3, 0, v - 1, 3])
+        assert np.array_equal(cpu_kernels.gguf_rows(rows, ids, lib=lib).numpy(), want[ids.numpy()]), name
+        many = torch.arange(v).repeat(2048 // v + 1)  # enough values to be split between threads
+        assert np.array_equal(cpu_kernels.gguf_rows(rows, many, 2, lib=lib).numpy(), want[many.numpy()]), name
+        x = torch.randn(3, k)
+        for threads in (1, 2):
+            torch.testing.assert_close(cpu_kernels.gguf_rows_product(x, rows, threads, lib=lib).double(),
+                                       x.double() @ torch.from_numpy(want).double().T, rtol=1e-5, atol=1e-5)
+        with pytest.raises(IndexError):
+            cpu_kernels.gguf_rows(rows, torch.tensor([v]), lib=lib)
+    with pytest.raises(ValueError):  # a type the kernels do not decode (Q2_K)
+        cpu_kernels.gguf_rows(cpu_kernels.GGUFRows(np.zeros((2, 84 * 1), np.uint8), 10, (2, 256)), torch.tensor([0]),
+                              lib=lib)
+
+
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("rows", [1, 3, 12])
-def test_output_layer_from_codes_matches_the_float64_reference(build, rows):
-    """The output layer's exact paths over a matrix held as codes and group scales (engine/token_rows.py):
-    the full product (logprobs) and the int8 candidates refined from the codes, every build."""
+def test_output_layer_refined_from_the_files_rows_matches_the_float64_reference(build, rows):
+    """The int8 output layer's candidates recomputed from the file's rows (engine/token_rows.py) have the
+    float64 reference's values, every build."""
     lib = _library(build)
     gen = torch.Generator().manual_seed(rows)
     v, k = 992, 96  # 62 tiles of 16 rows; three groups of 32 inputs
-    codes = torch.randint(-128, 128, (v, k), dtype=torch.int8, generator=gen)
-    scale = torch.rand(v, k // 16, generator=gen) * 0.002
-    mn = torch.randn(v, k // 32, generator=gen) * 0.01
-    w = (codes.double().view(v, k // 16, 16) * scale.double()[..., None]).view(v, k // 32, 32) + mn.double()[..., None]
-    w = w.view(v, k)
+    dense = (torch.randn(v, k, generator=gen) * 0.05).numpy()
+    data = np.ascontiguousarray(gguf.quants.quantize(dense, gguf.GGMLQuantizationType.Q8_0)).reshape(v, -1)
+    w = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q8_0).reshape(v, k)).double()
+    file_rows = cpu_kernels.GGUFRows(data.view(np.uint8), int(gguf.GGMLQuantizationType.Q8_0), (v, k))
     x = torch.randn(rows, k, generator=gen)
     ref = x.double() @ w.T
-    for threads in (1, 2):
-        got = cpu_kernels.group_rows_product(x, codes, scale, mn, threads, lib=lib)
-        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
     q = (w / (w.abs().amax(1, keepdim=True) / 127)).round().to(torch.int8)
     head = cpu_kernels.pack_int8(q, (w.abs().amax(1) / 127).float())
-    refined = cpu_kernels.int8_logits(x, head, 2, refine=16, exact_groups=(codes, scale, mn), lib=lib)
+    refined = cpu_kernels.int8_logits(x, head, 2, refine=16, exact_rows=file_rows, lib=lib)
     plain = cpu_kernels.int8_logits(x, head, 2, lib=lib)
     top = plain.topk(16, dim=-1).indices
     torch.testing.assert_close(refined.gather(1, top).double(), ref.gather(1, top), rtol=1e-5, atol=1e-5)
