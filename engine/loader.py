@@ -255,10 +255,9 @@ def _gguf_rows(t: Any) -> TokenRows | None:
     (engine/token_rows.py): any type the native kernels decode; None for another one."""
     v, k = (int(d) for d in reversed(t.shape))
     kind = int(t.tensor_type)
-    if kind not in ROW_TYPES or k % 32 or k % ROW_TYPES[kind]:
+    if kind not in ROW_TYPES or k % 32:
         return None
     data = np.asarray(t.data).reshape(v, -1).view(np.uint8)
-
     return TokenRows(cpu_kernels.GGUFRows(data, kind, (v, k)), t.tensor_type.name,
                      release=None if getattr(t, "file", None) is None else t.file.release)
 

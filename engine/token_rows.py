@@ -22,9 +22,9 @@ import kernels.cpu as cpu_kernels
 
 CHUNK_ROWS = 4096  # rows decoded at once for a full product: 9 MiB of fp32 at 576 columns
 NATIVE_MAX_ROWS = 8  # up to this many input rows, the native product (each weight row decoded once)
-# The GGML types kernels/cpu/gguf_rows.c decodes (type number -> values per block): F16, Q4_0, Q4_1, Q5_0,
-# Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16.
-ROW_TYPES = {1: 1, 2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 12: 256, 13: 256, 14: 256, 30: 1}
+# The GGML types kernels/cpu/gguf_rows.c decodes (type numbers): F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+# Q5_K, Q6_K, BF16. (Whole blocks per row: the GGUF reader checks that.)
+ROW_TYPES = frozenset({1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 
 
 class TokenRows:

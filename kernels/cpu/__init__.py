@@ -286,12 +286,12 @@ def gguf_rows(rows: GGUFRows, ids: torch.Tensor, threads: int = 1, lib: ctypes.C
     rows.check(lib)
     v, k = rows.shape
     ids = ids.to(torch.int64).contiguous()
-    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < v):
-        raise IndexError(f"row ids out of range for {v} rows")
     out = torch.empty(ids.numel(), k)
     rc = lib.sluice_gguf_rows(rows.pointer(), ctypes.c_int(rows.type), ctypes.c_int(k), ctypes.c_int(v),
                               ctypes.c_void_p(ids.data_ptr()), ctypes.c_int(ids.numel()),
                               ctypes.c_void_p(out.data_ptr()), ctypes.c_int(threads))
+    if rc == -3:  # (checked there, in the loop that reads them anyway)
+        raise IndexError(f"row ids out of range for {v} rows")
     _check(rc, "GGUF row decoding")
     return out
 

@@ -164,12 +164,12 @@ static void run_rows(void *arg, int tid) {
 }
 
 /* out [n, K] = rows ids [n] of the GGUF matrix `data` ([V] rows of `type`, K values each), decoded as
- * ggml dequantises them. Returns 0, or -2 for a type it does not decode or an id outside [0, V). */
+ * ggml dequantises them. Returns 0, -2 for a type it does not decode, -3 for an id outside [0, V). */
 int sluice_gguf_rows(const uint8_t *data, int type, int K, int V, const int64_t *ids, int n, float *out, int nthreads) {
     const size_t row_bytes = gguf_row_bytes(type, K);
     if (!row_bytes || K % GROUP || n < 0) return -2;
     for (int i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= V) return -2;
+        if (ids[i] < 0 || ids[i] >= V) return -3;
     if (n == 0) return 0;
     rows_ctx c = {{data, type, K, row_bytes}, ids, n, 1, out};
     if ((size_t)n * K < 65536 || nthreads <= 1) { /* a decode step's few rows: not worth waking threads */
