@@ -6,7 +6,7 @@ holds as one fp16 (a relative error of at most 2^-12 per group, far below the bf
 applies to every weight).
 
 Q4_0 and Q4_1 are read by `engine/loader.py` itself (`_q4_blocks`): torch's int4 matmul reads them too.
-F16 (and BF16 that fp16 holds exactly) stay 16-bit weights (`HalfWeights`, the kernel's fp16 tiles).
+F16 and BF16 stay 16-bit weights as they are (`HalfWeights`, the kernel's fp16 and bf16 tiles).
 The decoders follow gguf-py's dequantisers (gguf/quants.py), keeping the codes instead of multiplying them
 out; the tests compare both on files llama.cpp's `llama-quantize` wrote.
 """
@@ -38,23 +38,22 @@ class GroupBlocks:
 
 @dataclass(frozen=True)
 class HalfWeights:
-    """A 16-bit matrix (F16, or BF16 whose every value fp16 holds exactly) as fp16 [N, K]."""
+    """A 16-bit matrix as the file holds it: F16 as fp16 [N, K], BF16 as bf16 [N, K]."""
 
     weight: torch.Tensor
     type_name: str
 
 
 def half_weights(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> HalfWeights | None:
-    """An F16 matrix [N, K] as it is; a BF16 one as fp16 when that loses nothing (else None: the torch
-    path). `data`: its values or bytes as gguf-py maps them."""
+    """An F16 or BF16 matrix [N, K] as it is (None for another type). `data`: its values or bytes as
+    gguf-py maps them. A BF16 file's weights stay bf16: fp16 would flush the tiny ones (below 2^-14) and
+    overflow beyond 65504, so converting them would change the model."""
     raw = np.ascontiguousarray(data)
     if type_name == "F16":
         return HalfWeights(torch.from_numpy(raw.view(np.float16).reshape(shape).copy()), type_name)
     if type_name == "BF16":
-        bits = raw.view(np.uint16).reshape(shape).astype(np.int32) << 16
-        w32 = torch.from_numpy(bits).view(torch.float32)
-        w16 = w32.half()
-        return HalfWeights(w16, type_name) if torch.equal(w16.float(), w32) else None
+        bits = torch.from_numpy(raw.view(np.int16).reshape(shape).copy())
+        return HalfWeights(bits.view(torch.bfloat16), type_name)
     return None
 
 

@@ -119,7 +119,7 @@ class LoadedModel:
     # dequantized; the engine's int4 matmul reads these codes directly (engine/weights.py, Int4Weight).
     q4_blocks: MutableMapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # GGUF linear weights of the other block types the native CPU step reads (Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
-    # Q8_0) as codes and group scales, F16/BF16 ones as fp16 (engine/gguf_blocks.py); `weights` holds them
+    # Q8_0) as codes and group scales, F16/BF16 ones as fp16/bf16 (engine/gguf_blocks.py); `weights` holds them
     # dequantized too. Also the token embedding and output layer of any type the native kernels decode, as
     # the file's own rows (engine/token_rows.py), which the native step reads instead of an fp32 copy.
     group_blocks: MutableMapping[str, GroupBlocks | HalfWeights | TokenRows | None] = field(default_factory=dict)
@@ -241,13 +241,13 @@ def _gguf_group(t: Any, heads: int) -> GroupBlocks:
 
 
 def _gguf_half(t: Any, heads: int) -> HalfWeights | None:
-    """An F16/BF16 matrix as fp16 (RoPE rows unpermuted); None for a BF16 one fp16 cannot hold."""
+    """An F16/BF16 matrix as fp16/bf16 (RoPE rows unpermuted, moved as 16-bit patterns: numpy has no bf16)."""
     shape = tuple(int(d) for d in reversed(t.shape))
     h = half_weights(t.data, t.tensor_type.name, shape)  # type: ignore[arg-type]
     if h is None or not heads:
         return h
-    return dataclasses.replace(h, weight=torch.from_numpy(np.ascontiguousarray(
-        _unpermute_rope_rows(h.weight.numpy(), heads))))
+    rows = _unpermute_rope_rows(h.weight.view(torch.int16).numpy(), heads)
+    return dataclasses.replace(h, weight=torch.from_numpy(np.ascontiguousarray(rows)).view(h.weight.dtype))
 
 
 def _gguf_rows(t: Any) -> TokenRows | None:

@@ -102,8 +102,7 @@ def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
-# the GGUF types the native CPU step reads (Q4_0/Q4_1 in the loader, the others engine/gguf_blocks.py; BF16
-# where fp16 holds its values)
+# the GGUF types the native CPU step reads (Q4_0/Q4_1 in the loader, the others engine/gguf_blocks.py)
 NATIVE_TYPES = ("Q4_0", "Q4_1", *DECODERS, "F16", "BF16")
 
 

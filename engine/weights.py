@@ -188,14 +188,15 @@ def _as_groups(b: Q4Blocks | GroupBlocks) -> tuple[torch.Tensor, torch.Tensor, t
 def pack_native(parts: list[NativeBlocks | None]) -> cpu_kernels.LayerTiles | None:
     """A fused matrix's parts (rows stacked) in the native step's tiles: the file's Q4_0/Q4_1 blocks as
     they are; 4-bit ones with a K type among them (Q4_K: a scale that is a product, rounded to fp16) in
-    4-bit tiles too; with any other type, int8 group tiles for all; F16 (BF16) ones in fp16 tiles. None when
-    a part is missing, or 16-bit parts are mixed with quantised ones."""
+    4-bit tiles too; with any other type, int8 group tiles for all; F16 (BF16) ones in fp16 (bf16) tiles. None
+    when a part is missing, or 16-bit parts are mixed with quantised ones or with the other 16-bit type."""
     if any(p is None for p in parts):
         return None
     if any(isinstance(p, HalfWeights) for p in parts):  # 16-bit weights stay 16-bit: all of them or none
-        if not all(isinstance(p, HalfWeights) for p in parts):
+        halves = [p for p in parts if isinstance(p, HalfWeights)]
+        if len(halves) != len(parts) or len({p.weight.dtype for p in halves}) != 1:
             return None
-        return cpu_kernels.pack_f16(torch.cat([p.weight for p in parts]))  # type: ignore[union-attr]
+        return cpu_kernels.pack_f16(torch.cat([p.weight for p in halves]))
     if all(isinstance(p, tuple) for p in parts):
         return cpu_kernels.pack_q4_1(*(torch.cat([p[j] for p in parts]) for j in range(3)))  # type: ignore[index]
     if all(isinstance(p, tuple) or p.four_bit for p in parts):  # type: ignore[union-attr]

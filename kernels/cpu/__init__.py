@@ -26,7 +26,7 @@ TILE_N = 16  # output rows per block
 
 
 
-TILES_Q4, TILES_Q8G, TILES_F16 = 0, 1, 2  # sluice_forward.h's layer_tiles formats
+TILES_Q4, TILES_Q8G, TILES_F16, TILES_BF16 = 0, 1, 2, 3  # sluice_forward.h's layer_tiles formats
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class LayerTiles:
     per 32 codes). TILES_Q4: 256 bytes of 4-bit codes, then the 16 rows' fp16 scales d and mins m
     (w = code * d + m; GGML Q4_0, Q4_1, Q4_K; 0.625 bytes per weight, Q4_1's own). TILES_Q8G: 512 bytes
     of int8 codes, the rows' fp16 d for inputs 0-15 and for 16-31, then their fp16 m (Q5_0, Q5_1, Q5_K,
-    Q6_K, Q8_0; 1.19 bytes per weight). TILES_F16: the weights as fp16 in the codes' order (2 bytes)."""
+    Q6_K, Q8_0; 1.19 bytes per weight). TILES_F16 / TILES_BF16: the weights as fp16 / bf16 in the codes'
+    order (2 bytes)."""
 
     blocks: torch.Tensor  # [N / 16, K / 32, 320, 608 or 1024] uint8
     shape: tuple[int, int]
@@ -71,15 +72,16 @@ def pack_q4_1(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
 
 
 def pack_f16(weight: torch.Tensor) -> LayerTiles | None:
-    """The kernel's TILES_F16 layout of fp16 weights [N, K]; None when K is not a multiple of 32 or N not
-    one of 16."""
+    """The kernel's TILES_F16 (TILES_BF16) layout of fp16 (bf16) weights [N, K], kept as they are; None when
+    K is not a multiple of 32, N not one of 16, or the weights another dtype."""
     n, k = weight.shape
-    if k % GROUP or n % TILE_N or weight.dtype != torch.float16:
+    fmt = {torch.float16: TILES_F16, torch.bfloat16: TILES_BF16}.get(weight.dtype)
+    if k % GROUP or n % TILE_N or fmt is None:
         return None
     nb, g = n // TILE_N, k // GROUP
     # weight[16 nb + n, 32 g + 2 r + j] -> [block, group, tile row r, lane 2 n + j]
     w = weight.view(nb, TILE_N, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 512).contiguous()
-    return LayerTiles(w.view(torch.uint8), (n, k), TILES_F16)
+    return LayerTiles(w.view(torch.uint8), (n, k), fmt)
 
 
 def pack_q8g(codes: torch.Tensor, scale16: torch.Tensor, mn: torch.Tensor) -> LayerTiles | None:
@@ -167,8 +169,8 @@ class ForwardStep:
         return sum(lw.nbytes() for lw in self._layers)
 
     def tile_formats(self) -> dict[str, int]:
-        """How many of the layers' matrices each tile format holds ("4-bit", "int8 group", "fp16")."""
-        names = {TILES_Q4: "4-bit", TILES_Q8G: "int8 group", TILES_F16: "fp16"}
+        """How many of the layers' matrices each tile format holds ("4-bit", "int8 group", "fp16", "bf16")."""
+        names = {TILES_Q4: "4-bit", TILES_Q8G: "int8 group", TILES_F16: "fp16", TILES_BF16: "bf16"}
         out: dict[str, int] = {}
         for lw in self._layers:
             for m in (lw.qkv, lw.o, lw.gate_up, lw.down):

@@ -215,7 +215,7 @@ int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, cons
         pthread_mutex_unlock(&step_lock);
         return -1;
     }
-    head_ctx c = {B, K, V, nthreads, refine, amx, x, {blocks, Q8_BLOCK_BYTES, scale}, exact,
+    head_ctx c = {B, K, V, nthreads, refine, amx, x, {blocks, Q8_BLOCK_BYTES, scale, TILES_Q8G}, exact,
                   {exact_rows, exact_type, K, exact_row_bytes}, NULL, out,
                   {NULL, NULL, NULL, NULL}, NULL, per_thread, NULL};
     float *p = buf;

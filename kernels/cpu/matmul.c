@@ -259,11 +259,25 @@ static inline __attribute__((always_inline)) void q8g_column(const uint8_t *col,
         for (int n = 0; n < TILE_N; n++) y[(size_t)b * ldy + n] = out[b][n] * qx->dx[b];
 }
 
-/* One column of F16 blocks for nb <= ROWS_PER_PASS input rows: y[b, n0 + n] = sum_k x[b, k] W[n0 + n, k] in
- * fp32 from the fp32 inputs (xf, [nb, K]): 16-bit weights keep their 11 bits, which int16 dot products
- * would not. A tile row's 32 lanes are 16 output rows by 2 inputs: the pairs are added at the end. */
+/* 16 fp16 (bf16: `bf16` set) weights -> fp32; bf16 is fp32's high half, a widening and a shift. */
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 half16_ps(const uint8_t *p, int bf16) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static inline __attribute__((always_inline)) __m256 half8_ps(const uint8_t *p, int bf16) { /* 8 of them */
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+}
+#endif
+
+/* One column of F16 or BF16 blocks (`bf16`) for nb <= ROWS_PER_PASS input rows: y[b, n0 + n] = sum_k x[b, k]
+ * W[n0 + n, k] in fp32 from the fp32 inputs (xf, [nb, K]): 16-bit weights keep their 11 (8) bits, which
+ * int16 dot products would not. A tile row's 32 lanes are 16 output rows by 2 inputs: the pairs are added
+ * at the end. */
 static inline __attribute__((always_inline)) void f16_column(const uint8_t *col, int G, const float *xf, int K, int nb,
-                                                             float *y, int ldy) {
+                                                             float *y, int ldy, int bf16) {
     float out[ROWS_PER_PASS][TILE_N];
 #if defined(__AVX512F__)
     __m512 acc[ROWS_PER_PASS][2];
@@ -272,8 +286,8 @@ static inline __attribute__((always_inline)) void f16_column(const uint8_t *col,
         const uint8_t *blk = col + (size_t)g * F16_BLOCK_BYTES;
         prefetch_l2(blk + PREFETCH_AHEAD, F16_BLOCK_BYTES);
         for (int r = 0; r < 16; r++) {
-            const __m512 wa = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 64 * r))); /* rows 0-7 */
-            const __m512 wb = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 64 * r + 32))); /* 8-15 */
+            const __m512 wa = half16_ps(blk + 64 * r, bf16);      /* rows 0-7 */
+            const __m512 wb = half16_ps(blk + 64 * r + 32, bf16); /* rows 8-15 */
             for (int b = 0; b < nb; b++) {
                 double pair;
                 memcpy(&pair, xf + (size_t)b * K + g * GROUP + 2 * r, 8);
@@ -296,7 +310,7 @@ static inline __attribute__((always_inline)) void f16_column(const uint8_t *col,
         prefetch_l2(blk + PREFETCH_AHEAD, F16_BLOCK_BYTES);
         for (int r = 0; r < 16; r++) {
             __m256 w[4];
-            for (int q = 0; q < 4; q++) w[q] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 64 * r + 16 * q)));
+            for (int q = 0; q < 4; q++) w[q] = half8_ps(blk + 64 * r + 16 * q, bf16);
             for (int b = 0; b < nb; b++) {
                 double pair;
                 memcpy(&pair, xf + (size_t)b * K + g * GROUP + 2 * r, 8);
@@ -318,7 +332,8 @@ static inline __attribute__((always_inline)) void f16_column(const uint8_t *col,
         for (int b = 0; b < nb; b++) {
             const float *xp = xf + (size_t)b * K + g * GROUP;
             for (int r = 0; r < 16; r++)
-                for (int i = 0; i < 32; i++) out[b][i / 2] += fp16_to_f32(blk[32 * r + i]) * xp[2 * r + i % 2];
+                for (int i = 0; i < 32; i++)
+                    out[b][i / 2] += (bf16 ? bf16_to_f32(blk[32 * r + i]) : fp16_to_f32(blk[32 * r + i])) * xp[2 * r + i % 2];
         }
     }
 #endif
@@ -327,7 +342,7 @@ static inline __attribute__((always_inline)) void f16_column(const uint8_t *col,
 }
 
 static inline int tile_bytes(int format) {
-    return format == TILES_Q8G ? Q8G_BLOCK_BYTES : format == TILES_F16 ? F16_BLOCK_BYTES : BLOCK_BYTES;
+    return format == TILES_Q8G ? Q8G_BLOCK_BYTES : format == TILES_F16 || format == TILES_BF16 ? F16_BLOCK_BYTES : BLOCK_BYTES;
 }
 
 /* A column of any format for a constant nb (the compiler keeps each row's accumulator in a register). */
@@ -336,7 +351,9 @@ static inline int tile_bytes(int format) {
         if ((fmt) == TILES_Q8G)                                     \
             q8g_column(col, G, part, K, nb, yb, N);                 \
         else if ((fmt) == TILES_F16)                                \
-            f16_column(col, G, xb, K, nb, yb, N);                   \
+            f16_column(col, G, xb, K, nb, yb, N, 0);                \
+        else if ((fmt) == TILES_BF16)                               \
+            f16_column(col, G, xb, K, nb, yb, N, 1);                \
         else                                                        \
             q4_column(col, G, part, K, nb, yb, N);                  \
     } while (0)
@@ -438,6 +455,8 @@ static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *t
         widen_q8_block(blk, w->row_scale + (size_t)c * TILE_N, tile);
     else if (w->block_bytes == Q8G_BLOCK_BYTES)
         widen_q8g_block(blk, tile);
+    else if (w->format == TILES_BF16)
+        memcpy(tile, blk, F16_BLOCK_BYTES); /* already a bf16 B tile */
     else if (w->block_bytes == F16_BLOCK_BYTES)
         widen_f16_block(blk, tile);
     else

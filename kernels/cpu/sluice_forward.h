@@ -4,31 +4,33 @@
 
 #include <stdint.h>
 
-/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of two formats:
+/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of four formats:
  * TILES_Q4: 4-bit codes with fp16 d and m per row and group (GGML Q4_0, Q4_1, Q4_K values), BLOCK_BYTES;
  * TILES_Q8G: int8 codes with fp16 d per row and half group (16 inputs) and fp16 m per row and group
  * (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 values), Q8G_BLOCK_BYTES;
- * TILES_F16: the weights themselves as fp16 (F16 files, and BF16 ones whose values fp16 holds),
- * F16_BLOCK_BYTES. */
-enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2 };
+ * TILES_F16: the weights themselves as fp16 (F16 files), F16_BLOCK_BYTES;
+ * TILES_BF16: the weights themselves as bf16 (BF16 files), F16_BLOCK_BYTES: a block is an AMX bf16 B
+ * tile as it stands. */
+enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3 };
 
 typedef struct {
     const uint8_t *blocks;
     int format;
 } layer_tiles;
 
-/* Any matrix in blocks of 16 output rows by 32 inputs, in tile order: a layer's (layer_tiles; block_bytes
- * tells the format), or the output layer's int8 ones (row_scale set: w = q * row_scale[n], 512 bytes per
- * block). */
+/* Any matrix in blocks of 16 output rows by 32 inputs, in tile order: a layer's (layer_tiles; `format`
+ * one of TILES_*, block_bytes its size), or the output layer's int8 ones (row_scale set: w = q *
+ * row_scale[n], 512 bytes per block, format unused). */
 typedef struct {
     const uint8_t *blocks;
     int block_bytes;
     const float *row_scale; /* [N] for int8 blocks, else NULL */
+    int format;
 } tile_weights;
 
 #define Q8_BLOCK_BYTES 512
 #define Q8G_BLOCK_BYTES 608 /* 512 bytes of int8 codes as Q8_BLOCK_BYTES, d[2][16], m[16] (fp16) */
-#define F16_BLOCK_BYTES 1024 /* tile row r (inputs 2r, 2r + 1): lane 2n + j = W[n, 2r + j], fp16 */
+#define F16_BLOCK_BYTES 1024 /* tile row r (inputs 2r, 2r + 1): lane 2n + j = W[n, 2r + j], fp16 or bf16 */
 
 typedef struct {
     const float *attn_norm, *mlp_norm; /* [hidden] */

@@ -43,11 +43,11 @@ typedef struct {
 
 static void prepare_x(step_ctx *c, const float *x, int K, int b0, int b1) { quantize_x(x, K, &c->qx, b0, b1, c->amx); }
 
-/* y = x W^T for the step's rows; x (fp32, [B, K]) was prepared by prepare_x (the F16 tiles read it as is). */
+/* y = x W^T for the step's rows; x (fp32, [B, K]) was prepared by prepare_x (the 16-bit tiles read it as is). */
 static void step_matmul(step_ctx *c, const layer_tiles *w, const float *x, int N, int K, float *y, int tid) {
 #if HAVE_AMX
     if (c->amx) {
-        const tile_weights tw = {w->blocks, tile_bytes(w->format), NULL};
+        const tile_weights tw = {w->blocks, tile_bytes(w->format), NULL, w->format};
         matmul_amx(&tw, N, K, &c->qx, c->B, y, c->tile_scratch + (size_t)tid * c->tile_scratch_per_thread, tid,
                    c->nthreads);
         return;

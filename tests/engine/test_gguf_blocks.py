@@ -62,7 +62,7 @@ def test_other_types_and_partial_blocks_are_not_decoded():
     assert group_blocks(np.zeros((2, 144), np.uint8), "Q4_K", (2, 128)) is None  # K not a whole super-block
 
 
-def test_f16_stays_16_bit_and_bf16_only_where_fp16_holds_it():
+def test_f16_and_bf16_stay_the_16_bit_weights_the_file_holds():
     rng = np.random.default_rng(5)
     w = rng.standard_normal((16, 64)).astype(np.float16)
     h = half_weights(w, "F16", (16, 64))
@@ -70,9 +70,10 @@ def test_f16_stays_16_bit_and_bf16_only_where_fp16_holds_it():
     bf = (torch.randn(16, 64, generator=torch.Generator().manual_seed(5)) * 0.1).to(torch.bfloat16)
     raw = bf.view(torch.int16).numpy().view(np.uint8)  # how the file's reader maps BF16: bytes per row
     h = half_weights(raw, "BF16", (16, 64))
-    assert h is not None and torch.equal(h.weight.float(), bf.float())
-    tiny = torch.full((16, 64), 1e-9).to(torch.bfloat16)  # below fp16's range: it would not hold the same weights
-    assert half_weights(tiny.view(torch.int16).numpy().view(np.uint8), "BF16", (16, 64)) is None
+    assert h is not None and h.weight.dtype == torch.bfloat16 and torch.equal(h.weight, bf)
+    tiny = torch.full((16, 64), 1e-9).to(torch.bfloat16)  # below fp16's range: kept as bf16, not flushed
+    h = half_weights(tiny.view(torch.int16).numpy().view(np.uint8), "BF16", (16, 64))
+    assert h is not None and torch.equal(h.weight, tiny)
     assert half_weights(w, "Q8_0", (16, 64)) is None
 
 

@@ -16,8 +16,9 @@ from engine.loader import default_model_path
 pytestmark = pytest.mark.model
 
 
-def requantised(src, dst, names: dict[str, str]) -> None:
-    """A copy of the GGUF `src` with the tensors in `names` requantised (name -> gguf-py type name)."""
+def requantised(src, dst, names: dict[str, str], scale: dict[str, float] | None = None) -> None:
+    """A copy of the GGUF `src` with the tensors in `names` requantised (name -> gguf-py type name), those
+    in `scale` multiplied by its factor first."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
@@ -33,6 +34,7 @@ def requantised(src, dst, names: dict[str, str]) -> None:
         if t.name in names:
             qtype = gguf.GGMLQuantizationType[names[t.name]]
             dense = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+            dense *= (scale or {}).get(t.name, 1.0)
             writer.add_tensor(t.name, gguf.quants.quantize(dense, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
@@ -67,12 +69,18 @@ def _greedy(engine: LLMEngine, prompt: str, n: int = 32) -> list[int]:
 Q8Q5 = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q5_0",
         "ffn_up": "Q5_0", "ffn_down": "Q5_1"}
 F16 = dict.fromkeys(Q8Q5, "F16")
+BF16 = dict.fromkeys(Q8Q5, "BF16")
+# the BF16 file's attn_v rows times 2^-12 and attn_output's times 2^12: the same model (powers of two, within
+# bf16's range), but values V's below fp16's normal range, which fp16 tiles would round (the old BF16 rule
+# sent such a file to the torch path); bf16 tiles keep them as they are
+BF16_SCALE = {"attn_v": 2.0 ** -12, "attn_output": 2.0 ** 12}
 
 
-@pytest.mark.parametrize("kinds,tiles", [(Q8Q5, "int8 group"), (F16, "fp16")], ids=["q8_0-q5_0-q5_1", "f16"])
+@pytest.mark.parametrize("kinds,tiles", [(Q8Q5, "int8 group"), (F16, "fp16"), (BF16, "bf16")],
+                         ids=["q8_0-q5_0-q5_1", "f16", "bf16"])
 def test_a_file_of_other_types_runs_natively_with_the_float_references_greedy_tokens(tmp_path, caplog, kinds, tiles):
-    """SmolLM2 requantised by gguf-py (the types it writes), one type per kind of matrix, or all F16: the
-    native step reads every layer (int8 group or fp16 tiles, no torch copy) and its greedy tokens equal
+    """SmolLM2 requantised by gguf-py (the types it writes), one type per kind of matrix, or all F16 or BF16:
+    the native step reads every layer (int8 group, fp16 or bf16 tiles, no torch copy) and its greedy tokens equal
     those of the torch path over the same file's weights dequantised to float32, for 32 tokens."""
     import gguf
 
@@ -80,7 +88,9 @@ def test_a_file_of_other_types_runs_natively_with_the_float_references_greedy_to
     names = {t.name: kinds[t.name.split(".")[2]] for t in gguf.GGUFReader(str(src)).tensors
              if t.name.startswith("blk.") and t.name.split(".")[2] in kinds}
     path = tmp_path / f"SmolLM2-135M-Instruct-{tiles.replace(' ', '-')}.gguf"
-    requantised(src, path, names)
+    scale = {n: BF16_SCALE[n.split(".")[2]] for n in names if n.split(".")[2] in BF16_SCALE} \
+        if tiles == "bf16" else None
+    requantised(src, path, names, scale)
     with caplog.at_level(logging.INFO, logger="engine"):
         native = LLMEngine(EngineConfig(model=str(path), kv_cache_tokens=2048, max_running_requests=2))
     if not native.runner.kernels.native:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kernels.cpu as cpu_kernels
-from kernels.cpu import TILES_F16, TILES_Q8G, ForwardStep, LayerBlocks, pack_f16, pack_q4_1, pack_q8g
+from kernels.cpu import TILES_BF16, TILES_F16, TILES_Q8G, ForwardStep, LayerBlocks, pack_f16, pack_q4_1, pack_q8g
 from kernels.cpu import build as cpu_build
 from kernels.cpu.cpuinfo import cpu_info
 
@@ -62,27 +62,38 @@ def _f16(n: int, k: int, gen: torch.Generator):
     return (w,), w.double()
 
 
+def _bf16w(n: int, k: int, gen: torch.Generator):
+    """bf16 weights (a BF16 file's, tiny ones among them that fp16 could not hold); and their float64 value."""
+    w = (torch.randn(n, k, generator=gen) * 0.05)
+    w[::3, ::5] *= 1e-4  # down to ~1e-7: fp16 subnormals would round these
+    w = w.to(torch.bfloat16)
+    return (w,), w.double()
+
+
 def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).double()
 
 
 class TinyModel:
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int,
-                 bias: bool, seed: int = 0, q8g: tuple[str, ...] = (), f16: tuple[str, ...] = ()):
-        """`q8g`, `f16`: the matrices (qkv, o, gate_up, down) held as Q8G or F16 tiles, the others as Q4."""
+                 bias: bool, seed: int = 0, q8g: tuple[str, ...] = (), f16: tuple[str, ...] = (),
+                 bf16: tuple[str, ...] = ()):
+        """`q8g`, `f16`, `bf16`: the matrices (qkv, o, gate_up, down) held as Q8G, F16 or BF16 tiles, the
+        others as Q4."""
         gen = torch.Generator().manual_seed(seed)
         self.dims = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, eps=1e-5)
         qkv_n = (heads + 2 * kv_heads) * head_dim
         self.layers = []
         self.blocks = []
         for _ in range(layers):
-            mats = {name: (_q8g if name in q8g else _f16 if name in f16 else _q4)(n, k, gen) for name, (n, k) in {
+            mats = {name: (_q8g if name in q8g else _f16 if name in f16 else _bf16w if name in bf16 else _q4)(n, k, gen)
+                    for name, (n, k) in {
                 "qkv": (qkv_n, hidden), "o": (hidden, heads * head_dim), "gate_up": (2 * inter, hidden),
                 "down": (hidden, inter)}.items()}
             norms = (1 + 0.1 * torch.randn(hidden, generator=gen), 1 + 0.1 * torch.randn(hidden, generator=gen))
             b = 0.05 * torch.randn(qkv_n, generator=gen) if bias else None
             self.layers.append(({k: v[1] for k, v in mats.items()}, norms, b))
-            packed = {k: (pack_q8g if k in q8g else pack_f16 if k in f16 else pack_q4_1)(*v[0])
+            packed = {k: (pack_q8g if k in q8g else pack_f16 if k in f16 + bf16 else pack_q4_1)(*v[0])
                       for k, v in mats.items()}
             self.blocks.append(LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], qkv_bias=b, **packed))  # type: ignore[arg-type]
         pos = torch.arange(512, dtype=torch.float64)
@@ -248,6 +259,18 @@ def test_fp16_tiles_beside_the_others_match_the_float64_reference(build, rows):
     assert_step_matches_reference(model, lib, rows, seed=200 + rows)
 
 
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_bf16_tiles_beside_the_others_match_the_float64_reference(build, rows):
+    """BF16 tiles (a BF16 file's weights as they are, tiny ones included) beside F16, Q4 and Q8G ones, every
+    build, and AMX (where a BF16 block is the B tile itself)."""
+    lib = _library(build)
+    model = TinyModel(**CONFIGS["odd-groups"], q8g=("o",), f16=("down",), bf16=("qkv", "gate_up"))
+    formats = [getattr(model.blocks[0], m).format for m in ("qkv", "o", "gate_up", "down")]
+    assert formats == [TILES_BF16, TILES_Q8G, TILES_BF16, TILES_F16]
+    assert_step_matches_reference(model, lib, rows, seed=300 + rows)
+
+
 def test_pack_f16_puts_each_weight_where_the_kernel_reads_it():
     w = torch.randn(32, 64).half()
     t = pack_f16(w)
@@ -255,6 +278,11 @@ def test_pack_f16_puts_each_weight_where_the_kernel_reads_it():
     tile = t.blocks[1, 0].view(torch.float16).view(16, 32)  # rows 16-31, inputs 0-31: [tile row r, 2 n + j]
     assert tile[7, 2 * 4 + 1] == w[16 + 4, 2 * 7 + 1] and tile[0, 0] == w[16, 0]
     assert pack_f16(w[:24]) is None and pack_f16(w.float()) is None
+    b = torch.randn(32, 64).to(torch.bfloat16)
+    t = pack_f16(b)
+    assert t is not None and t.format == TILES_BF16
+    tile = t.blocks[1, 0].view(torch.bfloat16).view(16, 32)
+    assert tile[7, 2 * 4 + 1] == b[16 + 4, 2 * 7 + 1] and tile[0, 0] == b[16, 0]
 
 
 def test_pack_q8g_puts_each_weight_where_the_kernel_reads_it():
