@@ -14,6 +14,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -55,9 +56,20 @@ def _key(cc: str, flags: tuple[str, ...]) -> str:
     return h.hexdigest()[:16]
 
 
+def target_flags() -> tuple[str, ...]:
+    """`-march=native`, or `-march=$SLUICE_NATIVE_MARCH` (e.g. `x86-64-v3`: the AVX2 code path on a CPU that
+    has AVX-512, to serve a fleet's common ISA or to time the AVX2 path where no AVX2-only CPU is at hand)."""
+    march = os.environ.get("SLUICE_NATIVE_MARCH", "").strip()
+    if not march:
+        return NATIVE
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", march):  # one compiler word, never an option of its own
+        raise ValueError(f"SLUICE_NATIVE_MARCH={march!r} is not a -march value (e.g. native, x86-64-v3)")
+    return (f"-march={march}",)
+
+
 def load() -> ctypes.CDLL | None:
     """The library for this machine (built now if not cached), or None where it cannot be built."""
-    return compile_library(NATIVE)
+    return compile_library(target_flags())
 
 
 @functools.cache

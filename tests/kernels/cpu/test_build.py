@@ -51,3 +51,17 @@ def test_every_part_keys_the_cache(monkeypatch, tmp_path):
         p.write_text(p.read_text() + "\n/* changed */\n")
         keys.add(cpu_build._key(cc, ("-O3",)))
     assert len(keys) == 4  # each part's change is a new build
+
+
+def test_sluice_native_march_chooses_the_build_served(monkeypatch):
+    monkeypatch.setenv("SLUICE_NATIVE_MARCH", "x86-64-v3")
+    assert cpu_build.target_flags() == ("-march=x86-64-v3",)
+    lib = cpu_build.load()
+    assert lib is not None and lib.sluice_forward_isa().decode() == "avx2"  # AVX2, whatever this CPU has beyond
+    monkeypatch.setenv("SLUICE_NATIVE_MARCH", "x86-64")
+    assert cpu_build.load().sluice_forward_isa().decode() == "scalar"
+    monkeypatch.setenv("SLUICE_NATIVE_MARCH", "x86-64 -O0")
+    with pytest.raises(ValueError, match="SLUICE_NATIVE_MARCH"):
+        cpu_build.target_flags()
+    monkeypatch.delenv("SLUICE_NATIVE_MARCH")
+    assert cpu_build.target_flags() == ("-march=native",)
