@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from dataclasses import dataclass
 
@@ -57,8 +58,9 @@ async def run_load(base_url: str, model: str, prompts: list[tuple[str, int]], co
                         usage_seen = True
                 if not usage_seen:  # servers that ignore include_usage: one content chunk per token
                     tokens[0] += chunks
-            except Exception:
+            except Exception as e:  # counted, and said: a failed request's tokens are not in the rate
                 errors[0] += 1
+                print(f"  request failed: {e!r}"[:300], file=sys.stderr, flush=True)
                 return
             end = time.perf_counter()
             ttfts.append((first or end) - t0)

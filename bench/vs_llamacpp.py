@@ -3,8 +3,8 @@
 Streamed greedy chat (temperature 0, `max_tokens` 96 by default) through the OpenAI SDK at concurrency
 1, 4, 16 and 64. Both servers run at once but are loaded in turn, in alternating rounds (A B, then B A,
 ...), so slow drift of a shared machine hits both; each round sends new prompts (the same ones to
-both servers). llama-server gets `-t 2 -np <concurrency> --no-repack` (its repacked AMX path crashes at
-load on AMX CPUs) and `-c` = slots x context per slot; it is restarted per concurrency. It runs with
+both servers). llama-server gets `-t 2 -np <concurrency>`, and `--no-repack` on AMX CPUs only (its repacked AMX path
+crashes at load there; elsewhere it keeps its repacked weights, as its users get it), and `-c` = slots x context per slot; it is restarted per concurrency. It runs with
 llama.cpp's own OpenMP default (threads spin between graph nodes; Sluice's `OMP_WAIT_POLICY` and
 `GOMP_SPINCOUNT` are removed from its environment), which is what its users get; `--llama-omp default,PASSIVE` adds a
 row for it with sleeping threads as well. Sluice runs
@@ -33,6 +33,7 @@ from bench.common import mixed_workload, pct
 from bench.load import LoadResult, run_load
 from bench.server import ROOT, free_port, managed_server, sluice_server_process
 from engine.loader import default_model_path
+from kernels.cpu import build as cpu_build
 
 MODEL = "SmolLM2-135M-Instruct"
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
@@ -44,6 +45,13 @@ def machine() -> str:
     flags = set(info.get("Flags", "").split())
     return (f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPUs; flags: "
             + " ".join(f for f in FLAGS if f in flags))
+
+
+def has_amx() -> bool:
+    """llama.cpp's repacked AMX path crashes at load on AMX CPUs: there (only) llama-server gets --no-repack;
+    elsewhere it runs as its users get it, with its repacked (interleaved) weights."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return "amx_tile" in out.split()
 
 
 def peak_rss_mb(pid: int) -> tuple[float, float]:
@@ -64,7 +72,8 @@ def llama_server(binary: Path, slots: int, ctx_per_slot: int, threads: int = 2,
     what a user who starts llama-server gets."""
     port = free_port()
     cmd = [str(binary), "-m", str(model or default_model_path()), "--alias", MODEL, "-t", str(threads), "-np", str(slots),
-           "-c", str(slots * ctx_per_slot), "--no-repack", "--host", "127.0.0.1", "--port", str(port)]
+           "-c", str(slots * ctx_per_slot), *(["--no-repack"] if has_amx() else []), "--host", "127.0.0.1",
+           "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if omp_wait_policy:
         env["OMP_WAIT_POLICY"] = omp_wait_policy
@@ -162,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                     rss[("llama-cpp-py", c)] = peak_rss_mb(py_pid)
 
     print(f"\nmachine: {machine()}; model {model or default_model_path()}")
+    print(f"Sluice's native step built with {' '.join(cpu_build.target_flags())} (SLUICE_NATIVE_MARCH)")
     print(f"streamed greedy chat, max_tokens {a.max_tokens}, {a.rounds} alternating rounds per level\n")
     print("| c | server | out tok/s | TTFT p50 ms | TTFT p99 ms | peak RSS MiB | Sluice / it: tok/s | TTFT p50 |")
     print("|---|---|---|---|---|---|---|---|")
