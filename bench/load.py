@@ -40,31 +40,41 @@ async def run_load(base_url: str, model: str, prompts: list[tuple[str, int]], co
 
     async def one(prompt: str, max_tokens: int) -> None:
         async with sem:
-            t0 = time.perf_counter()
-            first = None
-            chunks = 0
-            usage_seen = False
-            try:
-                stream = await client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                    temperature=0, stream=True, stream_options={"include_usage": True})
-                async for chunk in stream:
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        chunks += 1
-                        if first is None:
-                            first = time.perf_counter()
-                    if chunk.usage is not None:
-                        tokens[0] += chunk.usage.completion_tokens
-                        usage_seen = True
-                if not usage_seen:  # servers that ignore include_usage: one content chunk per token
-                    tokens[0] += chunks
-            except Exception as e:  # counted, and said: a failed request's tokens are not in the rate
-                errors[0] += 1
-                print(f"  request failed: {e!r}"[:300], file=sys.stderr, flush=True)
+            for attempt in (1, 2):
+                t0 = time.perf_counter()
+                first = None
+                chunks = 0
+                usage_seen = False
+                try:
+                    stream = await client.chat.completions.create(
+                        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                        temperature=0, stream=True, stream_options={"include_usage": True})
+                    async for chunk in stream:
+                        if chunk.choices and chunk.choices[0].delta.content:
+                            chunks += 1
+                            if first is None:
+                                first = time.perf_counter()
+                        if chunk.usage is not None:
+                            tokens[0] += chunk.usage.completion_tokens
+                            usage_seen = True
+                    if not usage_seen:  # servers that ignore include_usage: one content chunk per token
+                        tokens[0] += chunks
+                except openai.APIConnectionError as e:
+                    # A pooled keep-alive connection the server had closed (llama-server's idle timeout):
+                    # nothing was generated, so it is sent again once, timed from the new start.
+                    if attempt == 1 and first is None:
+                        continue
+                    errors[0] += 1
+                    print(f"  request failed: {e!r}"[:300], file=sys.stderr, flush=True)
+                    return
+                except Exception as e:  # counted, and said: a failed request's tokens are not in the rate
+                    errors[0] += 1
+                    print(f"  request failed: {e!r}"[:300], file=sys.stderr, flush=True)
+                    return
+                end = time.perf_counter()
+                ttfts.append((first or end) - t0)
+                lats.append(end - t0)
                 return
-            end = time.perf_counter()
-            ttfts.append((first or end) - t0)
-            lats.append(end - t0)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(p, n) for p, n in prompts))
