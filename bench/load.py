@@ -59,16 +59,12 @@ async def run_load(base_url: str, model: str, prompts: list[tuple[str, int]], co
                             usage_seen = True
                     if not usage_seen:  # servers that ignore include_usage: one content chunk per token
                         tokens[0] += chunks
-                except openai.APIConnectionError as e:
-                    # A pooled keep-alive connection the server had closed (llama-server's idle timeout):
-                    # nothing was generated, so it is sent again once, timed from the new start.
-                    if attempt == 1 and first is None:
+                except Exception as e:
+                    if isinstance(e, openai.APIConnectionError) and attempt == 1 and first is None:
+                        # A pooled keep-alive connection the server had closed (llama-server's idle timeout):
+                        # nothing was generated, so it is sent again once, timed from the new start.
                         continue
-                    errors[0] += 1
-                    print(f"  request failed: {e!r}"[:300], file=sys.stderr, flush=True)
-                    return
-                except Exception as e:  # counted, and said: a failed request's tokens are not in the rate
-                    errors[0] += 1
+                    errors[0] += 1  # counted, and said: a failed request's tokens are not in the rate
                     print(f"  request failed: {e!r}"[:300], file=sys.stderr, flush=True)
                     return
                 end = time.perf_counter()

@@ -3,14 +3,15 @@
 Streamed greedy chat (temperature 0, `max_tokens` 96 by default) through the OpenAI SDK at concurrency
 1, 4, 16 and 64. Both servers run at once but are loaded in turn, in alternating rounds (A B, then B A,
 ...), so slow drift of a shared machine hits both; each round sends new prompts (the same ones to
-both servers). llama-server gets `-t 2 -np <concurrency>`, and `--no-repack` on AMX CPUs only (its repacked AMX path
-crashes at load there; elsewhere it keeps its repacked weights, as its users get it), and `-c` = slots x context per slot; it is restarted per concurrency. It runs with
-llama.cpp's own OpenMP default (threads spin between graph nodes; Sluice's `OMP_WAIT_POLICY` and
-`GOMP_SPINCOUNT` are removed from its environment), which is what its users get; `--llama-omp default,PASSIVE` adds a
-row for it with sleeping threads as well. Sluice runs
-`sluice serve` at its default configuration but for the models it serves (the chat model alone, as
-llama-server: no embedding model beside it), started once. Printed: output tok/s, TTFT p50/p99, the
-ratios, and each server process's peak RSS (VmHWM from /proc).
+both servers). llama-server gets `-t 2 -np <concurrency>`, `--no-repack` on AMX CPUs only (its
+repacked AMX path crashes at load there; elsewhere it keeps its repacked weights, as its users get it),
+and `-c` = slots x context per slot; it is restarted per concurrency. It runs with llama.cpp's own
+OpenMP default (threads spin between graph nodes; Sluice's `OMP_WAIT_POLICY` and `GOMP_SPINCOUNT` are
+removed from its environment), which is what its users get; `--llama-omp default,PASSIVE` adds a row
+for it with sleeping threads as well. Sluice runs `sluice serve` at its default configuration but for
+the models it serves (the chat model alone, as llama-server: no embedding model beside it), started
+once. Printed: output tok/s, TTFT p50/p99, the ratios, and each server process's peak RSS (VmHWM from
+/proc).
 
 llama-cpp-python's Python server is a further row only if `bench/.venv-llamacpp` exists
 (`bash bench/setup_llamacpp.sh`, about 25 minutes of CPU to build).
