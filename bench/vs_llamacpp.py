@@ -35,6 +35,7 @@ from bench.load import LoadResult, run_load
 from bench.server import ROOT, free_port, managed_server, sluice_server_process
 from engine.loader import default_model_path
 from kernels.cpu import build as cpu_build
+from kernels.cpu.cpuinfo import cpu_info
 
 MODEL = "SmolLM2-135M-Instruct"
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
@@ -51,8 +52,7 @@ def machine() -> str:
 def has_amx() -> bool:
     """llama.cpp's repacked AMX path crashes at load on AMX CPUs: there (only) llama-server gets --no-repack;
     elsewhere it runs as its users get it, with its repacked (interleaved) weights."""
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return "amx_tile" in out.split()
+    return "amx_tile" in cpu_info().flags
 
 
 def peak_rss_mb(pid: int) -> tuple[float, float]:
