@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights {runner.describe_weights()}; "
           f"KV cache {str(runner.kv_dtype).removeprefix('torch.')}")
     if m.native is not None:
-        amx = f"AMX matmuls from {m.kernels.amx_min_rows} rows" if m.kernels.amx_min_rows else "no AMX matmuls"
+        amx = (f"{m.native.wide} matmuls from {m.kernels.wide_min_rows} rows" if m.kernels.wide_min_rows else
+               "no wide matmuls")
         print(f"native CPU forward step ({m.native.isa}, {m.kernels.threads} threads) for every step; {amx}; "
               f"its layer weights {m.native.nbytes() / 2**20:.0f} MiB")
     if m.layer_plan is not None and m.head_plan is not None:

@@ -9,8 +9,9 @@ llama-server). Counted per run: streams that completed (no error event, the conn
 to the reference, and answers that repeat text (the reference's text followed by more of it). An engine
 whose greedy answers change with the batch (llama-server's do: its float sums depend on the batch) shows
 that in the control run too; the kill run is read against the control. Sluice replicas run the int16
-native step at every batch size (`amx_min_rows = 0`): its answers do not depend on the batch, where AMX
-tiles for large steps round differently from the one-request reference (one answer of 32 differed).
+native step at every batch size (`wide_min_rows = 0`): its answers do not depend on the batch, where the
+wide matmul of large steps (AMX tiles, or int8 activations) rounds differently from the one-request
+reference (with AMX, one answer of 32 differed).
 
     python -m bench.pool_kill [--kind sluice|llama-server] [--streams 32] [--max-tokens 48]
 """

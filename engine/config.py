@@ -34,9 +34,10 @@ class EngineConfig:
     # call over the file's blocks repacked in tile order (kernels/cpu/forward.c, built at first use with
     # the machine's C compiler); the layers then hold no dense copy. false: the torch path (int4 + bf16).
     native_cpu_step: bool = True
-    # Native step, CPUs with AMX: steps of at least this many tokens multiply on AMX tiles (bf16), smaller
-    # ones in int16 dot products. None: measured at start; 0: never.
-    amx_min_rows: int | None = None
+    # Native step: steps of at least this many tokens take the wide matmul (on CPUs with AMX, bf16 tiles;
+    # else, with AVX-512 VNNI, int8 activations in groups of 32), smaller ones int16 dot products.
+    # None: measured at start; 0: never (then every step computes each row alike, whatever the batch).
+    wide_min_rows: int | None = None
     # KV cache; auto: bfloat16 on a CPU when the weights are bf16/int4 (half the memory and bytes read),
     # else the activation dtype. Pages of the pool are only resident once written.
     kv_cache_dtype: str = "auto"
@@ -102,7 +103,7 @@ class EngineConfig:
         if self.weight_dtype not in ("auto", "float32", "bfloat16", "float16", "int4"):
             raise EngineConfigError(
                 f"weight_dtype must be auto, float32, bfloat16, float16 or int4, got {self.weight_dtype!r}")
-        for name in ("int4_max_batch", "amx_min_rows"):
+        for name in ("int4_max_batch", "wide_min_rows"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise EngineConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.guide_compile_timeout_s <= 0:

@@ -44,12 +44,12 @@ class CpuKernels:
     `native`: kernels/cpu runs the forward step (where the model's weights allow it), its int8 output
     layer and sampling; only where `SLUICE_KERNELS` allows native code and it built here
     (kernels.dispatch.native_cpu_allowed). `threads`: what every native call uses, and the most a torch
-    step's plan takes. `amx_min_rows`: native steps of at least this many rows multiply on AMX tiles
-    (0: never); configured or timed by the runner at start, before the first step."""
+    step's plan takes. `wide_min_rows`: native steps of at least this many rows take the wide matmul (AMX
+    tiles, or int8 dot products; 0: never); configured or timed by the runner at start, before the first step."""
 
     native: bool = False
     threads: int = 1
-    amx_min_rows: int = 0
+    wide_min_rows: int = 0
     # The CPU multiplies bf16 in hardware (AVX512-BF16, AMX); without it oneDNN emulates a bf16 matmul
     # ~5x slower than float32, so the deterministic path multiplies bf16 weights in float32 instead.
     bf16_units: bool = False
@@ -185,19 +185,20 @@ def measure_plan(run: Callable[[int, bool], Callable[[], object]], max_threads: 
     return Plan(tuple(kept_rows), tuple(kept), above), times
 
 
-def amx_min_rows(time_step: Callable[[int, bool], float], rows: Sequence[int] = ROW_CANDIDATES) -> tuple[
+def wide_min_rows(time_step: Callable[[int, bool], float], rows: Sequence[int] = ROW_CANDIDATES) -> tuple[
         int, dict[int, tuple[float, float]]]:
-    """The smallest step (rows) from which the native step's AMX matmul beats its int16 one at every larger
-    size measured: `time_step(rows, amx)` times one step either way. Stops once AMX has won twice in a
-    row. Returns that row count (0: AMX never won) and the times {rows: (amx, int16)} for the log."""
+    """The smallest step (rows) from which the native step's wide matmul (AMX tiles, or int8 dot products)
+    beats its int16 one at every larger size measured: `time_step(rows, wide)` times one step either way.
+    Stops once the wide one has won twice in a row. Returns that row count (0: it never won) and the
+    times {rows: (wide, int16)} for the log."""
     first, wins = 0, 0
     times: dict[int, tuple[float, float]] = {}
     with torch.inference_mode():
         for m in rows:
-            amx = min(time_step(m, True) for _ in range(2))
+            wide = min(time_step(m, True) for _ in range(2))
             int16 = min(time_step(m, False) for _ in range(2))
-            times[m] = (amx, int16)
-            if amx < int16:
+            times[m] = (wide, int16)
+            if wide < int16:
                 first, wins = first or m, wins + 1
                 if wins >= 2:
                     break

@@ -309,7 +309,7 @@ class LlamaModel(nn.Module):
             # the fp32 copy, or the file's rows).
             return cpu_kernels.int8_logits(h, self.head_tiles, self.kernels.threads, exact=dense,
                                            exact_rows=None if rows is None else rows.rows,
-                                           refine=REFINE_TOP, amx_min_rows=self.kernels.amx_min_rows)
+                                           refine=REFINE_TOP, wide_min_rows=self.kernels.wide_min_rows)
         assert self.lm_head_fast is not None and self.lm_head is not None
         logits = self.lm_head_fast(h, self._use(self.head_plan, h.shape[0])).float()
         return self._refine(h, logits, self.lm_head.weight)
@@ -335,10 +335,10 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def hidden(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                meta: AttentionMetadata, logits_indices: torch.Tensor, num_layers: int | None = None,
-               amx_min_rows: int | None = None) -> torch.Tensor:
+               wide_min_rows: int | None = None) -> torch.Tensor:
         """The final normalised hidden states at `logits_indices` ([n, hidden]): what `logits` multiplies.
-        `num_layers`: only the first layers; `amx_min_rows`: the native step's AMX threshold for this
-        call (both for timing at start)."""
+        `num_layers`: only the first layers; `wide_min_rows`: the native step's wide-matmul threshold for
+        this call (both for timing at start)."""
         a = self.args
         rows = token_ids.shape[0]
         if self.native is not None:
@@ -347,7 +347,7 @@ class LlamaModel(nn.Module):
                                               torch.tensor(meta.query_lens_host), output_size=rows)
             x = self.native.run(self.embed[token_ids], positions, meta.slot_mapping, meta.block_tables, row_seq,
                                 kv_cache, self.kernels.threads,
-                                self.kernels.amx_min_rows if amx_min_rows is None else amx_min_rows, num_layers)
+                                self.kernels.wide_min_rows if wide_min_rows is None else wide_min_rows, num_layers)
             return rms_norm(x[logits_indices], self.norm, a.rms_norm_eps)
         packed = self._use(self.layer_plan, rows)
         x = self.embed[token_ids]

@@ -16,7 +16,7 @@ import torch
 from kernels import AttentionMetadata
 
 from .config import EngineConfig
-from .cpu_plan import ROW_CANDIDATES, CpuKernels, Plan, amx_min_rows
+from .cpu_plan import ROW_CANDIDATES, CpuKernels, Plan, wide_min_rows
 from .cuda_graphs import DecodeGraphs
 from .gguf_blocks import DECODERS
 from .guide import Guides
@@ -220,40 +220,44 @@ class ModelRunner:
                 "deterministic": cfg.deterministic, "block_size": cfg.block_size, **measured}
 
     def _plan_native(self) -> None:
-        """From how many rows the native step multiplies on AMX tiles (configured, or timed against its
-        int16 matmul on the first layers with a synthetic context, at the kernels' thread count)."""
+        """From how many rows the native step takes its wide matmul (AMX tiles, or without AMX int8 dot
+        products): configured, or timed against its int16 matmul on the first layers with a synthetic
+        context, at the kernels' thread count."""
         model, cfg, kernels = self.model, self.config, self.kernels
-        assert model.native is not None
+        native = model.native
+        assert native is not None
         kept = False
-        if not model.native.amx:
-            kernels.amx_min_rows = 0
-        elif cfg.amx_min_rows is not None:
-            kernels.amx_min_rows = cfg.amx_min_rows
+        if not native.wide:
+            kernels.wide_min_rows = 0
+        elif cfg.wide_min_rows is not None:
+            kernels.wide_min_rows = cfg.wide_min_rows
         else:
             blocks = -(-NATIVE_TIMING_CONTEXT // self.block_size)
             rows = [r for r in ROW_CANDIDATES if r <= cfg.max_running_requests and r * blocks <= self.num_blocks]
 
-            def time_step(b: int, amx: bool) -> float:
+            def time_step(b: int, wide: bool) -> float:
                 step = self._synthetic_decode(b, NATIVE_TIMING_CONTEXT)
                 t = time.perf_counter()
-                self.model.hidden(*step, num_layers=NATIVE_TIMING_LAYERS, amx_min_rows=1 if amx else 0)
+                self.model.hidden(*step, num_layers=NATIVE_TIMING_LAYERS, wide_min_rows=1 if wide else 0)
                 return time.perf_counter() - t
 
             def measure() -> int:
-                first, times = amx_min_rows(time_step, rows)
-                log.debug("native CPU step, AMX vs int16 matmuls (first %d layers, ms): %s", NATIVE_TIMING_LAYERS,
+                first, times = wide_min_rows(time_step, rows)
+                log.debug("native CPU step, %s vs int16 matmuls (first %d layers, ms): %s", native.wide,
+                          NATIVE_TIMING_LAYERS,
                           {r: (round(a * 1e3, 2), round(i * 1e3, 2)) for r, (a, i) in times.items()})
                 return first
 
-            kernels.amx_min_rows, kept = self.tuning.remember(
-                "amx-rows", self._tuning_key(rows=rows, context=NATIVE_TIMING_CONTEXT, layers=NATIVE_TIMING_LAYERS),
+            kernels.wide_min_rows, kept = self.tuning.remember(
+                "wide-rows", self._tuning_key(rows=rows, context=NATIVE_TIMING_CONTEXT, layers=NATIVE_TIMING_LAYERS),
                 measure, int, int)
-        amx = (f"AMX matmuls from {kernels.amx_min_rows} rows" if kernels.amx_min_rows else
-               "no AMX on this CPU" if not model.native.amx else "AMX off")
-        if model.native.amx and cfg.amx_min_rows is None and kept:
-            amx += KEPT
+        wide = model.native.wide
+        said = (f"{wide} matmuls from {kernels.wide_min_rows} rows" if kernels.wide_min_rows else
+                "no AMX or int8 matmul in this build" if not wide else f"{wide} matmuls off")
+        if wide and cfg.wide_min_rows is None and kept:
+            said += KEPT
         log.info("native CPU forward step (kernels/cpu, %s, %d threads) for every step; %s; its layer weights "
-                 "%d MiB", model.native.isa, kernels.threads, amx, model.native.nbytes() // 2**20)
+                 "%d MiB", native.isa, kernels.threads, said, native.nbytes() // 2**20)
 
     def _synthetic_decode(self, rows: int, context: int) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -308,7 +312,7 @@ class ModelRunner:
             return time.perf_counter() - t
 
         plans = {"layers": self.model.layer_plan.describe() if self.model.layer_plan else None,
-                 "amx_min_rows": self.kernels.amx_min_rows}
+                 "wide_min_rows": self.kernels.wide_min_rows}
         cost, kept = self.tuning.remember(
             "step-cost", self._tuning_key(chunk=chunk, deep=deep, repeats=STEP_COST_REPEATS, **plans),
             lambda: StepCost.measure(timed, chunk, deep, STEP_COST_REPEATS), dataclasses.asdict,

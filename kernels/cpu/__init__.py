@@ -159,6 +159,8 @@ class ForwardStep:
         self.isa: str = lib.sluice_forward_isa().decode()  # avx512-vnni, avx512, avx2 or scalar
         self.library: str = Path(lib._name).name  # the build (its name hashes its sources and flags)
         self.amx: bool = bool(lib.sluice_amx_available())  # the AMX matmul for steps of many rows
+        # the matmul for steps of many rows: "amx" (bf16 tiles), "int8" (AVX-512 VNNI, no AMX) or "" (none)
+        self.wide: str = lib.sluice_wide_matmul().decode()
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), block_size, eps)
         self._layers = layers  # keeps the tensors that the structs point to alive
         self._structs = (_Layer * len(layers))(*[lw._struct() for lw in layers])
@@ -178,14 +180,14 @@ class ForwardStep:
         return out
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-            row_seq: torch.Tensor, kv_cache: torch.Tensor, threads: int, amx_min_rows: int = 0,
+            row_seq: torch.Tensor, kv_cache: torch.Tensor, threads: int, wide_min_rows: int = 0,
             num_layers: int | None = None) -> torch.Tensor:
         """x [T, hidden] fp32 embeddings -> the residual streams after the last layer (x, updated in
         place). Row t is the token at positions[t] of the sequence whose block table is
         block_tables[row_seq[t]] ([S, n] int32); it attends to that sequence's positions 0..positions[t]
         (its own key included: every row's K/V are written first). kv_cache [layers, 2, slots,
-        kv_heads, head_dim] bf16. `amx_min_rows`: steps of at least that many rows multiply on AMX
-        tiles where the CPU has them (0: never). `num_layers`: only the first layers (timing)."""
+        kv_heads, head_dim] bf16. `wide_min_rows`: steps of at least that many rows take the wide matmul
+        (`wide`: AMX tiles, or int8 dot products; 0: never). `num_layers`: only the first layers (timing)."""
         assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.hidden
         assert kv_cache.dtype == torch.bfloat16 and kv_cache.is_contiguous()
         t = x.shape[0]
@@ -204,7 +206,7 @@ class ForwardStep:
                       ctypes.c_void_p(rows.data_ptr()), ctypes.c_void_p(kv_cache.data_ptr()),
                       ctypes.c_int64(kv_cache.stride(0)), ctypes.c_int64(kv_cache.stride(1)),
                       ctypes.c_void_p(self.cos.data_ptr()), ctypes.c_void_p(self.sin.data_ptr()),
-                      ctypes.c_int(threads), ctypes.c_int(amx_min_rows))
+                      ctypes.c_int(threads), ctypes.c_int(wide_min_rows))
         _check(rc, "native CPU forward step")
         return x
 
@@ -317,10 +319,10 @@ def gguf_rows_product(x: torch.Tensor, rows: GGUFRows, threads: int, lib: ctypes
 
 
 def int8_logits(x: torch.Tensor, head: Q8Tiles, threads: int, exact: torch.Tensor | None = None, refine: int = 0,
-                amx_min_rows: int = 0, lib: ctypes.CDLL | None = None,
+                wide_min_rows: int = 0, lib: ctypes.CDLL | None = None,
                 exact_rows: GGUFRows | None = None) -> torch.Tensor:
     """x [B, K] fp32 times the int8 weights of `head`, natively: int16 activations in integer dot products,
-    or from `amx_min_rows` rows on (CPUs with AMX) bf16 tiles. With `exact` ([V, K] fp32), each row's
+    or from `wide_min_rows` rows on (CPUs with AMX) bf16 tiles. With `exact` ([V, K] fp32), each row's
     `refine` largest outputs are recomputed against it at full precision; `exact_rows` instead: the same
     weights as the file's rows (engine/token_rows.py), decoded as they are needed. Returns [B, V] fp32."""
     lib = _library(lib, "native CPU kernels")
@@ -342,7 +344,7 @@ def int8_logits(x: torch.Tensor, head: Q8Tiles, threads: int, exact: torch.Tenso
                                 exact_rows.pointer() if use_rows and exact_rows is not None else ctypes.c_void_p(None),
                                 ctypes.c_int(exact_rows.type if use_rows and exact_rows is not None else 0),
                                 ctypes.c_int(refine if has_exact else 0), ctypes.c_int(threads),
-                                ctypes.c_int(amx_min_rows))
+                                ctypes.c_int(wide_min_rows))
     _check(rc, "native int8 output layer")
     return out
 

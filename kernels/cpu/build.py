@@ -105,7 +105,7 @@ def compile_library(arch: tuple[str, ...]) -> ctypes.CDLL | None:
                    lib.sluice_sample_masked):
             fn.restype = ctypes.c_int  # (ctypes' default; said once here rather than per call)
         lib.sluice_gguf_row_bytes.restype = ctypes.c_int64
-        lib.sluice_forward_isa.restype = ctypes.c_char_p
+        lib.sluice_forward_isa.restype = lib.sluice_wide_matmul.restype = ctypes.c_char_p
         lib.sluice_profile.restype = lib.sluice_profile_read.restype = None
         return lib
     except (OSError, subprocess.SubprocessError) as e:

@@ -194,18 +194,18 @@ static void run_head(void *arg, int tid) {
  * scale[n]), V a multiple of 16 and K of 32. `exact` [V, K] fp32 (or NULL): each row's `refine`
  * largest outputs are then recomputed against it at full precision; or, with `exact` NULL, against
  * the rows of `exact_rows` (gguf_rows.c: V rows of GGML type `exact_type`, NULL for none), the file's own. Steps of
- * at least amx_min_rows rows multiply on AMX tiles where this build and the OS allow it (0: never). Returns 0, -1 when out
+ * at least wide_min_rows rows multiply on AMX tiles where this build and the OS allow it (0: never). Returns 0, -1 when out
  * of memory, -2 for shapes it does not take. */
 int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int V, float *out,
                        const float *exact, const uint8_t *exact_rows, int exact_type, int refine, int nthreads,
-                       int amx_min_rows) {
+                       int wide_min_rows) {
     const size_t exact_row_bytes = exact_rows ? gguf_row_bytes(exact_type, K) : 0;
     if (B < 0 || K % GROUP || V % TILE_N || refine > MAX_REFINE || refine > V || (exact_rows && !exact_row_bytes))
         return -2;
     if (B == 0) return 0; /* a step that samples nothing (a prefill chunk) */
     pthread_mutex_lock(&step_lock);
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
-    const int amx = amx_min_rows > 0 && B >= amx_min_rows && amx_usable();
+    const int amx = wide_min_rows > 0 && B >= wide_min_rows && amx_usable();
     const size_t R = (size_t)(B + 31) / 32 * 32, per_thread = (size_t)(K / GROUP) * 1024;
     const size_t rows_scratch = exact || !exact_rows ? 0 : (size_t)nthreads * K;
     const size_t floats = R * (1 + K / GROUP) + R * K / 2 + R * K / 2 + (size_t)nthreads * B * MAX_REFINE +

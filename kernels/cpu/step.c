@@ -22,7 +22,7 @@ static void rope(float *v, const float *c, const float *s, int half) {
 typedef struct {
     const dims *dm;
     const layer_weights *layers;
-    int B, nthreads, amx; /* B rows (tokens); amx: this step's matmuls take the AMX path */
+    int B, nthreads, mode; /* B rows (tokens); mode: how this step's matmuls take their inputs (MM_*) */
     float *x; /* [B, hidden]: the residual stream */
     const int64_t *pos, *slots;
     const int32_t *tables, *row_seq; /* block tables [sequences, table_stride]; each row's sequence */
@@ -41,19 +41,19 @@ typedef struct {
     size_t scores_per_thread; /* floats: a job's scores, then a block of widened keys */
 } step_ctx;
 
-static void prepare_x(step_ctx *c, const float *x, int K, int b0, int b1) { quantize_x(x, K, &c->qx, b0, b1, c->amx); }
+static void prepare_x(step_ctx *c, const float *x, int K, int b0, int b1) { quantize_x(x, K, &c->qx, b0, b1, c->mode); }
 
 /* y = x W^T for the step's rows; x (fp32, [B, K]) was prepared by prepare_x (the 16-bit tiles read it as is). */
 static void step_matmul(step_ctx *c, const layer_tiles *w, const float *x, int N, int K, float *y, int tid) {
 #if HAVE_AMX
-    if (c->amx) {
+    if (c->mode == MM_AMX) {
         const tile_weights tw = {w->blocks, tile_bytes(w->format), NULL, w->format};
         matmul_amx(&tw, N, K, &c->qx, c->B, y, c->tile_scratch + (size_t)tid * c->tile_scratch_per_thread, tid,
                    c->nthreads);
         return;
     }
 #endif
-    matmul_int16(w, N, K, &c->qx, x, c->B, y, tid, c->nthreads);
+    matmul_int16(w, N, K, &c->qx, x, c->B, y, tid, c->nthreads, c->mode);
 }
 
 /* Every thread runs this; the phases between barriers split their work: matmul columns, attention by
@@ -138,7 +138,7 @@ static void run_step(void *arg, int tid) {
     for (int b = b0; b < b1; b++)
         for (int i = 0; i < H; i++) c->x[(size_t)b * H + i] += c->h[(size_t)b * H + i];
 #if HAVE_AMX
-    if (c->amx) _tile_release();
+    if (c->mode == MM_AMX) _tile_release();
 #endif
 #if defined(__SSE2__)
     _mm_setcsr(csr);
@@ -149,7 +149,7 @@ static void run_step(void *arg, int tid) {
 static int forward_locked(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,
                           const int64_t *slots, const int32_t *tables, int table_stride, const int32_t *row_seq,
                           uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
-                          int nthreads, int amx_min_rows) {
+                          int nthreads, int wide_min_rows) {
     const int H = dm->hidden, I = dm->inter, q_n = dm->heads * dm->head_dim;
     const int qkv_n = q_n + 2 * dm->kv_heads * dm->head_dim;
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
@@ -164,18 +164,18 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
                                      &scores_per_thread);
     scores_per_thread += 16 * (size_t)dm->head_dim + 16; /* + a block of widened keys */
     scores_per_thread = (scores_per_thread + 15) / 16 * 16;
-    const int amx = amx_min_rows > 0 && B >= amx_min_rows && amx_usable();
+    const int mode = wide_mode(B, wide_min_rows), amx = mode == MM_AMX;
     const int R = (B + 31) / 32 * 32; /* rows of the row buffers */
     const int kmax = H > q_n ? (H > I ? H : I) : (q_n > I ? q_n : I), gmax = kmax / GROUP;
     const size_t per_thread = (size_t)gmax * 1024; /* bf16 elements: a widened column pair of the widest K */
-    size_t floats = (size_t)R * (H + qkv_n + q_n + 2 * I + I + 1 + gmax + kmax / 2 + kmax / 2) +
+    size_t floats = (size_t)R * (H + qkv_n + q_n + 2 * I + I + 1 + gmax + kmax / 2 + kmax / 2 + 4 * gmax) +
                     (size_t)nthreads * scores_per_thread + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
     float *buf = calloc(floats, sizeof(float));
     if (!buf) {
         free(jobs), free(next_job);
         return -1;
     }
-    step_ctx c = {.dm = dm, .layers = layers, .B = B, .nthreads = nthreads, .amx = amx, .x = x, .pos = positions,
+    step_ctx c = {.dm = dm, .layers = layers, .B = B, .nthreads = nthreads, .mode = mode, .x = x, .pos = positions,
                   .slots = slots, .tables = tables, .row_seq = row_seq, .table_stride = table_stride, .kv = kv,
                   .layer_stride = layer_stride, .kv_stride = kv_stride, .cos = cos, .sin = sin};
     float *p = buf;
@@ -188,6 +188,9 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
     c.qx.sx = p, p += (size_t)R * gmax;
     c.qx.q = (int16_t *)p, p += (size_t)R * kmax / 2;
     c.qx.bf = (uint16_t *)p, p += (size_t)R * kmax / 2;
+    c.qx.q8 = (int8_t *)c.qx.q; /* (MM_INT8 has no int16 rows) */
+    c.qx.dg = p, p += (size_t)R * 2 * gmax;
+    c.qx.s8 = (int32_t *)p, p += (size_t)R * 2 * gmax;
     c.scores = p, p += (size_t)nthreads * scores_per_thread;
     p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); /* (the 16 spare floats) */
     c.tile_scratch = (uint16_t *)p;
@@ -203,13 +206,13 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
  * positions, slots: each token's position and cache slot; row_seq[b]: the row of `tables`
  * [sequences, table_stride] (block tables) of its sequence. A row attends to positions 0..positions[b]
  * of its sequence. kv: the bf16 cache [layers, 2, slots, kv_heads, head_dim] with its layer and K-to-V
- * strides in elements. cos/sin [max_pos, head_dim / 2]. amx_min_rows: steps of at least this many
- * rows multiply on AMX tiles where this build and the OS allow it (0: never).
+ * strides in elements. cos/sin [max_pos, head_dim / 2]. wide_min_rows: steps of at least this many
+ * rows take the wide matmul (wide_mode: AMX tiles, or int8 dot products; 0: never).
  * Returns 0, -1 when out of memory, -2 for shapes this kernel does not take. */
 int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,
                    const int64_t *slots, const int32_t *tables, int table_stride, const int32_t *row_seq,
                    uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
-                   int nthreads, int amx_min_rows) {
+                   int nthreads, int wide_min_rows) {
     const int q_n = dm->heads * dm->head_dim, qkv_n = q_n + 2 * dm->kv_heads * dm->head_dim;
     if (dm->head_dim > 256 || dm->head_dim % 16 || dm->heads % dm->kv_heads || dm->heads > 256 ||
         dm->hidden % GROUP || dm->inter % GROUP || q_n % GROUP || qkv_n % TILE_N || dm->hidden % TILE_N)
@@ -217,7 +220,7 @@ int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x,
     if (B <= 0) return 0;
     pthread_mutex_lock(&step_lock);
     int rc = forward_locked(dm, layers, B, x, positions, slots, tables, table_stride, row_seq, kv, layer_stride,
-                            kv_stride, cos, sin, nthreads, amx_min_rows);
+                            kv_stride, cos, sin, nthreads, wide_min_rows);
     pthread_mutex_unlock(&step_lock);
     return rc;
 }

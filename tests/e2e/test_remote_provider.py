@@ -33,7 +33,7 @@ def stack(tmp_path_factory):
 port = {gport}
 [engine]
 kv_cache_tokens = 4096
-amx_min_rows = 0
+wide_min_rows = 0
 [auth]
 keys_file = "{tmp / 'keys.json'}"
 [tiers.pro]

@@ -9,14 +9,14 @@ import pytest
 @pytest.fixture(scope="session")
 def engine():
     """One real SmolLM2 engine for the engine tests, on the path that serves by default: the native CPU
-    step over the file's 4-bit blocks, with its int16 matmuls at every step size (amx_min_rows=0), so a
+    step over the file's 4-bit blocks, with its int16 matmuls at every step size (wide_min_rows=0), so a
     token row is computed the same whatever else is in its step and batching, chunking, preemption and
     caching cannot change outputs. Where the native step cannot run (no C compiler), the torch path
     with fp32 weights, whose rounding noise stays far below the near-tie tolerance of these tests."""
     import kernels.cpu as cpu_kernels
     from engine import EngineConfig, LLMEngine
 
-    return LLMEngine(EngineConfig(kv_cache_tokens=16384, max_running_requests=32, amx_min_rows=0,
+    return LLMEngine(EngineConfig(kv_cache_tokens=16384, max_running_requests=32, wide_min_rows=0,
                                   weight_dtype="auto" if cpu_kernels.available() else "float32"))
 
 

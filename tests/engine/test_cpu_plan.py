@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from engine.cpu_plan import Choice, CpuKernels, Plan, amx_min_rows, measure_plan, thread_candidates
+from engine.cpu_plan import Choice, CpuKernels, Plan, measure_plan, thread_candidates, wide_min_rows
 
 
 def test_plan_looks_up_the_smallest_bucket_that_holds_the_step():
@@ -83,14 +83,14 @@ def test_amx_runs_from_the_first_size_from_which_it_keeps_winning():
         return 10.0 + rows * 0.1 if amx else rows * 1.0
 
     calls: list[tuple[int, bool]] = []
-    first, times = amx_min_rows(time_step, (1, 2, 4, 8, 16, 32, 64))
+    first, times = wide_min_rows(time_step, (1, 2, 4, 8, 16, 32, 64))
     assert first == 16  # 8: 10.8 > 8; 16: 11.6 < 16
     assert set(times) == {1, 2, 4, 8, 16, 32}  # stops once AMX has won twice in a row
     assert (64, True) not in calls
     # a win that does not last is not taken: only sizes from which AMX keeps winning
     noisy = {1: (1.0, 2.0), 2: (3.0, 2.0), 4: (1.0, 4.0), 8: (1.0, 8.0)}
-    assert amx_min_rows(lambda rows, amx: noisy[rows][0 if amx else 1], (1, 2, 4, 8))[0] == 4
-    assert amx_min_rows(lambda rows, amx: 2.0 if amx else 1.0, (1, 2, 4))[0] == 0  # never wins
+    assert wide_min_rows(lambda rows, amx: noisy[rows][0 if amx else 1], (1, 2, 4, 8))[0] == 4
+    assert wide_min_rows(lambda rows, amx: 2.0 if amx else 1.0, (1, 2, 4))[0] == 0  # never wins
 
 
 def test_the_kernel_choice_is_made_once_from_the_device_and_sluice_kernels(monkeypatch):
@@ -99,7 +99,7 @@ def test_the_kernel_choice_is_made_once_from_the_device_and_sluice_kernels(monke
     monkeypatch.setattr(kernels.cpu, "available", lambda: True)
     monkeypatch.delenv("SLUICE_KERNELS", raising=False)
     choice = CpuKernels.decide(torch.device("cpu"))
-    assert choice.native and choice.threads == torch.get_num_threads() and choice.amx_min_rows == 0
+    assert choice.native and choice.threads == torch.get_num_threads() and choice.wide_min_rows == 0
     assert not CpuKernels.decide(torch.device("cuda")).native
     monkeypatch.setenv("SLUICE_KERNELS", "torch")
     assert not CpuKernels.decide(torch.device("cpu")).native

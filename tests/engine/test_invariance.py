@@ -98,14 +98,14 @@ def test_prefix_cache_hits_do_not_change_outputs_and_skip_prefill(configured_pat
 
 
 def test_native_int16_step_gives_the_same_tokens_however_requests_are_batched(configured):
-    """The serving default's native CPU step with its int16 matmuls for every step size (amx_min_rows=0)
+    """The serving default's native CPU step with its int16 matmuls for every step size (wide_min_rows=0)
     computes each token row on its own: the same operations in the same order whatever else is in the
     step. So greedy outputs are identical, not merely near-tie close, alone or batched, in one prefill
     or in chunks of 32, and after prefix-cache hits (the gateway tests rely on it)."""
     engine = configured(enable_prefix_caching=False, chunked_prefill_size=0, max_num_batched_tokens=4096)
     if engine.runner.model.native is None:
         pytest.skip("no C compiler for the native CPU step")
-    assert engine.runner.kernels.amx_min_rows == 0
+    assert engine.runner.kernels.wide_min_rows == 0
 
     reqs = requests(engine, "alone", n=6)
     alone = [outputs(engine, [r])[0] for r in reqs]
@@ -138,7 +138,7 @@ def test_native_step_serves_a_prompt_longer_than_a_chunk(engine):
             break
         engine = LLMEngine(EngineConfig(kv_cache_tokens=4096, max_model_len=2048)) if amx is None else int16
         if amx is None:
-            measured_rows = engine.runner.kernels.amx_min_rows
+            measured_rows = engine.runner.kernels.wide_min_rows
         ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text + " Which item is 5?"}])
         assert len(ids) > 2 * engine.config.chunked_prefill_size
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

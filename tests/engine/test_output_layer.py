@@ -91,9 +91,9 @@ def test_native_int8_output_layer_refines_the_top_candidates(rows):
     for amx in modes:  # 0: int16 activations; 1: every row count on AMX (activations and weights in bf16)
         tol = 1e-4 if not amx else 2e-2
         for threads in (1, 2):
-            plain = cpu_kernels.int8_logits(x, head, threads, amx_min_rows=amx)
+            plain = cpu_kernels.int8_logits(x, head, threads, wide_min_rows=amx)
             torch.testing.assert_close(plain.double(), int8_ref, rtol=tol, atol=tol)
-            refined = cpu_kernels.int8_logits(x, head, threads, exact=weight, refine=REFINE_TOP, amx_min_rows=amx)
+            refined = cpu_kernels.int8_logits(x, head, threads, exact=weight, refine=REFINE_TOP, wide_min_rows=amx)
             top = plain.topk(REFINE_TOP, dim=-1).indices
             torch.testing.assert_close(refined.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
             rest = torch.ones_like(plain, dtype=torch.bool).scatter_(1, top, False)
@@ -103,7 +103,8 @@ def test_native_int8_output_layer_refines_the_top_candidates(rows):
     assert cpu_kernels.int8_logits(x[:0], head, 2, exact=weight, refine=REFINE_TOP).shape == (0, 4992)  # a chunk
     model = LlamaModel.__new__(LlamaModel)
     model.lm_head = Linear(weight, None, torch.float32)
-    model.lm_head_fast, model.head_tiles, model.kernels = None, head, CpuKernels(native=True, threads=2, amx_min_rows=0)
+    kernels = CpuKernels(native=True, threads=2, wide_min_rows=0)
+    model.lm_head_fast, model.head_tiles, model.kernels = None, head, kernels
     assert model.approximate_logits
     torch.testing.assert_close(model.logits(x), cpu_kernels.int8_logits(x, head, 2, weight, REFINE_TOP))
 

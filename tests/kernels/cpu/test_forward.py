@@ -8,6 +8,7 @@ and every build of forward.c that this CPU can run (native, AVX2, plain C), with
 
 from __future__ import annotations
 
+import ctypes
 import math
 from pathlib import Path
 
@@ -74,6 +75,14 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).double()
 
 
+def _int8_groups(t: torch.Tensor) -> torch.Tensor:
+    """Each 16 inputs of a row (half a weight group) rounded to int8 steps of their own scale (max |x| / 127),
+    as the int8 matmul takes its inputs."""
+    g = t.view(*t.shape[:-1], -1, 16)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(g / torch.where(d > 0, d, 1)) * d).view(t.shape)
+
+
 class TinyModel:
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int,
                  bias: bool, seed: int = 0, q8g: tuple[str, ...] = (), f16: tuple[str, ...] = (),
@@ -85,6 +94,8 @@ class TinyModel:
         qkv_n = (heads + 2 * kv_heads) * head_dim
         self.layers = []
         self.blocks = []
+        self.sixteen_bit = set(f16) | set(bf16)  # matrices whose matmuls take the fp32 inputs on every path
+        self.mins = []  # each layer's {matrix: the part of its weights that is the groups' mins (m), float64}
         for _ in range(layers):
             mats = {name: (_q8g if name in q8g else _f16 if name in f16 else _bf16w if name in bf16 else _q4)(n, k, gen)
                     for name, (n, k) in {
@@ -93,6 +104,8 @@ class TinyModel:
             norms = (1 + 0.1 * torch.randn(hidden, generator=gen), 1 + 0.1 * torch.randn(hidden, generator=gen))
             b = 0.05 * torch.randn(qkv_n, generator=gen) if bias else None
             self.layers.append(({k: v[1] for k, v in mats.items()}, norms, b))
+            self.mins.append({k: v[0][2].double().repeat_interleave(32, 1) for k, v in mats.items()
+                              if k not in self.sixteen_bit})
             packed = {k: (pack_q8g if k in q8g else pack_f16 if k in f16 + bf16 else pack_q4_1)(*v[0])
                       for k, v in mats.items()}
             self.blocks.append(LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], qkv_bias=b, **packed))  # type: ignore[arg-type]
@@ -101,11 +114,13 @@ class TinyModel:
         freqs = torch.outer(pos, inv)
         self.cos, self.sin = freqs.cos().float(), freqs.sin().float()
 
-    def reference(self, x, positions, slots, tables, row_seq, kv, block_size, bf16_matmuls=False):
+    def reference(self, x, positions, slots, tables, row_seq, kv, block_size, matmuls="exact"):
         """float64 forward of a flat batch of tokens: row b is position positions[b] of the sequence with
         block table tables[row_seq[b]]; every row's K/V are written into `kv` (bf16, like the kernel)
-        before any row attends to its sequence's positions 0..positions[b]. `bf16_matmuls`: each matmul's
-        input and weights rounded to bf16 first (what the AMX path and torch's bf16 path compute)."""
+        before any row attends to its sequence's positions 0..positions[b]. `matmuls`: "exact", "bf16" (each
+        matmul's input and weights rounded to bf16 first: what the AMX path and torch's bf16 path compute)
+        or "int8" (the int8 matmul's: the inputs of the 4-bit and int8-group matrices' q * d parts rounded to
+        int8 in 16s, their m parts multiplied by the exact inputs)."""
         d = self.dims
         D, nh, nkv, eps = d["head_dim"], d["heads"], d["kv_heads"], d["eps"]
         x = x.double().clone()
@@ -119,11 +134,17 @@ class TinyModel:
             v1, v2 = v[:, :D // 2], v[:, D // 2:]
             return torch.cat([v1 * c - v2 * s, v2 * c + v1 * s], -1)
 
-        def mm(v, weight):
-            return _bf16(v) @ _bf16(weight).T if bf16_matmuls else v @ weight.T
+        def mm(v, w, name):
+            weight = w[name]
+            if matmuls == "bf16":
+                return _bf16(v) @ _bf16(weight).T
+            if matmuls == "int8" and name not in self.sixteen_bit:  # q * d with int8 inputs, m with the exact ones
+                mins = self.mins[li][name]
+                return _int8_groups(v) @ (weight - mins).T + v @ mins.T
+            return v @ weight.T
 
         for li, (w, (n1, n2), bias) in enumerate(self.layers):
-            qkv = mm(norm(x, n1), w["qkv"])
+            qkv = mm(norm(x, n1), w, "qkv")
             if bias is not None:
                 qkv = qkv + bias.double()
             att = torch.empty(x.shape[0], q_n, dtype=torch.float64)
@@ -142,10 +163,10 @@ class TinyModel:
                     g = h // (nh // nkv)
                     s = keys[:, g] @ q[h] / math.sqrt(D)
                     att[b, h * D:(h + 1) * D] = torch.softmax(s, 0) @ vals[:, g]
-            x = x + mm(att, w["o"])
-            gu = mm(norm(x, n2), w["gate_up"])
+            x = x + mm(att, w, "o")
+            gu = mm(norm(x, n2), w, "gate_up")
             g, u = gu.chunk(2, -1)
-            x = x + mm(torch.nn.functional.silu(g) * u, w["down"])
+            x = x + mm(torch.nn.functional.silu(g) * u, w, "down")
         return x
 
 
@@ -181,9 +202,24 @@ def _step(rows: int, gen: torch.Generator, block_size: int, blocks_per_seq: int)
     return positions, slots, tables, row_seq, num_blocks
 
 
-def _amx_modes(lib) -> list[int]:
-    """amx_min_rows values to run: 0 (the int16 matmul), and 1 (every step on AMX) where it exists."""
-    return [0, 1] if lib.sluice_amx_available() else [0]
+def _matmul_modes(lib) -> list[tuple[int, str]]:
+    """(wide_min_rows, the reference's matmuls) to run: 0 (the int16 matmul, against exact products), and
+    1 (every step on the build's wide matmul: AMX's bf16 tiles, or int8 dot products) where it has one."""
+    lib.sluice_wide_matmul.restype = ctypes.c_char_p
+    wide = lib.sluice_wide_matmul().decode()
+    return [(0, "exact")] + ([(1, "bf16" if wide == "amx" else "int8")] if wide else [])
+
+
+def _assert_step_close(got: torch.Tensor, want: torch.Tensor, matmuls: str, where: tuple) -> None:
+    """Every row within 2e-3 of the largest output. The int8 matmul against its own rounding: the median row
+    within 1e-5, and every row within 1e-2 (an input the kernel's fp32 puts on the other side of a rounding
+    boundary than float64 does moves by a whole int8 step, and the layers after carry it on)."""
+    scale = want.abs().max().item()
+    rows = (got.double() - want).abs().amax(-1) / scale
+    if matmuls == "int8":
+        assert rows.median().item() < 1e-5 and rows.max().item() < 1e-2, (*where, rows.tolist())
+    else:
+        assert rows.max().item() < 2e-3, (*where, rows.max().item())
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
@@ -200,16 +236,15 @@ def test_forward_step_matches_a_float64_reference(build, config, rows):
     kv = (torch.randn(len(model.layers), 2, num_blocks * block_size, d["kv_heads"], d["head_dim"], generator=gen)
           .to(torch.bfloat16))  # earlier context already in the cache
     x = torch.randn(rows, d["hidden"], generator=gen)
-    for amx in _amx_modes(lib):
+    for amx, matmuls in _matmul_modes(lib):
         # int16 activations keep ~15 bits: against exact matmuls; the AMX path multiplies bf16 activations
         # by bf16 weights: against a reference that rounds both the same way
         kv_ref = kv.clone()
-        want = model.reference(x, positions, slots, tables, row_seq, kv_ref, block_size, bf16_matmuls=bool(amx))
+        want = model.reference(x, positions, slots, tables, row_seq, kv_ref, block_size, matmuls)
         for threads in (1, 2):
             kv_ours = kv.clone()
-            got = step.run(x.clone(), positions, slots, tables, row_seq, kv_ours, threads, amx_min_rows=amx)
-            err = (got.double() - want).abs().max().item()
-            assert err < 2e-3 * want.abs().max().item(), (step.isa, amx, threads, err)
+            got = step.run(x.clone(), positions, slots, tables, row_seq, kv_ours, threads, wide_min_rows=amx)
+            _assert_step_close(got, want, matmuls, (step.isa, amx, threads))
             # The new K/V landed in their slots (bf16; a last-bit difference from rounding allowed) ...
             torch.testing.assert_close(kv_ours.float(), kv_ref.float(), rtol=1e-2, atol=1e-2)
             # ... and nothing else in the cache changed.
@@ -229,11 +264,10 @@ def assert_step_matches_reference(model: TinyModel, lib, rows: int, seed: int) -
     kv = torch.randn(len(model.layers), 2, num_blocks * 4, d["kv_heads"], d["head_dim"], generator=gen).to(
         torch.bfloat16)
     x = torch.randn(rows, d["hidden"], generator=gen)
-    for amx in _amx_modes(lib):
-        want = model.reference(x, positions, slots, tables, row_seq, kv.clone(), 4, bf16_matmuls=bool(amx))
-        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, amx_min_rows=amx)
-        err = (got.double() - want).abs().max().item()
-        assert err < 2e-3 * want.abs().max().item(), (step.isa, amx, err)
+    for amx, matmuls in _matmul_modes(lib):
+        want = model.reference(x, positions, slots, tables, row_seq, kv.clone(), 4, matmuls)
+        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, wide_min_rows=amx)
+        _assert_step_close(got, want, matmuls, (step.isa, amx))
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
@@ -344,7 +378,7 @@ def test_prefill_chunks_attend_in_tiles_like_the_float64_reference(build, config
     x = torch.randn(len(positions), d["hidden"], generator=gen)
     want = model.reference(x, positions, slots, tables, row_seq, kv.clone(), block_size)
     for threads in (1, 2):
-        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), threads, amx_min_rows=0)
+        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), threads, wide_min_rows=0)
         err = (got.double() - want).abs().max().item()
         assert err < 2e-3 * want.abs().max().item(), (step.isa, threads, err)
 
@@ -366,11 +400,11 @@ def test_a_row_attends_the_same_in_a_chunk_as_alone(build):
     kv = (torch.randn(len(model.layers), 2, num_blocks * block_size, d["kv_heads"], d["head_dim"], generator=gen)
           .to(torch.bfloat16))
     x = torch.randn(n, d["hidden"], generator=gen)
-    chunk = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, amx_min_rows=0)
+    chunk = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, wide_min_rows=0)
     kv_one = kv.clone()
     for i in range(n):
         one = step.run(x[i:i + 1].clone(), positions[i:i + 1], slots[i:i + 1], tables, row_seq[i:i + 1], kv_one, 2,
-                       amx_min_rows=0)
+                       wide_min_rows=0)
         assert torch.equal(one[0], chunk[i]), (step.isa, i)
 
 
