@@ -251,7 +251,7 @@ class ModelRunner:
             kernels.wide_min_rows, kept = self.tuning.remember(
                 "wide-rows", self._tuning_key(rows=rows, context=NATIVE_TIMING_CONTEXT, layers=NATIVE_TIMING_LAYERS),
                 measure, int, int)
-        wide = model.native.wide
+        wide = native.wide
         said = (f"{wide} matmuls from {kernels.wide_min_rows} rows" if kernels.wide_min_rows else
                 "no AMX or int8 matmul in this build" if not wide else f"{wide} matmuls off")
         if wide and cfg.wide_min_rows is None and kept:
