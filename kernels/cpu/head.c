@@ -6,8 +6,8 @@
  * The output layer reads as many bytes as a third of the layers, and only each row's top candidates
  * matter to greedy, top-k and top-p; those are recomputed here against the exact weights, in the same
  * call. Its int8 copy (engine/model.py, Int8Weight) is held in tile order (tile_weights, 512-byte
- * blocks), so the same two matmuls as the layers' read it: int16 activations in integer dot products
- * for few rows, AMX bf16 tiles for many. */
+ * blocks), so the same matmuls as the layers' read it: int16 activations in integer dot products
+ * for few rows, AMX bf16 tiles or int8 activations for many. */
 
 /* One column of int8 blocks (16 rows of W) for nb <= ROWS_PER_PASS input rows: y[b, n0 + n], before the
  * row scales. The int32 sums of a block (127 * 32767 * 32 < 2^31) are added up in fp32. */
@@ -56,10 +56,38 @@ static inline __attribute__((always_inline)) void q8_column(const uint8_t *col, 
 #endif
 }
 
+#if HAVE_INT8
+/* The same column for nb rows of int8 inputs (MM_INT8), each half group's sums scaled by its dg. */
+static inline __attribute__((always_inline)) void q8_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
+                                                               int nb, float out[ROWS_PER_PASS][TILE_N]) {
+    __m512 accf[ROWS_PER_PASS];
+    for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * Q8_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, Q8_BLOCK_BYTES);
+        for (int h = 0; h < 2; h++) {
+            __m512i acc[ROWS_PER_PASS];
+            for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
+            q8_tile_rows_i8(blk, 8 * h, 8 * h + 8, qx, K, g, nb, acc);
+            for (int b = 0; b < nb; b++) {
+                const size_t i = ((size_t)b * G + g) * 2 + h;
+                const __m512i s = _mm512_sub_epi32(acc[b], _mm512_set1_epi32(qx->s8[i]));
+                accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(qx->dg[i]), accf[b]);
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++) _mm512_storeu_ps(out[b], accf[b]);
+}
+#define Q8_COLUMN(int8, blocks, G, part, K, nb, out) \
+    ((int8) ? q8_column_i8(blocks, G, part, K, nb, out) : q8_column(blocks, G, part, K, nb, out))
+#else
+#define Q8_COLUMN(int8, blocks, G, part, K, nb, out) q8_column(blocks, G, part, K, nb, out)
+#endif
+
 #define MAX_REFINE 64
 
 typedef struct {
-    int B, K, V, nthreads, refine, amx;
+    int B, K, V, nthreads, refine, mode; /* mode: how the matmul takes its inputs (MM_*) */
     const float *x;
     tile_weights w;
     const float *exact; /* [V, K] fp32 or NULL */
@@ -102,30 +130,33 @@ static void top_k(const float *out, int r0, int r1, int k, int32_t *idx) {
     for (; n < k; n++) idx[n] = -1;
 }
 
-/* This thread's columns of blocks for every input row (int16 matmul), row scales and dx applied. */
+/* This thread's columns of blocks for every input row (int16 or int8 inputs), row scales and dx applied. */
 static void head_int16(const head_ctx *c, int tid) {
     const int K = c->K, G = K / GROUP, NB = c->V / TILE_N, per = (NB + c->nthreads - 1) / c->nthreads;
-    const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
+    const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB, int8 = c->mode == MM_INT8;
     float out[ROWS_PER_PASS][TILE_N];
     for (int col = c0; col < c1; col++) {
         const uint8_t *blocks = c->w.blocks + (size_t)col * G * Q8_BLOCK_BYTES;
         const float *scale = c->w.row_scale + (size_t)col * TILE_N;
         for (int b0 = 0; b0 < c->B; b0 += ROWS_PER_PASS) {
             const int nb = c->B - b0 < ROWS_PER_PASS ? c->B - b0 : ROWS_PER_PASS;
-            qx_t part = {c->qx.q + (size_t)b0 * K, c->qx.dx + b0, NULL, NULL};
+            qx_t part = {c->qx.q + (size_t)b0 * K, c->qx.dx + b0, NULL, NULL,
+                         int8 ? c->qx.q8 + (size_t)b0 * K : NULL, int8 ? c->qx.dg + (size_t)b0 * G * 2 : NULL,
+                         int8 ? c->qx.s8 + (size_t)b0 * G * 2 : NULL};
             switch (nb) { /* a constant nb per call: the accumulators stay in registers */
-                case 1: q8_column(blocks, G, &part, K, 1, out); break;
-                case 2: q8_column(blocks, G, &part, K, 2, out); break;
-                case 3: q8_column(blocks, G, &part, K, 3, out); break;
-                case 4: q8_column(blocks, G, &part, K, 4, out); break;
-                case 5: q8_column(blocks, G, &part, K, 5, out); break;
-                case 6: q8_column(blocks, G, &part, K, 6, out); break;
-                case 7: q8_column(blocks, G, &part, K, 7, out); break;
-                default: q8_column(blocks, G, &part, K, 8, out); break;
+                case 1: Q8_COLUMN(int8, blocks, G, &part, K, 1, out); break;
+                case 2: Q8_COLUMN(int8, blocks, G, &part, K, 2, out); break;
+                case 3: Q8_COLUMN(int8, blocks, G, &part, K, 3, out); break;
+                case 4: Q8_COLUMN(int8, blocks, G, &part, K, 4, out); break;
+                case 5: Q8_COLUMN(int8, blocks, G, &part, K, 5, out); break;
+                case 6: Q8_COLUMN(int8, blocks, G, &part, K, 6, out); break;
+                case 7: Q8_COLUMN(int8, blocks, G, &part, K, 7, out); break;
+                default: Q8_COLUMN(int8, blocks, G, &part, K, 8, out); break;
             }
             for (int b = 0; b < nb; b++) {
                 float *y = c->out + (size_t)(b0 + b) * c->V + (size_t)col * TILE_N;
-                for (int n = 0; n < TILE_N; n++) y[n] = out[b][n] * scale[n] * part.dx[b];
+                const float dx = int8 ? 1.0f : part.dx[b]; /* (int8: the scales are in) */
+                for (int n = 0; n < TILE_N; n++) y[n] = out[b][n] * scale[n] * dx;
             }
         }
     }
@@ -136,10 +167,10 @@ static void run_head(void *arg, int tid) {
     if (tid >= c->nthreads) return;
     int b0, b1, r0, r1;
     span(c->B, tid, c->nthreads, &b0, &b1);
-    quantize_x(c->x, c->K, &c->qx, b0, b1, c->amx);
+    quantize_x(c->x, c->K, &c->qx, b0, b1, c->mode);
     barrier(c->nthreads);
 #if HAVE_AMX
-    if (c->amx) {
+    if (c->mode == MM_AMX) {
         matmul_amx(&c->w, c->V, c->K, &c->qx, c->B, c->out,
                    c->tile_scratch + (size_t)tid * c->tile_scratch_per_thread, tid, c->nthreads);
         _tile_release();
@@ -194,7 +225,7 @@ static void run_head(void *arg, int tid) {
  * scale[n]), V a multiple of 16 and K of 32. `exact` [V, K] fp32 (or NULL): each row's `refine`
  * largest outputs are then recomputed against it at full precision; or, with `exact` NULL, against
  * the rows of `exact_rows` (gguf_rows.c: V rows of GGML type `exact_type`, NULL for none), the file's own. Steps of
- * at least wide_min_rows rows multiply on AMX tiles where this build and the OS allow it (0: never). Returns 0, -1 when out
+ * at least wide_min_rows rows take the wide matmul (wide_mode: AMX tiles, or int8 inputs; 0: never). Returns 0, -1 when out
  * of memory, -2 for shapes it does not take. */
 int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int V, float *out,
                        const float *exact, const uint8_t *exact_rows, int exact_type, int refine, int nthreads,
@@ -205,24 +236,27 @@ int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     if (B == 0) return 0; /* a step that samples nothing (a prefill chunk) */
     pthread_mutex_lock(&step_lock);
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
-    const int amx = wide_min_rows > 0 && B >= wide_min_rows && amx_usable();
+    const int mode = wide_mode(B, wide_min_rows), amx = mode == MM_AMX;
     const size_t R = (size_t)(B + 31) / 32 * 32, per_thread = (size_t)(K / GROUP) * 1024;
     const size_t rows_scratch = exact || !exact_rows ? 0 : (size_t)nthreads * K;
-    const size_t floats = R * (1 + K / GROUP) + R * K / 2 + R * K / 2 + (size_t)nthreads * B * MAX_REFINE +
+    const size_t floats = R * (1 + 5 * (K / GROUP)) + R * K / 2 + R * K / 2 + (size_t)nthreads * B * MAX_REFINE +
                           rows_scratch + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
     float *buf = calloc(floats, sizeof(float));
     if (!buf) {
         pthread_mutex_unlock(&step_lock);
         return -1;
     }
-    head_ctx c = {B, K, V, nthreads, refine, amx, x, {blocks, Q8_BLOCK_BYTES, scale, TILES_Q8G}, exact,
+    head_ctx c = {B, K, V, nthreads, refine, mode, x, {blocks, Q8_BLOCK_BYTES, scale, TILES_Q8G}, exact,
                   {exact_rows, exact_type, K, exact_row_bytes}, NULL, out,
-                  {NULL, NULL, NULL, NULL}, NULL, per_thread, NULL};
+                  {NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL, per_thread, NULL};
     float *p = buf;
     c.qx.dx = p, p += R;
     c.qx.sx = p, p += R * (K / GROUP);
     c.qx.q = (int16_t *)p, p += R * K / 2;
     c.qx.bf = (uint16_t *)p, p += R * K / 2;
+    c.qx.q8 = (int8_t *)c.qx.q; /* (MM_INT8 has no int16 rows) */
+    c.qx.dg = p, p += R * 2 * (K / GROUP);
+    c.qx.s8 = (int32_t *)p, p += R * 2 * (K / GROUP);
     c.cand = (int32_t *)p, p += (size_t)nthreads * B * MAX_REFINE;
     c.row_scratch = p, p += rows_scratch;
     c.tile_scratch = (uint16_t *)(((uintptr_t)p + 63) & ~(uintptr_t)63);

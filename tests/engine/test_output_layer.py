@@ -1,5 +1,7 @@
 """The bf16 output layer with exact recomputation of each row's top candidates."""
 
+import ctypes
+
 import gguf
 import numpy as np
 import pytest
@@ -77,7 +79,8 @@ def test_int8_output_layer_keeps_the_exact_top_candidates():
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 40])
 def test_native_int8_output_layer_refines_the_top_candidates(rows):
     """The native output layer (kernels/cpu): its products equal the int8 weights' to the rounding of its
-    matmul (int16 activations; bf16 tiles on AMX), and each row's REFINE_TOP best are recomputed
+    matmul (int16 activations; the wide matmul's bf16 tiles on AMX, or int8 activations in 16s, against
+    the same rounding of x), and each row's REFINE_TOP best are recomputed
     against the exact weights in the same call, on one and two threads; the model's logits take it."""
     torch.manual_seed(rows)
     weight = torch.randn(4992, 64) * 0.05  # 312 blocks of 16 rows: not a multiple of the threads' shares
@@ -87,12 +90,19 @@ def test_native_int8_output_layer_refines_the_top_candidates(rows):
     int8_ref = x.double() @ (w8.q.double() * w8.scales.double()[:, None]).T
     exact = x @ weight.T
     lib = cpu_kernels.build.load()
-    modes = [0, 1] if lib.sluice_amx_available() else [0]
-    for amx in modes:  # 0: int16 activations; 1: every row count on AMX (activations and weights in bf16)
-        tol = 1e-4 if not amx else 2e-2
+    lib.sluice_wide_matmul.restype = ctypes.c_char_p
+    wide = lib.sluice_wide_matmul().decode()
+    groups = x.double().view(rows, -1, 16)
+    steps = groups.abs().amax(-1, keepdim=True) / 127
+    x8 = (torch.round(groups / steps) * steps).view(rows, -1)  # int8 in 16s
+    w8_ref = (w8.q.double() * w8.scales.double()[:, None]).T
+    # 0: int16 activations; 1: every row count on the wide matmul (AMX: activations and weights in bf16)
+    for amx in [0, 1] if wide else [0]:
+        tol = 1e-4 if not amx or wide == "int8" else 2e-2
         for threads in (1, 2):
             plain = cpu_kernels.int8_logits(x, head, threads, wide_min_rows=amx)
-            torch.testing.assert_close(plain.double(), int8_ref, rtol=tol, atol=tol)
+            torch.testing.assert_close(plain.double(), x8 @ w8_ref if amx and wide == "int8" else int8_ref,
+                                       rtol=tol, atol=tol)
             refined = cpu_kernels.int8_logits(x, head, threads, exact=weight, refine=REFINE_TOP, wide_min_rows=amx)
             top = plain.topk(REFINE_TOP, dim=-1).indices
             torch.testing.assert_close(refined.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
