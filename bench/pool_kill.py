@@ -52,7 +52,7 @@ def replica(kind: str, tmp: Path, name: str, admin_keys: Path, slots: int) -> It
     if kind == "sluice":
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT),
                "SLUICE_AUTH__KEYS_FILE": str(admin_keys), "OMP_NUM_THREADS": "1",
-               "SLUICE_ENGINE__KV_CACHE_TOKENS": "32768", "SLUICE_ENGINE__AMX_MIN_ROWS": "0", "SLUICE_ENGINE__MAX_RUNNING_REQUESTS": str(slots)}
+               "SLUICE_ENGINE__KV_CACHE_TOKENS": "32768", "SLUICE_ENGINE__WIDE_MIN_ROWS": "0", "SLUICE_ENGINE__MAX_RUNNING_REQUESTS": str(slots)}
         env.pop("SLUICE_CONFIG", None)
         (tmp / "replica.toml").write_text('[[models]]\nkind = "chat"\n')
         env["SLUICE_CONFIG"] = str(tmp / "replica.toml")

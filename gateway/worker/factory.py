@@ -25,7 +25,7 @@ def _engine_config(settings: Settings, entry: ModelEntry | None = None) -> Engin
     from engine import EngineConfig
 
     kw = settings.engine_kwargs() if entry is None else settings.chat_engine_kwargs(entry)
-    return TypeAdapter(EngineConfig).validate_python(kw)
+    return TypeAdapter(EngineConfig).validate_python(_known(EngineConfig, kw))
 
 
 def _embedding_config(entry: ModelEntry) -> EmbeddingConfig:
@@ -37,7 +37,22 @@ def _embedding_config(entry: ModelEntry) -> EmbeddingConfig:
     kw.setdefault("model", entry.path)
     if entry.id is not None:
         kw.setdefault("served_model_name", entry.id)
-    return TypeAdapter(EmbeddingConfig).validate_python(kw)
+    return TypeAdapter(EmbeddingConfig).validate_python(_known(EmbeddingConfig, kw))
+
+
+def _known(config: type, kw: dict[str, Any]) -> dict[str, Any]:
+    """`kw` when every key is a field of the dataclass `config`. Pydantic would drop an unknown key (a typo,
+    an option since renamed) without a word and the engine would start on its default instead: refuse it,
+    naming the key, so the model's load error (/ready, the log) says what to fix."""
+    from dataclasses import fields
+
+    from engine import EngineConfigError
+
+    unknown = sorted(set(kw) - {f.name for f in fields(config)})
+    if unknown:
+        raise EngineConfigError(f"unknown {config.__name__} option(s) {', '.join(unknown)} (from the [engine] "
+                                "section, a model's engine table or SLUICE_ENGINE__* variables)")
+    return kw
 
 
 def load_engine(settings: Settings, entry: ModelEntry | None = None) -> StepEngine:

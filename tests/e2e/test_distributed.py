@@ -53,7 +53,7 @@ class Cluster:
         self.redis.start()
         self.env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT),
                     "SLUICE_REDIS_URL": self.redis.url, "SLUICE_AUTH__KEYS_FILE": str(tmp / "keys.json"),
-                    "SLUICE_ENGINE__KV_CACHE_TOKENS": "8192", "SLUICE_ENGINE__AMX_MIN_ROWS": "0",
+                    "SLUICE_ENGINE__KV_CACHE_TOKENS": "8192", "SLUICE_ENGINE__WIDE_MIN_ROWS": "0",
                     "SLUICE_ENGINE__MAX_RUNNING_REQUESTS": "128",
                     "SLUICE_QUEUE__LEASE_S": "2", "SLUICE_QUEUE__HEARTBEAT_S": "0.5",
                     "SLUICE_QUEUE__FILL_TARGET": "1", "SLUICE_QUEUE__MAX_WAIT_MS": "0",

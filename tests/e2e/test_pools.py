@@ -42,7 +42,7 @@ class Replica:
         cfg.write_text('[[models]]\nkind = "chat"\n')
         self.env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT), "SLUICE_CONFIG": str(cfg),
                     "SLUICE_AUTH__KEYS_FILE": str(real_gateway.keys_file),
-                    "SLUICE_ENGINE__KV_CACHE_TOKENS": "16384", "SLUICE_ENGINE__AMX_MIN_ROWS": "0",
+                    "SLUICE_ENGINE__KV_CACHE_TOKENS": "16384", "SLUICE_ENGINE__WIDE_MIN_ROWS": "0",
                     "SLUICE_ENGINE__MAX_MODEL_LEN": "2048"}
         self.proc: subprocess.Popen | None = None
 

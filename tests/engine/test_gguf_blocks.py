@@ -91,6 +91,11 @@ def _tile_values(b) -> torch.Tensor:
     return w.view(n, k).double()
 
 
+def _tile_mins(b) -> torch.Tensor:
+    """The part of `_tile_values` that is the groups' mins (fp16-rounded), one per weight."""
+    return b.mn.half().double().repeat_interleave(32, 1)
+
+
 def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
     """The fixture's two layers as the native step's tiles, and as float64 weights for the reference."""
     reader = gguf.GGUFReader(str(FIXTURE))
@@ -104,6 +109,9 @@ def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
                   for n, t in ts.items() if n.startswith(f"blk.{i}.")}
         dense = {m: torch.cat([_tile_values(blocks[f"blk.{i}.{p}.weight"]) for p in parts])
                  for m, parts in fused.items()}
+        # the int8 matmul's reference multiplies the groups' mins by the exact inputs: the file's mins
+        model.mins[i] = {m: torch.cat([_tile_mins(blocks[f"blk.{i}.{p}.weight"]) for p in parts])
+                         for m, parts in fused.items()}
         packed = {m: pack_native([blocks[f"blk.{i}.{p}.weight"] for p in parts]) for m, parts in fused.items()}
         formats.update({f"{i}.{m}": t.format for m, t in packed.items() if t is not None})
         _, norms, _ = model.layers[i]

@@ -212,12 +212,13 @@ def _matmul_modes(lib) -> list[tuple[int, str]]:
 
 def _assert_step_close(got: torch.Tensor, want: torch.Tensor, matmuls: str, where: tuple) -> None:
     """Every row within 2e-3 of the largest output. The int8 matmul against its own rounding: the median row
-    within 1e-5, and every row within 1e-2 (an input the kernel's fp32 puts on the other side of a rounding
-    boundary than float64 does moves by a whole int8 step, and the layers after carry it on)."""
+    within 1e-4, and every row within 1e-2 (an input the kernel's fp32 puts on the other side of a rounding
+    boundary than float64 does moves by a whole int8 step, and the layers after carry it on; a wrong scale
+    or min moves every row by ~1e-2)."""
     scale = want.abs().max().item()
     rows = (got.double() - want).abs().amax(-1) / scale
     if matmuls == "int8":
-        assert rows.median().item() < 1e-5 and rows.max().item() < 1e-2, (*where, rows.tolist())
+        assert rows.median().item() < 1e-4 and rows.max().item() < 1e-2, (*where, rows.tolist())
     else:
         assert rows.max().item() < 2e-3, (*where, rows.max().item())
 
