@@ -68,7 +68,8 @@ def write_tokenizer(path: Path) -> None:
     w.close()
 
 
-def write_f16(path: Path, shape: str, seed: int = 0, tokenizer_from: Path | None = None) -> None:
+def write_f16(path: Path, shape: str, seed: int = 0, tokenizer_from: Path | None = None, bf16: bool = False) -> None:
+    """The shape with random weights in F16 (`bf16`: BF16, as gguf-py rounds them)."""
     import gguf
 
     s = SHAPES[shape]
@@ -86,7 +87,7 @@ def write_f16(path: Path, shape: str, seed: int = 0, tokenizer_from: Path | None
     w.add_layer_norm_rms_eps(s["eps"])
     w.add_rope_freq_base(s["rope_base"])
     w.add_vocab_size(vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.MOSTLY_F16)
     # SmolLM2's tokenizer, padded to the vocabulary with plain tokens no merge makes (as control tokens, 79k
     # of them made llguidance's tokenizer take 30 s to build; a real Llama 3 has 256)
     tokens = list(src.fields["tokenizer.ggml.tokens"].contents())
@@ -106,10 +107,18 @@ def write_f16(path: Path, shape: str, seed: int = 0, tokenizer_from: Path | None
     def mat(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)).astype(np.float16)
 
+    def add_mat(name: str, rows: int, cols: int) -> None:
+        m = mat(rows, cols)
+        if bf16:
+            w.add_tensor(name, gguf.quants.quantize(m.astype(np.float32), gguf.GGMLQuantizationType.BF16),
+                         raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            w.add_tensor(name, m)
+
     def norm(n: int) -> np.ndarray:
         return (1 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
 
-    w.add_tensor("token_embd.weight", mat(vocab, hidden))
+    add_mat("token_embd.weight", vocab, hidden)
     w.add_tensor("output_norm.weight", norm(hidden))
     if s["llama3"] is not None:
         c = s["llama3"]
@@ -120,13 +129,13 @@ def write_f16(path: Path, shape: str, seed: int = 0, tokenizer_from: Path | None
         w.add_tensor(p + "attn_norm.weight", norm(hidden))
         w.add_tensor(p + "ffn_norm.weight", norm(hidden))
         for name, rows in (("attn_q", heads * d), ("attn_k", kv * d), ("attn_v", kv * d)):
-            w.add_tensor(p + name + ".weight", mat(rows, hidden))
+            add_mat(p + name + ".weight", rows, hidden)
             if s["bias"]:
                 w.add_tensor(p + name + ".bias", (0.1 * rng.standard_normal(rows, dtype=np.float32)))
-        w.add_tensor(p + "attn_output.weight", mat(hidden, heads * d))
-        w.add_tensor(p + "ffn_gate.weight", mat(s["inter"], hidden))
-        w.add_tensor(p + "ffn_up.weight", mat(s["inter"], hidden))
-        w.add_tensor(p + "ffn_down.weight", mat(hidden, s["inter"]))
+        add_mat(p + "attn_output.weight", hidden, heads * d)
+        add_mat(p + "ffn_gate.weight", s["inter"], hidden)
+        add_mat(p + "ffn_up.weight", s["inter"], hidden)
+        add_mat(p + "ffn_down.weight", hidden, s["inter"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -136,7 +145,8 @@ def write_f16(path: Path, shape: str, seed: int = 0, tokenizer_from: Path | None
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama32-1b")
-    ap.add_argument("--type", default="Q4_K_M", help="llama-quantize's type name, or F16 to keep the source")
+    ap.add_argument("--type", default="Q4_K_M", help="llama-quantize's type name, or F16 (BF16) to "
+                    "write the weights in it with gguf-py alone")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokenizer-from", default=None, help="a GGUF with the tokenizer fields (default: the packaged "
                     "model's)")
@@ -146,8 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.tokenizer_only:
         write_tokenizer(out)
         return
-    if a.type == "F16":
-        write_f16(out, a.shape, tokenizer_from=Path(a.tokenizer_from) if a.tokenizer_from else None)
+    if a.type in ("F16", "BF16"):
+        write_f16(out, a.shape, tokenizer_from=Path(a.tokenizer_from) if a.tokenizer_from else None,
+                  bf16=a.type == "BF16")
         return
     if not QUANTIZE.exists():
         raise SystemExit(f"{QUANTIZE} is missing: bash bench/setup_llama_server.sh")

@@ -29,6 +29,15 @@ enum { MM_INT16 = 0, MM_AMX = 1, MM_INT8 = 2 }; /* how a step's matmuls take the
 #else
 #define HAVE_INT8 0
 #endif
+/* MM_INT8 steps on F16/BF16 tiles (AVX-512 BF16): x rounded to bf16, `vdpbf16ps` over the tile rows, whose
+ * 32 lanes are already its pairs (output row n, inputs 2r and 2r + 1): one instruction per tile row and
+ * input row where fp32 FMAs take two and the pairs' sums after. The weights as AMX takes them: BF16 as they
+ * are, F16 rounded to bf16. */
+#if HAVE_INT8 && defined(__AVX512BF16__)
+#define HAVE_BF16DOT 1
+#else
+#define HAVE_BF16DOT 0
+#endif
 
 #define ROWS_PER_PASS 8
 
@@ -36,7 +45,8 @@ typedef struct {
     int16_t *q; /* [B, K] */
     float *dx; /* [B]: each row's scale */
     float *sx; /* [B, G]: exact sums of each group's inputs, divided by the row's dx */
-    uint16_t *bf; /* the rows in bf16 for the AMX path, as A tiles: [rows rounded up to 32 / 16][K / 32][16 x 32] */
+    uint16_t *bf; /* the rows in bf16: for the AMX path as A tiles ([rows rounded up to 32 / 16][K / 32][16 x 32]),
+                   * for MM_INT8's F16/BF16 columns as rows [B, K] (HAVE_BF16DOT) */
     int8_t *q8; /* MM_INT8: [B, K] (sx then holds the exact sums themselves) */
     float *dg; /* MM_INT8: [B, G, 2], each half group's scale */
     int32_t *s8; /* MM_INT8: [B, G, 2], 128 * the sum of each half group's int8 inputs */
@@ -64,6 +74,11 @@ static void quantize_x(const float *x, int K, qx_t *qx, int b0, int b1, int mode
                 }
                 qx->sx[(size_t)b * G + g] = _mm512_reduce_add_ps(sum);
             }
+#if HAVE_BF16DOT
+            for (int k = 0; k < K; k += 16)
+                _mm256_storeu_si256((__m256i *)(qx->bf + (size_t)b * K + k),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + k)));
+#endif
             continue;
         }
 #endif
@@ -102,8 +117,9 @@ static int wide_mode(int B, int wide_rows) {
     return amx_usable() ? MM_AMX : HAVE_INT8 ? MM_INT8 : MM_INT16;
 }
 
-/* The wide matmul this build and the OS give many rows: "amx", "int8" or "" (none). */
-const char *sluice_wide_matmul(void) { return amx_usable() ? "amx" : HAVE_INT8 ? "int8" : ""; }
+/* The wide matmul this build and the OS give many rows: "amx", "int8" (its 16-bit tiles in fp32 FMAs),
+ * "int8+bf16" (in bf16 dot products) or "" (none). */
+const char *sluice_wide_matmul(void) { return amx_usable() ? "amx" : HAVE_BF16DOT ? "int8+bf16" : HAVE_INT8 ? "int8" : ""; }
 
 /* One column of blocks (16 output rows n0.., all K) for nb <= ROWS_PER_PASS input rows: y[b, n0 + n]. */
 static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, int G, const qx_t *qx, int K,
@@ -475,6 +491,34 @@ static inline __attribute__((always_inline)) void q8g_column_i8(const uint8_t *c
 }
 #endif
 
+#if HAVE_BF16DOT
+/* One column of F16 or BF16 blocks (`bf16`) for nb <= BF_ROWS_PER_PASS rows of bf16 inputs (xb: rows [nb, K],
+ * MM_INT8's), in bf16 dot products with fp32 sums: y[b, n0 + n]. Passes of 16 rows (16 accumulators, the
+ * weights and an input pair in 18 of the 32 registers): an F16 tile row is rounded to bf16 once for them. */
+#define BF_ROWS_PER_PASS 16
+static inline __attribute__((always_inline)) void f16_column_bf(const uint8_t *col, int G, const uint16_t *xb, int K,
+                                                                int nb, float *y, int ldy, int bf16) {
+    __m512 acc[BF_ROWS_PER_PASS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * F16_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, F16_BLOCK_BYTES);
+        for (int r = 0; r < 16; r++) {
+            const uint8_t *p = blk + 64 * r;
+            const __m512bh w = bf16 ? (__m512bh)_mm512_loadu_si512(p)
+                                    : _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))),
+                                                          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)));
+            for (int b = 0; b < nb; b++) {
+                uint32_t pair; /* x[2r], x[2r + 1] in bf16 */
+                memcpy(&pair, xb + (size_t)b * K + g * GROUP + 2 * r, 4);
+                acc[b] = _mm512_dpbf16_ps(acc[b], w, (__m512bh)_mm512_set1_epi32((int)pair));
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++) _mm512_storeu_ps(y + (size_t)b * ldy, acc[b]);
+}
+#endif
+
 static inline int tile_bytes(int format) {
     return format == TILES_Q8G ? Q8G_BLOCK_BYTES : format == TILES_F16 || format == TILES_BF16 ? F16_BLOCK_BYTES : BLOCK_BYTES;
 }
@@ -488,7 +532,8 @@ static inline int tile_bytes(int format) {
 #endif
 
 /* A column of any format for a constant nb (the compiler keeps each row's accumulator in a register);
- * int8: the inputs are MM_INT8's (the 16-bit formats read the fp32 rows either way). */
+ * int8: the inputs are MM_INT8's (the 16-bit formats read the fp32 rows; with bf16 dot products they
+ * take f16_column_bf's passes instead). */
 #define COLUMN(fmt, int8, col, G, part, xb, K, nb, yb, N)           \
     do {                                                            \
         if ((int8) && (fmt) == TILES_Q4)                            \
@@ -512,6 +557,27 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
     const int G = K / GROUP, NB = N / TILE_N, per = (NB + nt - 1) / nt;
     const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
     const int fmt = w->format, bytes = tile_bytes(fmt), int8 = HAVE_INT8 && mode == MM_INT8;
+#if HAVE_BF16DOT
+    if (int8 && (fmt == TILES_F16 || fmt == TILES_BF16)) {
+        const int bf16 = fmt == TILES_BF16;
+        for (int c = c0; c < c1; c++) {
+            const uint8_t *col = w->blocks + (size_t)c * G * bytes;
+            for (int b0 = 0; b0 < B; b0 += BF_ROWS_PER_PASS) {
+                const int nb = B - b0 < BF_ROWS_PER_PASS ? B - b0 : BF_ROWS_PER_PASS;
+                const uint16_t *xb = qx->bf + (size_t)b0 * K;
+                float *yb = y + (size_t)b0 * N + c * TILE_N;
+                switch (nb) { /* a constant nb: the accumulators stay in registers */
+#define BF_CASE(n) case n: f16_column_bf(col, G, xb, K, n, yb, N, bf16); break;
+                    BF_CASE(1) BF_CASE(2) BF_CASE(3) BF_CASE(4) BF_CASE(5) BF_CASE(6) BF_CASE(7) BF_CASE(8)
+                    BF_CASE(9) BF_CASE(10) BF_CASE(11) BF_CASE(12) BF_CASE(13) BF_CASE(14) BF_CASE(15)
+                    default: f16_column_bf(col, G, xb, K, 16, yb, N, bf16); break;
+#undef BF_CASE
+                }
+            }
+        }
+        return;
+    }
+#endif
     for (int c = c0; c < c1; c++) {
         const uint8_t *col = w->blocks + (size_t)c * G * bytes;
         for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {

@@ -26,12 +26,17 @@ pytestmark = pytest.mark.skipif(cpu_build.load() is None, reason="no C compiler 
 
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "tiny-kquants.gguf"
-BUILDS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3",), "plain": ("-march=x86-64",)}
+# "no-bf16": the native build without AVX-512 BF16 (where the CPU has it: the int8 wide matmul's 16-bit tiles
+# then take fp32 FMAs, as on a CPU with VNNI and no BF16)
+BUILDS = {"native": ("-march=native",), "no-bf16": ("-march=native", "-mno-avx512bf16"),
+          "avx2": ("-march=x86-64-v3",), "plain": ("-march=x86-64",)}
 
 
 def _library(build: str):
     if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_info().flags:
         pytest.skip("this CPU has no AVX2/FMA/F16C")
+    if build == "no-bf16" and "avx512_bf16" not in cpu_info().flags:
+        pytest.skip("this CPU has no AVX-512 BF16: the native build is this one")
     lib = cpu_build.compile_library(BUILDS[build])
     assert lib is not None
     return lib
@@ -120,7 +125,8 @@ class TinyModel:
         before any row attends to its sequence's positions 0..positions[b]. `matmuls`: "exact", "bf16" (each
         matmul's input and weights rounded to bf16 first: what the AMX path and torch's bf16 path compute)
         or "int8" (the int8 matmul's: the inputs of the 4-bit and int8-group matrices' q * d parts rounded to
-        int8 in 16s, their m parts multiplied by the exact inputs)."""
+        int8 in 16s, their m parts multiplied by the exact inputs; the 16-bit matrices exact) or "int8+bf16"
+        (the same, the 16-bit matrices' inputs and weights rounded to bf16)."""
         d = self.dims
         D, nh, nkv, eps = d["head_dim"], d["heads"], d["kv_heads"], d["eps"]
         x = x.double().clone()
@@ -138,9 +144,11 @@ class TinyModel:
             weight = w[name]
             if matmuls == "bf16":
                 return _bf16(v) @ _bf16(weight).T
-            if matmuls == "int8" and name not in self.sixteen_bit:  # q * d with int8 inputs, m with the exact ones
+            if matmuls.startswith("int8") and name not in self.sixteen_bit:  # q * d with int8 inputs, m exact
                 mins = self.mins[li][name]
                 return _int8_groups(v) @ (weight - mins).T + v @ mins.T
+            if matmuls == "int8+bf16":  # the 16-bit tiles in bf16 dot products
+                return _bf16(v) @ _bf16(weight).T
             return v @ weight.T
 
         for li, (w, (n1, n2), bias) in enumerate(self.layers):
@@ -204,10 +212,11 @@ def _step(rows: int, gen: torch.Generator, block_size: int, blocks_per_seq: int)
 
 def _matmul_modes(lib) -> list[tuple[int, str]]:
     """(wide_min_rows, the reference's matmuls) to run: 0 (the int16 matmul, against exact products), and
-    1 (every step on the build's wide matmul: AMX's bf16 tiles, or int8 dot products) where it has one."""
+    1 (every step on the build's wide matmul: AMX's bf16 tiles, or int8 dot products, with bf16 ones on the
+    16-bit tiles where the build has them: "int8+bf16") where it has one."""
     lib.sluice_wide_matmul.restype = ctypes.c_char_p
     wide = lib.sluice_wide_matmul().decode()
-    return [(0, "exact")] + ([(1, "bf16" if wide == "amx" else "int8")] if wide else [])
+    return [(0, "exact")] + ([(1, "bf16" if wide == "amx" else wide)] if wide else [])
 
 
 def _assert_step_close(got: torch.Tensor, want: torch.Tensor, matmuls: str, where: tuple) -> None:
@@ -217,7 +226,7 @@ def _assert_step_close(got: torch.Tensor, want: torch.Tensor, matmuls: str, wher
     or min moves every row by ~1e-2)."""
     scale = want.abs().max().item()
     rows = (got.double() - want).abs().amax(-1) / scale
-    if matmuls == "int8":
+    if matmuls.startswith("int8"):
         assert rows.median().item() < 1e-4 and rows.max().item() < 1e-2, (*where, rows.tolist())
     else:
         assert rows.max().item() < 2e-3, (*where, rows.max().item())
