@@ -35,7 +35,8 @@ class EngineConfig:
     # the machine's C compiler); the layers then hold no dense copy. false: the torch path (int4 + bf16).
     native_cpu_step: bool = True
     # Native step: steps of at least this many tokens take the wide matmul (on CPUs with AMX, bf16 tiles;
-    # else, with AVX-512 VNNI, int8 activations in groups of 32), smaller ones int16 dot products.
+    # else, with AVX-512 VNNI, int8 activations with a scale per 16, and bf16 dot products on F16/BF16
+    # tiles where the CPU has AVX-512 BF16), smaller ones int16 dot products.
     # None: measured at start; 0: never (then every step computes each row alike, whatever the batch).
     wide_min_rows: int | None = None
     # KV cache; auto: bfloat16 on a CPU when the weights are bf16/int4 (half the memory and bytes read),

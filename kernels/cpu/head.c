@@ -65,16 +65,7 @@ static inline __attribute__((always_inline)) void q8_column_i8(const uint8_t *co
     for (int g = 0; g < G; g++) {
         const uint8_t *blk = col + (size_t)g * Q8_BLOCK_BYTES;
         prefetch_l2(blk + PREFETCH_AHEAD, Q8_BLOCK_BYTES);
-        for (int h = 0; h < 2; h++) {
-            __m512i acc[ROWS_PER_PASS];
-            for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
-            q8_tile_rows_i8(blk, 8 * h, 8 * h + 8, qx, K, g, nb, acc);
-            for (int b = 0; b < nb; b++) {
-                const size_t i = ((size_t)b * G + g) * 2 + h;
-                const __m512i s = _mm512_sub_epi32(acc[b], _mm512_set1_epi32(qx->s8[i]));
-                accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(qx->dg[i]), accf[b]);
-            }
-        }
+        q8_group_i8(blk, qx, K, G, g, nb, 0, accf);
     }
     for (int b = 0; b < nb; b++) _mm512_storeu_ps(out[b], accf[b]);
 }

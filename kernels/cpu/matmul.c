@@ -465,6 +465,25 @@ static inline __attribute__((always_inline)) void q8_tile_rows_i8(const uint8_t 
     }
 }
 
+/* accf[b] += group g of an int8 block (the tile rows of both halves) dotted with nb rows' int8 inputs, each
+ * half's sums less the weights' offset times that half's input scale dg and (`d`: a Q8G block's) its
+ * weight scales; the output layer's blocks (no `d`) take theirs per row after. */
+static inline __attribute__((always_inline)) void q8_group_i8(const uint8_t *blk, const qx_t *qx, int K, int G, int g,
+                                                              int nb, int d, __m512 *accf) {
+    for (int h = 0; h < 2; h++) {
+        __m512i acc[ROWS_PER_PASS];
+        for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
+        q8_tile_rows_i8(blk, 8 * h, 8 * h + 8, qx, K, g, nb, acc);
+        const __m512 dw = d ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512 + 32 * h)))
+                            : _mm512_set1_ps(1.0f);
+        for (int b = 0; b < nb; b++) {
+            const size_t i = ((size_t)b * G + g) * 2 + h;
+            const __m512i s = _mm512_sub_epi32(acc[b], _mm512_set1_epi32(qx->s8[i]));
+            accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(qx->dg[i])), accf[b]);
+        }
+    }
+}
+
 /* One column of Q8G blocks for nb <= ROWS_PER_PASS rows of int8 inputs: y[b, n0 + n]. */
 static inline __attribute__((always_inline)) void q8g_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
                                                                 int nb, float *y, int ldy) {
@@ -473,17 +492,7 @@ static inline __attribute__((always_inline)) void q8g_column_i8(const uint8_t *c
     for (int g = 0; g < G; g++) {
         const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
         prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
-        for (int h = 0; h < 2; h++) {
-            __m512i acc[ROWS_PER_PASS];
-            for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
-            q8_tile_rows_i8(blk, 8 * h, 8 * h + 8, qx, K, g, nb, acc);
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512 + 32 * h)));
-            for (int b = 0; b < nb; b++) {
-                const size_t bg = (size_t)b * G + g;
-                const __m512i s = _mm512_sub_epi32(acc[b], _mm512_set1_epi32(qx->s8[2 * bg + h]));
-                accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(qx->dg[2 * bg + h])), accf[b]);
-            }
-        }
+        q8_group_i8(blk, qx, K, G, g, nb, 1, accf);
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 576)));
         for (int b = 0; b < nb; b++) accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(qx->sx[(size_t)b * G + g]), accf[b]);
     }
