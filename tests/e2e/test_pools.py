@@ -78,9 +78,10 @@ def _settings(tmp_path, a, b) -> Settings:
                     routing={"breaker_failures": 2, "breaker_cooldown_s": 1.0})
 
 
-async def _stream(s: aiohttp.ClientSession, base: str, prompt: str, n: int, first: asyncio.Event | None = None):
+async def _stream(s: aiohttp.ClientSession, base: str, prompt: str, n: int, first: asyncio.Event | None = None,
+                  ignore_eos: bool = False):
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0,
-            "stream": True}
+            "stream": True, **({"ignore_eos": True} if ignore_eos else {})}
     text = []
     async with s.post(base + "/v1/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()
@@ -171,10 +172,10 @@ async def test_full_real_replicas_serve_pro_first_then_overflow_or_refuse_early(
         await server.start_server()
         return app, server, f"http://127.0.0.1:{server.port}"
 
-    async def fill(s: aiohttp.ClientSession, base: str) -> list[asyncio.Task]:
-        """Both replicas busy with a long answer each, once both have begun."""
+    async def fill(s: aiohttp.ClientSession, base: str, n: int = 96) -> list[asyncio.Task]:
+        """Both replicas busy with a long answer each (`n` tokens), once both have begun."""
         firsts = [asyncio.Event(), asyncio.Event()]
-        busy = [asyncio.create_task(_stream(s, base, PROMPTS[i], 96, firsts[i])) for i in range(2)]
+        busy = [asyncio.create_task(_stream(s, base, PROMPTS[i], n, firsts[i], ignore_eos=n > 96)) for i in range(2)]
         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
         return busy
 
@@ -212,7 +213,9 @@ async def test_full_real_replicas_serve_pro_first_then_overflow_or_refuse_early(
             app, server, base = await serving(200, providers)
             try:
                 async with session(std) as s:
-                    busy = await fill(s, base)
+                    # answers far longer than the 200 ms target (the replica that began first must not be near
+                    # its end when the request comes), cancelled once it is decided
+                    busy = await fill(s, base, 1024)
                     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 4}
                     t0 = time.monotonic()
                     async with s.post(base + "/v1/chat/completions", json=body) as r:
@@ -223,7 +226,9 @@ async def test_full_real_replicas_serve_pro_first_then_overflow_or_refuse_early(
                             assert r.status == 429 and answer["error"]["code"] == "engines_busy", answer
                             assert r.headers["Retry-After"]
                             assert time.monotonic() - t0 < 1.0
-                    await asyncio.wait_for(asyncio.gather(*busy), 120)
+                    for task in busy:
+                        task.cancel()
+                    await asyncio.gather(*busy, return_exceptions=True)
             finally:
                 await server.close()
                 await app[STATE].engines.close()
