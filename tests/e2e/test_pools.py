@@ -185,7 +185,9 @@ async def test_full_real_replicas_serve_pro_first_then_overflow_or_refuse_early(
     app, server, base = await serving(60000, [])
     try:
         async with session(std) as s, session(pro) as p:
-            busy = await fill(s, base)
+            # 384 tokens each (ignore_eos): still running when the waiting requests come 0.3 s later, so these
+            # wait in Sluice's queue (with 96, a replica that began first could be done by then)
+            busy = await fill(s, base, 384)
             done: list[str] = []
 
             async def short(sess: aiohttp.ClientSession, who: str) -> None:
