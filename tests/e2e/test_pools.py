@@ -99,6 +99,30 @@ async def _stream(s: aiohttp.ClientSession, base: str, prompt: str, n: int, firs
     return backend, "".join(text)
 
 
+async def _loads(*bases: str) -> dict[str, tuple[float, float]]:
+    """Each replica's (in flight, waiting) as its /metrics says (the pool's admin key reads them)."""
+    from gateway.backends.pool.load import parse_load
+    headers = {"Authorization": f"Bearer {os.environ['SLUICE_TEST_POOL_KEY']}"}
+    out = {}
+    async with aiohttp.ClientSession(headers=headers) as s:
+        for base in bases:
+            async with s.get(base + "/metrics") as r:
+                load = parse_load("sluice", await r.text())
+            out[base] = (load.running, load.waiting)
+    return out
+
+
+async def _idle(*bases: str, timeout: float = 120) -> None:
+    """Until nothing runs or waits on any of the replicas (what an earlier test left there ends)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = await _loads(*bases)
+        if not any(sum(v) for v in loads.values()):
+            return
+        assert time.monotonic() < deadline, f"replicas still busy after {timeout} s: {loads}"
+        await asyncio.sleep(0.2)
+
+
 async def test_a_pool_of_real_replicas_spreads_survives_a_sigkill_and_takes_the_replica_back(tmp_path, replicas):
     a, b = replicas
     app = create_app(_settings(tmp_path, a, b), keys=KeyStore(tmp_path / "keys.json"), no_engine=True)
@@ -173,10 +197,19 @@ async def test_full_real_replicas_serve_pro_first_then_overflow_or_refuse_early(
         return app, server, f"http://127.0.0.1:{server.port}"
 
     async def fill(s: aiohttp.ClientSession, base: str, n: int = 96) -> list[asyncio.Task]:
-        """Both replicas busy with a long answer each (`n` tokens), once both have begun."""
+        """Both replicas busy with a long answer each (`n` tokens), once both have begun. Both must be idle
+        first (a request left on one from an earlier test leaves it no room, and both answers then queue
+        for the other); a filling stream that ends or fails before both began fails here with its error."""
+        await _idle(a.base, f"http://127.0.0.1:{b.port}")
         firsts = [asyncio.Event(), asyncio.Event()]
         busy = [asyncio.create_task(_stream(s, base, PROMPTS[i], n, firsts[i], ignore_eos=n > 96)) for i in range(2)]
-        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)
+        deadline = time.monotonic() + 90
+        while not all(f.is_set() for f in firsts):
+            ended = [t for t in busy if t.done()]
+            assert not ended, f"a filling stream ended before both began: {ended[0].exception() or ended[0].result()}"
+            assert time.monotonic() < deadline, (
+                f"both replicas had not begun in 90 s: {await _loads(a.base, f'http://127.0.0.1:{b.port}')}")
+            await asyncio.sleep(0.05)
         return busy
 
     def session(key: str) -> aiohttp.ClientSession:
