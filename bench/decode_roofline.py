@@ -59,7 +59,7 @@ def weight_bytes(engine: LLMEngine, batch: int) -> int:
     """Bytes of weights a decode step of `batch` rows reads (the native step's 4-bit matrices, or packed
     or dense as the model's plan says)."""
     m = engine.runner.model
-    if m.native is not None:  # its 4-bit layers and, with them, its int8 output layer
+    if m.native is not None:  # its layers' tiles and, with them, its output layer's int8 or 4-bit copy
         head = m.head_tiles if m.head_tiles is not None else m.head_rows if m.head_rows is not None else m.lm_head
         assert head is not None
         return m.native.nbytes() + head.nbytes()
@@ -83,7 +83,7 @@ class Timers:
         if runner.model.native is not None:  # native calls: the profiler sees no ops inside them
             native = runner.model.native
             native.run = self._timed("native", native.run)  # type: ignore[method-assign]
-            cpu_kernels.int8_logits = self._timed("output layer", cpu_kernels.int8_logits)
+            cpu_kernels.head_logits = self._timed("output layer", cpu_kernels.head_logits)
 
     def _timed(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -127,9 +127,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--weight-dtype", default="auto")
     ap.add_argument("--model", default=None, help="a GGUF file or model folder (default: the packaged model)")
+    ap.add_argument("--output-layer-bits", type=int, choices=(4, 8), default=None,
+                    help="the native output layer's candidate copy (default: by its size)")
     a = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=a.model, max_running_requests=64, kv_cache_tokens=65536,
-                                    enable_prefix_caching=False, weight_dtype=a.weight_dtype))
+                                    enable_prefix_caching=False, weight_dtype=a.weight_dtype,
+                                    output_layer_bits=a.output_layer_bits))
     runner = engine.runner
     bw = read_bandwidth()
     print(f"machine: {machine()}; torch threads {torch.get_num_threads()}")
@@ -177,11 +180,12 @@ def main(argv: list[str] | None = None) -> None:
               f"(weights {wbytes / 2**20:.0f})  bound {bound * 1000:6.1f} ms   fraction of bound {bound / step:5.2f}   "
               f"step / weight-read time {step / (wbytes / bw):5.1f}x")
         if m.native is not None:
+            head_kind = "4-bit" if isinstance(m.head_tiles, cpu_kernels.LayerTiles) else "int8"
             # the layers by the native step's own timers (its first thread's view), the rest of its call
             # (entry, copies) with them; then the output layer's call
             mm, att, wait = phases["matmuls"], phases["attention"], phases["waits at barriers"]
             parts = {"linear": mm, "attention": att, "norms/rotary/act": max(0.0, native - mm - att - wait),
-                     "thread waits": wait, "output layer (int8)": head}
+                     "thread waits": wait, f"output layer ({head_kind})": head}
         else:
             parts = {k: ops.get(k, 0.0) for k in CATEGORIES}
         parts["other ops + dispatch in forward"] = max(0.0, fwd - sum(parts.values()))

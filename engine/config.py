@@ -39,6 +39,9 @@ class EngineConfig:
     # tiles where the CPU has AVX-512 BF16), smaller ones int16 dot products.
     # None: measured at start; 0: never (then every step computes each row alike, whatever the batch).
     wide_min_rows: int | None = None
+    # Native step: the output layer's copy for its candidate pass (each row's best 16 are then recomputed
+    # from the file's weights), 8 or 4 bits; None: 4 from 2^26 weights on (a 128k-152k vocabulary), else 8.
+    output_layer_bits: int | None = None
     # KV cache; auto: bfloat16 on a CPU when the weights are bf16/int4 (half the memory and bytes read),
     # else the activation dtype. Pages of the pool are only resident once written.
     kv_cache_dtype: str = "auto"
@@ -107,6 +110,8 @@ class EngineConfig:
         for name in ("int4_max_batch", "wide_min_rows"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise EngineConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.output_layer_bits not in (None, 4, 8):
+            raise EngineConfigError(f"output_layer_bits must be 4 or 8, got {self.output_layer_bits!r}")
         if self.guide_compile_timeout_s <= 0:
             raise EngineConfigError("guide_compile_timeout_s must be positive")
         for name in ("guide_max_spec_bytes", "guide_max_object_properties"):

@@ -86,15 +86,18 @@ class LlamaModel(nn.Module):
                  device: torch.device, weight_dtype: torch.dtype | None = None, deterministic: bool = False,
                  q4_blocks: MutableMapping[str, Q4Blocks] | None = None, native_block_size: int = 0,
                  kernels: CpuKernels | None = None,
-                 group_blocks: MutableMapping[str, GroupBlocks | HalfWeights | TokenRows | None] | None = None):
+                 group_blocks: MutableMapping[str, GroupBlocks | HalfWeights | TokenRows | None] | None = None,
+                 head_bits: int | None = None):
         """q4_blocks: the file's 4-bit weights, for small steps (CPU only; see `Linear`); with them the
         output layer also gets an int8 copy for small steps. `native_block_size`: the KV cache's block
         size, to run every step through the native CPU forward step (kernels/cpu) when `kernels` allows
         native kernels and every layer has 4-bit blocks it reads; the layers then get no dense or torch
         int4 copy at all (0: the torch path). `kernels`: the runner's kernel choice, read at every step (its
         threads and AMX rows); None: no native kernels. `group_blocks`: the file's other block types the
-        native step reads (engine/gguf_blocks.py), for it alone. Consumes `weights`, `q4_blocks` and
-        `group_blocks`: each layer's entries are removed from them once the layer is built."""
+        native step reads (engine/gguf_blocks.py), for it alone. `head_bits`: the native output layer's
+        candidate copy, 8 or 4 bits (None: by its size, engine/weights.py `native_head`). Consumes
+        `weights`, `q4_blocks` and `group_blocks`: each layer's entries are removed from them once the
+        layer is built."""
         super().__init__()
         self.args = args
         self.kernels = kernels or CpuKernels()
@@ -192,12 +195,13 @@ class LlamaModel(nn.Module):
                 down=Linear(w(p + "mlp.down_proj.weight"), None, wdt, det, packed=down4, multiply_dtype=mul),
             ))
             drop_layer(i)
-        # With the native step the output layer is native too: only its int8 copy, in the kernel's
-        # layout (kernels/cpu `Q8Tiles`), for every step size; else torch's int8 copy for small steps.
-        self.head_tiles: cpu_kernels.Q8Tiles | None = None
+        # With the native step the output layer is native too: only its int8 copy (4-bit for a large one),
+        # in the kernel's layout (kernels/cpu `Q8Tiles`, `LayerTiles`), for every step size; else torch's
+        # int8 copy for small steps.
+        self.head_tiles: cpu_kernels.Q8Tiles | cpu_kernels.LayerTiles | None = None
         self.lm_head_fast: Linear | None = None
         if self.native is not None:
-            self.head_tiles = native_head(lm_head)
+            self.head_tiles = native_head(lm_head, bits=head_bits)
         elif wdt != dtype and not det:
             assert isinstance(lm_head, torch.Tensor)
             head8 = Int8Weight(lm_head) if q4_used and int8_available(device) else None
@@ -307,7 +311,7 @@ class LlamaModel(nn.Module):
             dense = self.lm_head.weight if rows is None and self.lm_head is not None else None
             # One native call: the int8 products, each row's top candidates and their exact values (from
             # the fp32 copy, or the file's rows).
-            return cpu_kernels.int8_logits(h, self.head_tiles, self.kernels.threads, exact=dense,
+            return cpu_kernels.head_logits(h, self.head_tiles, self.kernels.threads, exact=dense,
                                            exact_rows=None if rows is None else rows.rows,
                                            refine=REFINE_TOP, wide_min_rows=self.kernels.wide_min_rows)
         assert self.lm_head_fast is not None and self.lm_head is not None

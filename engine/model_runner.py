@@ -13,6 +13,7 @@ import time
 
 import torch
 
+import kernels.cpu as cpu_kernels
 from kernels import AttentionMetadata
 
 from .config import EngineConfig
@@ -148,7 +149,8 @@ class ModelRunner:
         self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, self.weight_dtype,
                                 deterministic=config.deterministic, q4_blocks=loaded.q4_blocks if self.int4 else None,
                                 native_block_size=config.block_size if native else 0, kernels=self.kernels,
-                                group_blocks=loaded.group_blocks if native else None)
+                                group_blocks=loaded.group_blocks if native else None,
+                               head_bits=config.output_layer_bits)
         self.int4_max_rows = 0  # steps of up to this many tokens read the 4-bit weights
         if self.kernels.native and config.native_cpu_step and self.model.native is None:
             log.info("native CPU forward step not used: %s; every step takes the torch path, weights %s",
@@ -180,7 +182,8 @@ class ModelRunner:
         """What the weights a step reads are, for the start-up log and the benches."""
         if self.model.native is not None:
             tiles = " and ".join(f"{k} ({n})" for k, n in self.model.native.tile_formats().items())
-            return f"layers in {tiles} tiles, int8 output layer (native CPU step)"
+            head = "4-bit" if isinstance(self.model.head_tiles, cpu_kernels.LayerTiles) else "int8"
+            return f"layers in {tiles} tiles, {head} output layer (native CPU step)"
         return str(self.weight_dtype).removeprefix("torch.") + (
             f" + int4 up to {self.int4_max_rows} tokens" if self.int4 else "")
 
@@ -217,7 +220,8 @@ class ModelRunner:
         return {**machine_key(str(self.device)), **self._model_key, "threads": self.kernels.threads,
                 "dtype": str(self.dtype), "weights": str(self.weight_dtype), "kv": str(self.kv_dtype),
                 "int4": self.int4, "native": native.library if native is not None else None,
-                "deterministic": cfg.deterministic, "block_size": cfg.block_size, **measured}
+                "deterministic": cfg.deterministic, "block_size": cfg.block_size,
+                "head": self.describe_weights(), **measured}
 
     def _plan_native(self) -> None:
         """From how many rows the native step takes its wide matmul (AMX tiles, or without AMX int8 dot

@@ -74,23 +74,58 @@ def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / s[:, None]).round_().clamp_(-127, 127).to(torch.int8), s
 
 
-def native_head(weight: torch.Tensor | TokenRows, chunk_rows: int = 4096) -> cpu_kernels.Q8Tiles | None:
-    """The output layer's int8 copy (as `Int8Weight`, bf16-rounded scales) in the native kernel's tiles,
-    quantised and packed a slice of rows at a time: at load, no full int8 matrix beside the tiles. None
-    when the shape is not whole tiles."""
+def q4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows as 4-bit codes with a scale and a min per 32 inputs, both fp16 (GGML Q4_1's rounding): (codes
+    [N, K] uint8 in 0..15, d [N, K / 32], m [N, K / 32] fp32), w ~ code * d + m."""
+    n, k = w.shape
+    g = w.float().view(n, k // 32, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    m = lo.half().float()
+    d = ((hi - m) / 15).half().float()
+    codes = torch.where(d[..., None] > 0, (g - m[..., None]) / d[..., None].clamp_min(1e-30), 0.0)
+    return codes.round_().clamp_(0, 15).to(torch.uint8).view(n, k), d, m
+
+
+# From this many weights on (V x K: Llama 3.2's 128k x 2048, Qwen 2.5 0.5B's 152k x 896) the output layer's
+# candidate pass reads a 4-bit copy: its int8 one is as many bytes as a third of a 1B model's layers, read
+# by every decode step for the few candidates that are then recomputed exactly anyway. Below (SmolLM2's
+# 49k x 576), int8: its values, which sampling takes for every token but the candidates, are 10x closer.
+HEAD_4BIT_MIN_WEIGHTS = 1 << 26
+
+
+def native_head(weight: torch.Tensor | TokenRows, chunk_rows: int = 4096,
+                bits: int | None = None) -> cpu_kernels.Q8Tiles | cpu_kernels.LayerTiles | None:
+    """The output layer's copy for the native kernel's candidate pass, in its tiles: int8 (as `Int8Weight`,
+    bf16-rounded scales), or with `bits` 4 (None: 4 from HEAD_4BIT_MIN_WEIGHTS weights on) 4-bit codes with
+    a scale and min per 32 (`q4_rows`, the layers' TILES_Q4). Quantised and packed a slice of rows at a
+    time: at load, no full-size copy beside the tiles. None when the shape is not whole tiles."""
     v, k = weight.shape
     if v % 16 or k % 32:
         return None
-    blocks, scales = torch.empty(v // 16, k // 32, 512, dtype=torch.int8), torch.empty(v)
-    for a in range(0, v, chunk_rows - chunk_rows % 16):
-        q, s = int8_rows(weight[a:a + chunk_rows - chunk_rows % 16])
-        part = cpu_kernels.pack_int8(q, s.to(torch.bfloat16).float())
-        assert part is not None
-        blocks[a // 16:(a + q.shape[0]) // 16], scales[a:a + q.shape[0]] = part.blocks, part.scales
+    if bits is None:
+        bits = 4 if v * k >= HEAD_4BIT_MIN_WEIGHTS else 8
+    step = chunk_rows - chunk_rows % 16
+    if bits == 4:
+        tiles = torch.empty(v // 16, k // 32, cpu_kernels.BLOCK_BYTES, dtype=torch.uint8)
+    else:
+        blocks, scales = torch.empty(v // 16, k // 32, 512, dtype=torch.int8), torch.empty(v)
+    for a in range(0, v, step):
+        rows = weight[a:a + step]
+        if bits == 4:
+            packed = cpu_kernels.pack_q4_1(*q4_rows(rows))
+            assert packed is not None
+            tiles[a // 16:(a + rows.shape[0]) // 16] = packed.blocks
+        else:
+            q, s = int8_rows(rows)
+            part = cpu_kernels.pack_int8(q, s.to(torch.bfloat16).float())
+            assert part is not None
+            blocks[a // 16:(a + q.shape[0]) // 16], scales[a:a + q.shape[0]] = part.blocks, part.scales
         if isinstance(weight, TokenRows):
-            weight.release(a, a + q.shape[0])  # the file's pages of these rows: read, not needed resident
+            weight.release(a, a + rows.shape[0])  # the file's pages of these rows: read, not needed resident
     if isinstance(weight, TokenRows):
         weight.release()  # and the pages the slices share
+    if bits == 4:
+        return cpu_kernels.LayerTiles(tiles, (v, k), cpu_kernels.TILES_Q4)
     return cpu_kernels.Q8Tiles(blocks, scales, (v, k))
 
 

@@ -22,6 +22,7 @@ from .abi import Tiles as _Tiles
 
 GROUP = 32  # inputs per scale and min
 TILE_N = 16  # output rows per block
+BLOCK_BYTES = 320  # a TILES_Q4 block: 256 bytes of codes, 16 fp16 scales d, 16 fp16 mins m
 
 
 
@@ -319,11 +320,12 @@ def gguf_rows_product(x: torch.Tensor, rows: GGUFRows, threads: int, lib: ctypes
     return out
 
 
-def int8_logits(x: torch.Tensor, head: Q8Tiles, threads: int, exact: torch.Tensor | None = None, refine: int = 0,
-                wide_min_rows: int = 0, lib: ctypes.CDLL | None = None,
+def head_logits(x: torch.Tensor, head: Q8Tiles | LayerTiles, threads: int, exact: torch.Tensor | None = None,
+                refine: int = 0, wide_min_rows: int = 0, lib: ctypes.CDLL | None = None,
                 exact_rows: GGUFRows | None = None) -> torch.Tensor:
-    """x [B, K] fp32 times the int8 weights of `head`, natively: int16 activations in integer dot products,
-    or from `wide_min_rows` rows on (CPUs with AMX) bf16 tiles. With `exact` ([V, K] fp32), each row's
+    """x [B, K] fp32 times the output layer `head`, natively: int8 rows (`Q8Tiles`) or a layer's tiles (a
+    4-bit copy, for a large vocabulary), in int16 activations' integer dot products, or from `wide_min_rows`
+    rows on in the wide matmul (AMX bf16 tiles, or int8 activations). With `exact` ([V, K] fp32), each row's
     `refine` largest outputs are recomputed against it at full precision; `exact_rows` instead: the same
     weights as the file's rows (engine/token_rows.py), decoded as they are needed. Returns [B, V] fp32."""
     lib = _library(lib, "native CPU kernels")
@@ -337,16 +339,17 @@ def int8_logits(x: torch.Tensor, head: Q8Tiles, threads: int, exact: torch.Tenso
         assert exact_rows is not None and exact_rows.shape == head.shape
         exact_rows.check(lib)
     has_exact = exact is not None or use_rows
+    scales, fmt = (head.scales.data_ptr(), 0) if isinstance(head, Q8Tiles) else (None, head.format)
     out = torch.empty(b, head.shape[0])
-    rc = lib.sluice_int8_logits(ctypes.c_int(b), ctypes.c_int(k), ctypes.c_void_p(x.data_ptr()),
-                                ctypes.c_void_p(head.blocks.data_ptr()), ctypes.c_void_p(head.scales.data_ptr()),
+    rc = lib.sluice_head_logits(ctypes.c_int(b), ctypes.c_int(k), ctypes.c_void_p(x.data_ptr()),
+                                ctypes.c_void_p(head.blocks.data_ptr()), ctypes.c_void_p(scales), ctypes.c_int(fmt),
                                 ctypes.c_int(head.shape[0]), ctypes.c_void_p(out.data_ptr()),
                                 ctypes.c_void_p(None if exact is None else exact.data_ptr()),
                                 exact_rows.pointer() if use_rows and exact_rows is not None else ctypes.c_void_p(None),
                                 ctypes.c_int(exact_rows.type if use_rows and exact_rows is not None else 0),
                                 ctypes.c_int(refine if has_exact else 0), ctypes.c_int(threads),
                                 ctypes.c_int(wide_min_rows))
-    _check(rc, "native int8 output layer")
+    _check(rc, "native output layer")
     return out
 
 

@@ -32,7 +32,7 @@
  *   profile.c          where a step's time goes
  *   step.c             the layer step (sluice_forward)
  *   gguf_rows.c        rows decoded from the file's own blocks (embedding, exact candidates)
- *   head.c             the output layer (sluice_int8_logits)
+ *   head.c             the output layer (sluice_head_logits)
  *   sampler.c          sampling (sluice_sample, sluice_sample_masked)
  *   decode_attention.c attention alone for the torch path (sluice_decode_attention)
  */

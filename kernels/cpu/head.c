@@ -1,4 +1,5 @@
-/* The output layer: int8 weights with each row's best candidates made exact.
+/* The output layer: int8 weights (or a layer's tiles: 4-bit for large vocabularies) with each row's best
+ * candidates made exact.
  * Part of the native CPU step, compiled as one unit by forward.c (see there). */
 
 /* ---- the output layer: int8 weights (one scale per row), each row's best candidates made exact ----
@@ -167,7 +168,12 @@ static void run_head(void *arg, int tid) {
         _tile_release();
     } else
 #endif
+    if (c->w.row_scale) {
         head_int16(c, tid);
+    } else { /* a layer's tiles (engine/weights.py, native_head: 4-bit for a large vocabulary) */
+        const layer_tiles lt = {c->w.blocks, c->w.format};
+        matmul_int16(&lt, c->V, c->K, &c->qx, c->x, c->B, c->out, tid, c->nthreads, c->mode);
+    }
     if ((!c->exact && !c->exact_rows.data) || c->refine <= 0) return;
     /* Each row's best candidates at full precision: every thread's best of a share of the outputs,
      * then the best of those, each recomputed as an fp32 dot product with the exact weights. */
@@ -212,17 +218,20 @@ static void run_head(void *arg, int tid) {
     }
 }
 
-/* out [B, V] = x [B, K] (fp32) W^T for W int8 in tile order (blocks [V / 16, K / 32, 512], w = q *
- * scale[n]), V a multiple of 16 and K of 32. `exact` [V, K] fp32 (or NULL): each row's `refine`
- * largest outputs are then recomputed against it at full precision; or, with `exact` NULL, against
- * the rows of `exact_rows` (gguf_rows.c: V rows of GGML type `exact_type`, NULL for none), the file's own. Steps of
- * at least wide_min_rows rows take the wide matmul (wide_mode: AMX tiles, or int8 inputs; 0: never). Returns 0, -1 when out
- * of memory, -2 for shapes it does not take. */
-int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int V, float *out,
-                       const float *exact, const uint8_t *exact_rows, int exact_type, int refine, int nthreads,
-                       int wide_min_rows) {
+/* out [B, V] = x [B, K] (fp32) W^T for W in tile order: int8 (blocks [V / 16, K / 32, 512], w = q *
+ * scale[n]) with `scale` set, else a layer's tiles of `format` (TILES_*: 4-bit for a large vocabulary,
+ * whose int8 copy would read as many bytes as the layers); V a multiple of 16 and K of 32. `exact`
+ * [V, K] fp32 (or NULL): each row's `refine` largest outputs are then recomputed against it at full
+ * precision; or, with `exact` NULL, against the rows of `exact_rows` (gguf_rows.c: V rows of GGML type
+ * `exact_type`, NULL for none), the file's own. Steps of at least wide_min_rows rows take the wide matmul
+ * (wide_mode: AMX tiles, or int8 inputs; 0: never). Returns 0, -1 when out of memory, -2 for shapes or a
+ * format it does not take. */
+int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int format, int V,
+                       float *out, const float *exact, const uint8_t *exact_rows, int exact_type, int refine,
+                       int nthreads, int wide_min_rows) {
     const size_t exact_row_bytes = exact_rows ? gguf_row_bytes(exact_type, K) : 0;
-    if (B < 0 || K % GROUP || V % TILE_N || refine > MAX_REFINE || refine > V || (exact_rows && !exact_row_bytes))
+    if (B < 0 || K % GROUP || V % TILE_N || refine > MAX_REFINE || refine > V || (exact_rows && !exact_row_bytes) ||
+        (!scale && (format < TILES_Q4 || format > TILES_BF16)))
         return -2;
     if (B == 0) return 0; /* a step that samples nothing (a prefill chunk) */
     pthread_mutex_lock(&step_lock);
@@ -237,7 +246,7 @@ int sluice_int8_logits(int B, int K, const float *x, const uint8_t *blocks, cons
         pthread_mutex_unlock(&step_lock);
         return -1;
     }
-    head_ctx c = {B, K, V, nthreads, refine, mode, x, {blocks, Q8_BLOCK_BYTES, scale, TILES_Q8G}, exact,
+    head_ctx c = {B, K, V, nthreads, refine, mode, x, {blocks, scale ? Q8_BLOCK_BYTES : tile_bytes(format), scale, scale ? TILES_Q8G : format}, exact,
                   {exact_rows, exact_type, K, exact_row_bytes}, NULL, out,
                   {NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL, per_thread, NULL};
     float *p = buf;

@@ -105,3 +105,28 @@ def test_a_file_of_other_types_runs_natively_with_the_float_references_greedy_to
     assert ref.runner.model.native is None
     for prompt in ("The capital of France is", "def fibonacci(n):"):
         assert _greedy(native, prompt) == _greedy(ref, prompt), prompt
+
+
+def test_a_4bit_output_layer_keeps_the_float_references_greedy_tokens(caplog):
+    """The output layer's candidate pass on a 4-bit copy (`output_layer_bits = 4`; by default only from 2^26
+    weights on, a 128k vocabulary's): each row's 16 best recomputed from the file's rows hold the argmax, so
+    the packaged SmolLM2's greedy tokens are the float32 torch path's for 32 tokens; said at start."""
+    import kernels.cpu as cpu_kernels
+
+    with caplog.at_level(logging.INFO, logger="engine"):
+        native = LLMEngine(EngineConfig(model=str(default_model_path()), kv_cache_tokens=2048, max_running_requests=2,
+                                        wide_min_rows=0, output_layer_bits=4))
+    if not native.runner.kernels.native:
+        pytest.skip("no native CPU step on this machine (no C compiler)")
+    assert isinstance(native.runner.model.head_tiles, cpu_kernels.LayerTiles)
+    assert any("4-bit output layer" in r.getMessage() for r in caplog.records)
+    ref = LLMEngine(EngineConfig(model=str(default_model_path()), kv_cache_tokens=2048, max_running_requests=2,
+                                 dtype="float32", weight_dtype="float32"))
+    for prompt in ("The capital of France is", "def fibonacci(n):"):
+        assert _greedy(native, prompt) == _greedy(ref, prompt), prompt
+    # and the int8 copy's tokens where the native step's own rounding parts from the float path (a near-tie
+    # at the 8th token of this one, whatever the output layer's copy)
+    int8 = LLMEngine(EngineConfig(model=str(default_model_path()), kv_cache_tokens=2048, max_running_requests=2,
+                                  wide_min_rows=0, output_layer_bits=8))
+    assert isinstance(int8.runner.model.head_tiles, cpu_kernels.Q8Tiles)
+    assert _greedy(native, "List three fruits.", 64) == _greedy(int8, "List three fruits.", 64)

@@ -7,10 +7,20 @@ import numpy as np
 import pytest
 import torch
 
+import engine.weights
 import kernels.cpu as cpu_kernels
 from engine.cpu_plan import CpuKernels, Plan
 from engine.model import REFINE_TOP, LlamaModel
-from engine.weights import Int4Weight, Int8Weight, Linear, int4_available, int8_available, native_head
+from engine.weights import (
+    HEAD_4BIT_MIN_WEIGHTS,
+    Int4Weight,
+    Int8Weight,
+    Linear,
+    int4_available,
+    int8_available,
+    native_head,
+    q4_rows,
+)
 
 
 def test_fast_logits_are_exact_where_it_matters():
@@ -100,23 +110,23 @@ def test_native_int8_output_layer_refines_the_top_candidates(rows):
     for amx in [0, 1] if wide else [0]:
         tol = 1e-4 if not amx or wide.startswith("int8") else 2e-2
         for threads in (1, 2):
-            plain = cpu_kernels.int8_logits(x, head, threads, wide_min_rows=amx)
+            plain = cpu_kernels.head_logits(x, head, threads, wide_min_rows=amx)
             torch.testing.assert_close(plain.double(), x8 @ w8_ref if amx and wide.startswith("int8") else int8_ref,
                                        rtol=tol, atol=tol)
-            refined = cpu_kernels.int8_logits(x, head, threads, exact=weight, refine=REFINE_TOP, wide_min_rows=amx)
+            refined = cpu_kernels.head_logits(x, head, threads, exact=weight, refine=REFINE_TOP, wide_min_rows=amx)
             top = plain.topk(REFINE_TOP, dim=-1).indices
             torch.testing.assert_close(refined.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
             rest = torch.ones_like(plain, dtype=torch.bool).scatter_(1, top, False)
             assert torch.equal(refined[rest], plain[rest])  # only the candidates changed
             assert torch.equal(refined.argmax(-1), exact.argmax(-1))
     assert cpu_kernels.pack_int8(w8.q[:40], w8.scales[:40]) is None  # 40 rows: not whole blocks
-    assert cpu_kernels.int8_logits(x[:0], head, 2, exact=weight, refine=REFINE_TOP).shape == (0, 4992)  # a chunk
+    assert cpu_kernels.head_logits(x[:0], head, 2, exact=weight, refine=REFINE_TOP).shape == (0, 4992)  # a chunk
     model = LlamaModel.__new__(LlamaModel)
     model.lm_head = Linear(weight, None, torch.float32)
     kernels = CpuKernels(native=True, threads=2, wide_min_rows=0)
     model.lm_head_fast, model.head_tiles, model.kernels = None, head, kernels
     assert model.approximate_logits
-    torch.testing.assert_close(model.logits(x), cpu_kernels.int8_logits(x, head, 2, weight, REFINE_TOP))
+    torch.testing.assert_close(model.logits(x), cpu_kernels.head_logits(x, head, 2, weight, REFINE_TOP))
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for kernels/cpu")
@@ -135,9 +145,9 @@ def test_native_output_layer_refines_from_the_files_rows(rows):
     x = torch.randn(rows, k)
     exact = x @ weight.T
     for threads in (1, 2):
-        dense = cpu_kernels.int8_logits(x, head, threads, exact=weight, refine=REFINE_TOP)
-        coded = cpu_kernels.int8_logits(x, head, threads, refine=REFINE_TOP, exact_rows=file_rows)
-        plain = cpu_kernels.int8_logits(x, head, threads)
+        dense = cpu_kernels.head_logits(x, head, threads, exact=weight, refine=REFINE_TOP)
+        coded = cpu_kernels.head_logits(x, head, threads, refine=REFINE_TOP, exact_rows=file_rows)
+        plain = cpu_kernels.head_logits(x, head, threads)
         torch.testing.assert_close(coded, dense, rtol=1e-5, atol=1e-5)
         top = plain.topk(REFINE_TOP, dim=-1).indices
         torch.testing.assert_close(coded.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
@@ -153,3 +163,19 @@ def test_native_head_packs_in_slices_what_the_whole_int8_copy_packs():
     assert whole is not None and sliced is not None and sliced.shape == whole.shape
     assert torch.equal(sliced.blocks, whole.blocks) and torch.equal(sliced.scales, whole.scales)
     assert native_head(weight[:40]) is None  # not whole tiles
+
+
+def test_native_head_is_4bit_from_its_size_on_or_when_asked_and_packs_in_slices_alike(monkeypatch):
+    """4-bit (the layers' TILES_Q4) from HEAD_4BIT_MIN_WEIGHTS weights on or with bits=4, int8 below; sliced
+    packing gives the whole matrix's tiles."""
+    torch.manual_seed(1)
+    weight = torch.randn(4992, 64) * 0.05
+    whole = cpu_kernels.pack_q4_1(*q4_rows(weight))
+    sliced = native_head(weight, chunk_rows=1000, bits=4)
+    assert isinstance(sliced, cpu_kernels.LayerTiles) and whole is not None
+    assert sliced.format == cpu_kernels.TILES_Q4 and torch.equal(sliced.blocks, whole.blocks)
+    assert HEAD_4BIT_MIN_WEIGHTS > weight.numel()
+    assert isinstance(native_head(weight), cpu_kernels.Q8Tiles)  # below the size: int8
+    monkeypatch.setattr(engine.weights, "HEAD_4BIT_MIN_WEIGHTS", weight.numel())
+    assert isinstance(native_head(weight), cpu_kernels.LayerTiles)  # from it on: 4-bit
+    assert isinstance(native_head(weight, bits=8), cpu_kernels.Q8Tiles)  # unless asked

@@ -577,8 +577,51 @@ def test_output_layer_refined_from_the_files_rows_matches_the_float64_reference(
     ref = x.double() @ w.T
     q = (w / (w.abs().amax(1, keepdim=True) / 127)).round().to(torch.int8)
     head = cpu_kernels.pack_int8(q, (w.abs().amax(1) / 127).float())
-    refined = cpu_kernels.int8_logits(x, head, 2, refine=16, exact_rows=file_rows, lib=lib)
-    plain = cpu_kernels.int8_logits(x, head, 2, lib=lib)
+    refined = cpu_kernels.head_logits(x, head, 2, refine=16, exact_rows=file_rows, lib=lib)
+    plain = cpu_kernels.head_logits(x, head, 2, lib=lib)
     top = plain.topk(16, dim=-1).indices
     torch.testing.assert_close(refined.gather(1, top).double(), ref.gather(1, top), rtol=1e-5, atol=1e-5)
     assert (plain.double() - ref).gather(1, top).abs().max() > 1e-4  # the int8 values alone are not exact
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("rows", [1, 3, 12])
+def test_a_4bit_output_layer_matches_the_float64_reference_and_refines_exactly(build, rows):
+    """The output layer's 4-bit copy (a large vocabulary's, engine/weights.py `native_head`) in the layers'
+    TILES_Q4: its products are the float64 ones of its dequantised weights (int16 activations; the wide
+    matmul's int8 ones against the same rounding), and each row's 16 best are recomputed from the exact
+    weights, whose argmax they hold; every build, one and two threads."""
+    from engine.weights import native_head, q4_rows
+
+    lib = _library(build)
+    gen = torch.Generator().manual_seed(rows)
+    v, k = 992, 96  # 62 tiles of 16 rows; three groups of 32 inputs
+    exact = torch.randn(v, k, generator=gen) * 0.05
+    head = native_head(exact, bits=4)
+    assert isinstance(head, cpu_kernels.LayerTiles) and head.format == cpu_kernels.TILES_Q4
+    codes, d, m = q4_rows(exact)
+    mins = m.double().repeat_interleave(32, 1)
+    dense = codes.double() * d.double().repeat_interleave(32, 1) + mins
+    assert (dense - exact.double()).abs().max() <= d.double().max() * 0.51 + 1e-3  # 4-bit steps of each group
+    x = torch.randn(rows, k, generator=gen)
+    ref = x.double() @ dense.T
+    lib.sluice_wide_matmul.restype = ctypes.c_char_p
+    wide = lib.sluice_wide_matmul().decode()
+    for wide_rows in [0, 1] if wide else [0]:
+        want = _int8_groups(x.double()) @ (dense - mins).T + x.double() @ mins.T if wide_rows else ref
+        for threads in (1, 2):
+            plain = cpu_kernels.head_logits(x, head, threads, wide_min_rows=wide_rows, lib=lib)
+            if wide_rows and not wide.startswith("int8"):  # AMX: x and the widened weights in bf16
+                torch.testing.assert_close(plain.double(), ref, rtol=2e-2, atol=2e-2)
+            elif wide_rows:  # x rounded in fp32 there: an input on a rounding boundary may go the other way
+                err = (plain.double() - want).abs()
+                assert err.median() < 1e-5 and err.max() < 2e-3, (err.median(), err.max())
+            else:  # x in int16 steps of max |x| / 32767: ~3e-5 on these outputs (codes up to 15 times d)
+                torch.testing.assert_close(plain.double(), want, rtol=1e-4, atol=3e-4)
+            refined = cpu_kernels.head_logits(x, head, threads, exact=exact, refine=16, wide_min_rows=wide_rows,
+                                              lib=lib)
+            top = plain.topk(16, dim=-1).indices
+            torch.testing.assert_close(refined.gather(1, top).double(), (x.double() @ exact.double().T).gather(1, top),
+                                       rtol=1e-5, atol=1e-5)
+            assert torch.equal(refined.argmax(-1), (x @ exact.T).argmax(-1))
+    assert (ref - x.double() @ exact.double().T).abs().max() > 1e-3  # the 4-bit values alone are not exact
