@@ -187,6 +187,9 @@ async def test_full_real_replicas_serve_pro_first_then_overflow_or_refuse_early(
     engines = [engine("a", a.base), engine("b", f"http://127.0.0.1:{b.port}")]
 
     async def serving(target_ms: float, providers: list[dict]):
+        # both replicas idle first: a stream of the last gateway's still ending on one would be in this one's
+        # first poll of its load (others' requests) until its next, leaving it no room (max_in_flight 1)
+        await _idle(a.base, f"http://127.0.0.1:{b.port}")
         settings = Settings(auth={"keys_file": str(tmp_path / "keys.json")}, server={"prepare_helper_at_start": False},
                             engines=engines, providers=providers,
                             tiers={"pro": {"priority": 0, "max_queue_wait_ms": target_ms},
@@ -197,10 +200,8 @@ async def test_full_real_replicas_serve_pro_first_then_overflow_or_refuse_early(
         return app, server, f"http://127.0.0.1:{server.port}"
 
     async def fill(s: aiohttp.ClientSession, base: str, n: int = 96) -> list[asyncio.Task]:
-        """Both replicas busy with a long answer each (`n` tokens), once both have begun. Both must be idle
-        first (a request left on one from an earlier test leaves it no room, and both answers then queue
-        for the other); a filling stream that ends or fails before both began fails here with its error."""
-        await _idle(a.base, f"http://127.0.0.1:{b.port}")
+        """Both replicas busy with a long answer each (`n` tokens), once both have begun (`serving` waited for
+        both idle); a filling stream that ends or fails before both began fails here with its error."""
         firsts = [asyncio.Event(), asyncio.Event()]
         busy = [asyncio.create_task(_stream(s, base, PROMPTS[i], n, firsts[i], ignore_eos=n > 96)) for i in range(2)]
         deadline = time.monotonic() + 90
