@@ -313,8 +313,8 @@ class LlamaModel(nn.Module):
         if self.head_tiles is not None:
             rows = self.head_rows
             dense = self.lm_head.weight if rows is None and self.lm_head is not None else None
-            # One native call: the int8 products, each row's top candidates and their exact values (from
-            # the fp32 copy, or the file's rows).
+            # One native call: the candidate copy's products (int8, or 4-bit), each row's top candidates and
+            # their exact values (from the fp32 copy, or the file's rows).
             return cpu_kernels.head_logits(h, self.head_tiles, self.kernels.threads, exact=dense,
                                            exact_rows=None if rows is None else rows.rows,
                                            refine=REFINE_TOP_4BIT if isinstance(self.head_tiles, cpu_kernels.LayerTiles)

@@ -150,7 +150,7 @@ class ModelRunner:
                                 deterministic=config.deterministic, q4_blocks=loaded.q4_blocks if self.int4 else None,
                                 native_block_size=config.block_size if native else 0, kernels=self.kernels,
                                 group_blocks=loaded.group_blocks if native else None,
-                               head_bits=config.output_layer_bits)
+                                head_bits=config.output_layer_bits)
         self.int4_max_rows = 0  # steps of up to this many tokens read the 4-bit weights
         if self.kernels.native and config.native_cpu_step and self.model.native is None:
             log.info("native CPU forward step not used: %s; every step takes the torch path, weights %s",
