@@ -161,7 +161,8 @@ class ForwardStep:
         self.library: str = Path(lib._name).name  # the build (its name hashes its sources and flags)
         self.amx: bool = bool(lib.sluice_amx_available())  # the AMX matmul for steps of many rows
         # the matmul for steps of many rows: "amx" (bf16 tiles), "int8" (AVX-512 VNNI, no AMX),
-        # "int8+bf16" (with AVX-512 BF16: the F16/BF16 tiles in bf16 dot products) or "" (none)
+        # "int8+bf16" (with AVX-512 BF16: the F16/BF16 tiles in bf16 dot products), "int8 4-bit" (AVX2
+        # without AVX-512: int8 inputs for the 4-bit tiles, int16 ones for the others) or "" (none)
         self.wide: str = lib.sluice_wide_matmul().decode()
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), block_size, eps)
         self._layers = layers  # keeps the tensors that the structs point to alive

@@ -125,7 +125,7 @@ static void top_k(const float *out, int r0, int r1, int k, int32_t *idx) {
 /* This thread's columns of blocks for every input row (int16 or int8 inputs), row scales and dx applied. */
 static void head_int16(const head_ctx *c, int tid) {
     const int K = c->K, G = K / GROUP, NB = c->V / TILE_N, per = (NB + c->nthreads - 1) / c->nthreads;
-    const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB, int8 = c->mode == MM_INT8;
+    const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB, int8 = HAVE_INT8 && c->mode == MM_INT8; /* (HAVE_INT8_Q4: int16 rows) */
     float out[ROWS_PER_PASS][TILE_N];
     for (int col = c0; col < c1; col++) {
         const uint8_t *blocks = c->w.blocks + (size_t)col * G * Q8_BLOCK_BYTES;
@@ -254,7 +254,8 @@ int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     c.qx.sx = p, p += R * (K / GROUP);
     c.qx.q = (int16_t *)p, p += R * K / 2;
     c.qx.bf = (uint16_t *)p, p += R * K / 2;
-    c.qx.q8 = (int8_t *)c.qx.q; /* (MM_INT8 has no int16 rows) */
+    c.qx.q8 = HAVE_INT8_Q4 ? (int8_t *)c.qx.bf : (int8_t *)c.qx.q; /* (MM_INT8 has no int16 rows but with
+                                                                 * HAVE_INT8_Q4, which has no bf16 ones) */
     c.qx.dg = p, p += R * 2 * (K / GROUP);
     c.qx.s8 = (int32_t *)p, p += R * 2 * (K / GROUP);
     c.cand = (int32_t *)p, p += (size_t)nthreads * B * MAX_REFINE;

@@ -29,6 +29,16 @@ enum { MM_INT16 = 0, MM_AMX = 1, MM_INT8 = 2 }; /* how a step's matmuls take the
 #else
 #define HAVE_INT8 0
 #endif
+/* AVX2 without AVX-512 (an AVX2-only EPYC's build), MM_INT8 steps: the 4-bit tiles take int8 inputs
+ * (`vpmaddubsw`: 4-bit codes, unsigned, times int8 inputs, 32 multiply-adds an instruction into int16
+ * pairs that cannot saturate, 2 * 15 * 127 = 3810, and four of them summed in int16 before one `vpmaddwd`
+ * widens them: against `vpmaddwd`'s 16 on int16 inputs), the other formats their int16 inputs, both
+ * prepared (quantize_x). Its int8 codes reach 127, where `vpmaddubsw`'s pairs would saturate. */
+#if !HAVE_INT8 && !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_INT8_Q4 1
+#else
+#define HAVE_INT8_Q4 0
+#endif
 /* MM_INT8 steps on F16/BF16 tiles (AVX-512 BF16): x rounded to bf16, `vdpbf16ps` over the tile rows, whose
  * 32 lanes are already its pairs (output row n, inputs 2r and 2r + 1): one instruction per tile row and
  * input row where fp32 FMAs take two and the pairs' sums after. The weights as AMX takes them: BF16 as they
@@ -47,10 +57,33 @@ typedef struct {
     float *sx; /* [B, G]: exact sums of each group's inputs, divided by the row's dx */
     uint16_t *bf; /* the rows in bf16: for the AMX path as A tiles ([rows rounded up to 32 / 16][K / 32][16 x 32]),
                    * for MM_INT8's F16/BF16 columns as rows [B, K] (HAVE_BF16DOT) */
-    int8_t *q8; /* MM_INT8: [B, K] (sx then holds the exact sums themselves) */
+    int8_t *q8; /* MM_INT8: [B, K] (sx then holds the exact sums themselves; HAVE_INT8_Q4: its own rows,
+                 * beside the int16 ones, and sx as theirs) */
     float *dg; /* MM_INT8: [B, G, 2], each half group's scale */
     int32_t *s8; /* MM_INT8: [B, G, 2], 128 * the sum of each half group's int8 inputs */
 } qx_t;
+
+#if HAVE_INT8_Q4
+/* Row b of x as int8 per half group (scale dg = max|x| / 127), for the 4-bit tiles' MM_INT8 columns. */
+static void quantize_q8_row(const float *row, int K, qx_t *qx, int b) {
+    const int G = K / GROUP;
+    int8_t *dst = qx->q8 + (size_t)b * K;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int h = 0; h < 2 * G; h++) {
+        const __m256 lo = _mm256_loadu_ps(row + 16 * h), hi = _mm256_loadu_ps(row + 16 * h + 8);
+        __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, lo), _mm256_andnot_ps(sign, hi));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const __m256 s = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+        const __m256i q16 = _mm256_permute4x64_epi64(
+            _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(lo, s)), _mm256_cvtps_epi32(_mm256_mul_ps(hi, s))), 0xD8);
+        _mm_storeu_si128((__m128i *)(dst + 16 * h),
+                         _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
+        qx->dg[(size_t)b * 2 * G + h] = amax / 127.0f;
+    }
+}
+#endif
 
 /* Rows [b0, b1) of x [B, K] (threads prepare disjoint rows) as `mode` takes them: int16 for
  * matmul_int16, int8 groups for its MM_INT8 columns, or bf16 A tiles for matmul_amx. */
@@ -58,6 +91,9 @@ static void quantize_x(const float *x, int K, qx_t *qx, int b0, int b1, int mode
     const int G = K / GROUP;
     for (int b = b0; b < b1; b++) {
         const float *row = x + (size_t)b * K;
+#if HAVE_INT8_Q4
+        if (mode == MM_INT8) quantize_q8_row(row, K, qx, b); /* and the int16 rows below */
+#endif
 #if HAVE_INT8
         if (mode == MM_INT8) {
             int8_t *dst = qx->q8 + (size_t)b * K;
@@ -114,12 +150,15 @@ static void quantize_x(const float *x, int K, qx_t *qx, int b0, int b1, int mode
  * and the OS allow it, else in int8 dot products where this build has them (AVX-512 VNNI). */
 static int wide_mode(int B, int wide_rows) {
     if (wide_rows <= 0 || B < wide_rows) return MM_INT16;
-    return amx_usable() ? MM_AMX : HAVE_INT8 ? MM_INT8 : MM_INT16;
+    return amx_usable() ? MM_AMX : HAVE_INT8 || HAVE_INT8_Q4 ? MM_INT8 : MM_INT16;
 }
 
 /* The wide matmul this build and the OS give many rows: "amx", "int8" (its 16-bit tiles in fp32 FMAs),
- * "int8+bf16" (in bf16 dot products) or "" (none). */
-const char *sluice_wide_matmul(void) { return amx_usable() ? "amx" : HAVE_BF16DOT ? "int8+bf16" : HAVE_INT8 ? "int8" : ""; }
+ * "int8+bf16" (in bf16 dot products), "int8 4-bit" (AVX2: int8 inputs for the 4-bit tiles only) or ""
+ * (none). */
+const char *sluice_wide_matmul(void) {
+    return amx_usable() ? "amx" : HAVE_BF16DOT ? "int8+bf16" : HAVE_INT8 ? "int8" : HAVE_INT8_Q4 ? "int8 4-bit" : "";
+}
 
 /* One column of blocks (16 output rows n0.., all K) for nb <= ROWS_PER_PASS input rows: y[b, n0 + n]. */
 static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, int G, const qx_t *qx, int K,
@@ -500,6 +539,48 @@ static inline __attribute__((always_inline)) void q8g_column_i8(const uint8_t *c
 }
 #endif
 
+#if HAVE_INT8_Q4
+/* One column of Q4 blocks for nb <= ROWS_PER_PASS rows of int8 inputs (AVX2, MM_INT8): y[b, n0 + n]. Eight
+ * output rows at a time (bytes 16o..16o+15 of each tile row): tile row p's words become 8 lanes of the 4
+ * codes of inputs 4p..4p+3 (as q4_column_i8 above), a half group's four of them decoded once for all
+ * rows; each row's four `vpmaddubsw` summed in int16 (4 * 3810 < 2^15), then widened. */
+static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
+                                                               int nb, float *y, int ldy) {
+    const __m256i nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int o = 0; o < 2; o++) { /* output rows 8o..8o+7: their sums stay in registers over all groups */
+        __m256 accf[ROWS_PER_PASS];
+        for (int b = 0; b < nb; b++) accf[b] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
+            if (o == 0) prefetch_l2(blk + PREFETCH_AHEAD, BLOCK_BYTES);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * o)));
+            for (int h = 0; h < 2; h++) {
+                __m256i w[4];
+                for (int i = 0; i < 4; i++) {
+                    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * (4 * h + i) + 16 * o)));
+                    w[i] = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), nibbles);
+                }
+                for (int b = 0; b < nb; b++) {
+                    const int8_t *xg = qx->q8 + (size_t)b * K + g * GROUP + 16 * h;
+                    int32_t x0, x1, x2, x3;
+                    memcpy(&x0, xg, 4), memcpy(&x1, xg + 4, 4), memcpy(&x2, xg + 8, 4), memcpy(&x3, xg + 12, 4);
+                    __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x0)),
+                                                 _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(x1)));
+                    s = _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(w[2], _mm256_set1_epi32(x2)),
+                                                             _mm256_maddubs_epi16(w[3], _mm256_set1_epi32(x3))));
+                    accf[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones)),
+                                              _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[((size_t)b * G + g) * 2 + h])), accf[b]);
+                }
+            }
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * o)));
+            for (int b = 0; b < nb; b++) /* the min term with the exact sum (sx is the int16 rows', / dx) */
+                accf[b] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[(size_t)b * G + g] * qx->dx[b]), accf[b]);
+        }
+        for (int b = 0; b < nb; b++) _mm256_storeu_ps(y + (size_t)b * ldy + 8 * o, accf[b]);
+    }
+}
+#endif
+
 #if HAVE_BF16DOT
 /* One column of F16 or BF16 blocks (`bf16`) for nb <= BF_ROWS_PER_PASS rows of bf16 inputs (xb: rows [nb, K],
  * MM_INT8's), in bf16 dot products with fp32 sums: y[b, n0 + n]. Passes of 16 rows (16 accumulators, the
@@ -535,6 +616,9 @@ static inline int tile_bytes(int format) {
 #if HAVE_INT8
 #define Q4_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N)
 #define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column_i8(col, G, part, K, nb, yb, N)
+#elif HAVE_INT8_Q4
+#define Q4_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N)
+#define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column(col, G, part, K, nb, yb, N)
 #else
 #define Q4_I8(col, G, part, K, nb, yb, N) ((void)0)
 #define Q8G_I8(col, G, part, K, nb, yb, N) ((void)0)
@@ -565,7 +649,7 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
                          int nt, int mode) {
     const int G = K / GROUP, NB = N / TILE_N, per = (NB + nt - 1) / nt;
     const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
-    const int fmt = w->format, bytes = tile_bytes(fmt), int8 = HAVE_INT8 && mode == MM_INT8;
+    const int fmt = w->format, bytes = tile_bytes(fmt), int8 = (HAVE_INT8 || HAVE_INT8_Q4) && mode == MM_INT8;
 #if HAVE_BF16DOT
     if (int8 && (fmt == TILES_F16 || fmt == TILES_BF16)) {
         const int bf16 = fmt == TILES_BF16;

@@ -188,7 +188,8 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
     c.qx.sx = p, p += (size_t)R * gmax;
     c.qx.q = (int16_t *)p, p += (size_t)R * kmax / 2;
     c.qx.bf = (uint16_t *)p, p += (size_t)R * kmax / 2;
-    c.qx.q8 = (int8_t *)c.qx.q; /* (MM_INT8 has no int16 rows) */
+    c.qx.q8 = HAVE_INT8_Q4 ? (int8_t *)c.qx.bf : (int8_t *)c.qx.q; /* (MM_INT8 has no int16 rows but with
+                                                                 * HAVE_INT8_Q4, which has no bf16 ones) */
     c.qx.dg = p, p += (size_t)R * 2 * gmax;
     c.qx.s8 = (int32_t *)p, p += (size_t)R * 2 * gmax;
     c.scores = p, p += (size_t)nthreads * scores_per_thread;

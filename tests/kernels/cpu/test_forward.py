@@ -80,6 +80,12 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).double()
 
 
+def _int16_rows(t: torch.Tensor) -> torch.Tensor:
+    """Each row rounded to int16 steps of its own scale (max |x| / 32767), as the int16 matmul takes its inputs."""
+    d = t.abs().amax(-1, keepdim=True) / 32767
+    return torch.round(t / torch.where(d > 0, d, 1)) * d
+
+
 def _int8_groups(t: torch.Tensor) -> torch.Tensor:
     """Each 16 inputs of a row (half a weight group) rounded to int8 steps of their own scale (max |x| / 127),
     as the int8 matmul takes its inputs."""
@@ -100,6 +106,7 @@ class TinyModel:
         self.layers = []
         self.blocks = []
         self.sixteen_bit = set(f16) | set(bf16)  # matrices whose matmuls take the fp32 inputs on every path
+        self.q8g = set(q8g)
         self.mins = []  # each layer's {matrix: the part of its weights that is the groups' mins (m), float64}
         for _ in range(layers):
             mats = {name: (_q8g if name in q8g else _f16 if name in f16 else _bf16w if name in bf16 else _q4)(n, k, gen)
@@ -125,8 +132,9 @@ class TinyModel:
         before any row attends to its sequence's positions 0..positions[b]. `matmuls`: "exact", "bf16" (each
         matmul's input and weights rounded to bf16 first: what the AMX path and torch's bf16 path compute)
         or "int8" (the int8 matmul's: the inputs of the 4-bit and int8-group matrices' q * d parts rounded to
-        int8 in 16s, their m parts multiplied by the exact inputs; the 16-bit matrices exact) or "int8+bf16"
-        (the same, the 16-bit matrices' inputs and weights rounded to bf16)."""
+        int8 in 16s, their m parts multiplied by the exact inputs; the 16-bit matrices exact), "int8+bf16"
+        (the same, the 16-bit matrices' inputs and weights rounded to bf16) or "int8 4-bit" (AVX2's: only
+        the 4-bit matrices' inputs in int8, the int8-group ones exact)."""
         d = self.dims
         D, nh, nkv, eps = d["head_dim"], d["heads"], d["kv_heads"], d["eps"]
         x = x.double().clone()
@@ -146,7 +154,10 @@ class TinyModel:
                 return _bf16(v) @ _bf16(weight).T
             if matmuls.startswith("int8") and name not in self.sixteen_bit:  # q * d with int8 inputs, m exact
                 mins = self.mins[li][name]
-                return _int8_groups(v) @ (weight - mins).T + v @ mins.T
+                # (AVX2's int8 4-bit: the int8-group matrices' inputs in int16, modelled here too, or the
+                # int8 roundings of the matmuls after them would be taken at other points than the kernel's)
+                rounded = _int16_rows(v) if matmuls == "int8 4-bit" and name in self.q8g else _int8_groups(v)
+                return rounded @ (weight - mins).T + v @ mins.T
             if matmuls == "int8+bf16":  # the 16-bit tiles in bf16 dot products
                 return _bf16(v) @ _bf16(weight).T
             return v @ weight.T
@@ -213,7 +224,8 @@ def _step(rows: int, gen: torch.Generator, block_size: int, blocks_per_seq: int)
 def _matmul_modes(lib) -> list[tuple[int, str]]:
     """(wide_min_rows, the reference's matmuls) to run: 0 (the int16 matmul, against exact products), and
     1 (every step on the build's wide matmul: AMX's bf16 tiles, or int8 dot products, with bf16 ones on the
-    16-bit tiles where the build has them: "int8+bf16") where it has one."""
+    16-bit tiles where the build has them: "int8+bf16", or on the 4-bit tiles only: AVX2's "int8 4-bit")
+    where it has one."""
     lib.sluice_wide_matmul.restype = ctypes.c_char_p
     wide = lib.sluice_wide_matmul().decode()
     return [(0, "exact")] + ([(1, "bf16" if wide == "amx" else wide)] if wide else [])
@@ -223,11 +235,13 @@ def _assert_step_close(got: torch.Tensor, want: torch.Tensor, matmuls: str, wher
     """Every row within 2e-3 of the largest output. The int8 matmul against its own rounding: the median row
     within 1e-4, and every row within 1e-2 (an input the kernel's fp32 puts on the other side of a rounding
     boundary than float64 does moves by a whole int8 step, and the layers after carry it on; a wrong scale
-    or min moves every row by ~1e-2)."""
+    or min moves every row by ~1e-2). A step of one or two rows has no other rows for a median: each row
+    within 1e-3 there (one such input moved a row by 5e-4)."""
     scale = want.abs().max().item()
     rows = (got.double() - want).abs().amax(-1) / scale
     if matmuls.startswith("int8"):
-        assert rows.median().item() < 1e-4 and rows.max().item() < 1e-2, (*where, rows.tolist())
+        typical = 1e-4 if len(rows) >= 3 else 1e-3
+        assert rows.median().item() < typical and rows.max().item() < 1e-2, (*where, rows.tolist())
     else:
         assert rows.max().item() < 2e-3, (*where, rows.max().item())
 
