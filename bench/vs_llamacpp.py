@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None,
                     help="a GGUF file both servers load (default: the packaged SmolLM2 Q4_1; e.g. one requantised "
                          "by llama-quantize)")
+    ap.add_argument("--sluice-engine", default="{}",
+                    help='EngineConfig keys for Sluice\'s model, as JSON (e.g. \'{"wide_min_rows": 0}\': int16 matmuls '
+                         'at every batch size)')
     a = ap.parse_args(argv)
     binary = Path(a.llama_server)
     if not binary.exists():
@@ -144,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         print(r.line(f"  round {rnd} {name:12s}"), flush=True)
 
     # The chat model alone, as llama-server serves it (the default configuration adds an embedding model).
-    only_chat = {"SLUICE_MODELS": json.dumps([{"id": MODEL, "path": None if model is None else str(model)}])}
+    only_chat = {"SLUICE_MODELS": json.dumps([{"id": MODEL, "path": None if model is None else str(model),
+                                               "engine": json.loads(a.sluice_engine)}])}
     with sluice_server_process(only_chat) as (sluice_url, sluice_proc):
         asyncio.run(run_load(sluice_url, MODEL, mixed_workload(2, 8, 8, seed=-1), 2))  # warm-up
         for c in levels:
