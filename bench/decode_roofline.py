@@ -127,12 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--weight-dtype", default="auto")
     ap.add_argument("--model", default=None, help="a GGUF file or model folder (default: the packaged model)")
+    ap.add_argument("--wide-min-rows", type=int, default=None,
+                    help="native steps of at least this many rows take the wide matmul (0: never; default: measured)")
     ap.add_argument("--output-layer-bits", type=int, choices=(4, 8), default=None,
                     help="the native output layer's candidate copy (default: by its size)")
     a = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=a.model, max_running_requests=64, kv_cache_tokens=65536,
                                     enable_prefix_caching=False, weight_dtype=a.weight_dtype,
-                                    output_layer_bits=a.output_layer_bits))
+                                    output_layer_bits=a.output_layer_bits, wide_min_rows=a.wide_min_rows))
     runner = engine.runner
     bw = read_bandwidth()
     print(f"machine: {machine()}; torch threads {torch.get_num_threads()}")

@@ -27,7 +27,8 @@ BLOCK_BYTES = 320  # a TILES_Q4 block: 256 bytes of codes, 16 fp16 scales d, 16 
 
 
 
-TILES_Q4, TILES_Q8G, TILES_F16, TILES_BF16 = 0, 1, 2, 3  # sluice_forward.h's layer_tiles formats
+TILES_Q4, TILES_Q8G, TILES_F16, TILES_BF16, TILES_Q8G6 = 0, 1, 2, 3, 4  # sluice_forward.h's layer_tiles formats
+Q8G6_MAX_CODE = 32  # TILES_Q8G6: TILES_Q8G with every code in [-32, 32] (AVX2's int8 matmul reads it)
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,8 @@ class LayerTiles:
     per 32 codes). TILES_Q4: 256 bytes of 4-bit codes, then the 16 rows' fp16 scales d and mins m
     (w = code * d + m; GGML Q4_0, Q4_1, Q4_K; 0.625 bytes per weight, Q4_1's own). TILES_Q8G: 512 bytes
     of int8 codes, the rows' fp16 d for inputs 0-15 and for 16-31, then their fp16 m (Q5_0, Q5_1, Q5_K,
-    Q6_K, Q8_0; 1.19 bytes per weight). TILES_F16 / TILES_BF16: the weights as fp16 / bf16 in the codes'
-    order (2 bytes)."""
+    Q6_K, Q8_0; 1.19 bytes per weight); TILES_Q8G6 the same with every code in [-32, 32] (the Q5 and Q6
+    types'). TILES_F16 / TILES_BF16: the weights as fp16 / bf16 in the codes' order (2 bytes)."""
 
     blocks: torch.Tensor  # [N / 16, K / 32, 320, 608 or 1024] uint8
     shape: tuple[int, int]
@@ -88,7 +89,7 @@ def pack_f16(weight: torch.Tensor) -> LayerTiles | None:
 def pack_q8g(codes: torch.Tensor, scale16: torch.Tensor, mn: torch.Tensor) -> LayerTiles | None:
     """The kernel's TILES_Q8G layout of int8 codes [N, K] with a scale per 16 inputs [N, K / 16] and a min
     per 32 [N, K / 32] (w = code * scale + min), both rounded to fp16; None when K is not a multiple of 32
-    or N not one of 16."""
+    or N not one of 16. TILES_Q8G6 where every code lies in [-32, 32]."""
     n, k = codes.shape
     if k % GROUP or n % TILE_N:
         return None
@@ -98,7 +99,8 @@ def pack_q8g(codes: torch.Tensor, scale16: torch.Tensor, mn: torch.Tensor) -> La
     d16 = scale16.to(torch.float16).contiguous()
     m16 = mn.to(torch.float16).contiguous()
     return LayerTiles(torch.cat([q.view(torch.uint8), _per_block(d16, nb, g, 2), _per_block(m16, nb, g)], -1)
-                      .contiguous(), (n, k), TILES_Q8G)
+                      .contiguous(), (n, k),
+                      TILES_Q8G6 if int(codes.abs().max()) <= Q8G6_MAX_CODE else TILES_Q8G)
 
 
 @dataclass
@@ -161,8 +163,8 @@ class ForwardStep:
         self.library: str = Path(lib._name).name  # the build (its name hashes its sources and flags)
         self.amx: bool = bool(lib.sluice_amx_available())  # the AMX matmul for steps of many rows
         # the matmul for steps of many rows: "amx" (bf16 tiles), "int8" (AVX-512 VNNI, no AMX),
-        # "int8+bf16" (with AVX-512 BF16: the F16/BF16 tiles in bf16 dot products), "int8 4-bit" (AVX2
-        # without AVX-512: int8 inputs for the 4-bit tiles, int16 ones for the others) or "" (none)
+        # "int8+bf16" (with AVX-512 BF16: the F16/BF16 tiles in bf16 dot products), "int8 4-6 bit" (AVX2
+        # without AVX-512: int8 inputs for the 4-bit and TILES_Q8G6 tiles, int16 ones for the others) or "" (none)
         self.wide: str = lib.sluice_wide_matmul().decode()
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), block_size, eps)
         self._layers = layers  # keeps the tensors that the structs point to alive
@@ -175,7 +177,8 @@ class ForwardStep:
 
     def tile_formats(self) -> dict[str, int]:
         """How many of the layers' matrices each tile format holds ("4-bit", "int8 group", "fp16", "bf16")."""
-        names = {TILES_Q4: "4-bit", TILES_Q8G: "int8 group", TILES_F16: "fp16", TILES_BF16: "bf16"}
+        names = {TILES_Q4: "4-bit", TILES_Q8G: "int8 group", TILES_Q8G6: "int8 group", TILES_F16: "fp16",
+                 TILES_BF16: "bf16"}
         out: dict[str, int] = {}
         for lw in self._layers:
             for m in (lw.qkv, lw.o, lw.gate_up, lw.down):

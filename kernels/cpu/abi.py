@@ -14,7 +14,7 @@ class Dims(ctypes.Structure):
 
 
 class Tiles(ctypes.Structure):
-    """`layer_tiles`: a matrix's blocks and their format (TILES_Q4 = 0, TILES_Q8G = 1)."""
+    """`layer_tiles`: a matrix's blocks and their format (TILES_*, sluice_forward.h)."""
 
     _fields_ = [("blocks", ctypes.c_void_p), ("format", ctypes.c_int)]
 

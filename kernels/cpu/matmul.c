@@ -29,11 +29,12 @@ enum { MM_INT16 = 0, MM_AMX = 1, MM_INT8 = 2 }; /* how a step's matmuls take the
 #else
 #define HAVE_INT8 0
 #endif
-/* AVX2 without AVX-512 (an AVX2-only EPYC's build), MM_INT8 steps: the 4-bit tiles take int8 inputs
- * (`vpmaddubsw`: 4-bit codes, unsigned, times int8 inputs, 32 multiply-adds an instruction into int16
- * pairs that cannot saturate, 2 * 15 * 127 = 3810, and four of them summed in int16 before one `vpmaddwd`
- * widens them: against `vpmaddwd`'s 16 on int16 inputs), the other formats their int16 inputs, both
- * prepared (quantize_x). Its int8 codes reach 127, where `vpmaddubsw`'s pairs would saturate. */
+/* AVX2 without AVX-512 (an AVX2-only EPYC's build), MM_INT8 steps: the 4-bit tiles and the int8 ones
+ * with codes in [-32, 32] (TILES_Q8G6) take int8 inputs (`vpmaddubsw`: the codes as the unsigned
+ * operand, 32 multiply-adds an instruction into int16 pairs that cannot saturate: 2 * 15 * 127 = 3810
+ * for 4-bit codes, four of them summed in int16 before one `vpmaddwd` widens them; 2 * 64 * 127 for the
+ * int8 codes offset by 32, two of them; against `vpmaddwd`'s 16 on int16 inputs), the other formats
+ * their int16 inputs, both prepared (quantize_x). Codes up to 127 (Q8_0's) would saturate the pairs. */
 #if !HAVE_INT8 && !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_INT8_Q4 1
 #else
@@ -81,6 +82,10 @@ static void quantize_q8_row(const float *row, int K, qx_t *qx, int b) {
         _mm_storeu_si128((__m128i *)(dst + 16 * h),
                          _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
         qx->dg[(size_t)b * 2 * G + h] = amax / 127.0f;
+        const __m128i s16 = _mm_madd_epi16(_mm_add_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)),
+                                           _mm_set1_epi16(1));
+        const __m128i s2 = _mm_add_epi32(s16, _mm_shuffle_epi32(s16, 0x4E));
+        qx->s8[(size_t)b * 2 * G + h] = 128 * _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
     }
 }
 #endif
@@ -154,10 +159,10 @@ static int wide_mode(int B, int wide_rows) {
 }
 
 /* The wide matmul this build and the OS give many rows: "amx", "int8" (its 16-bit tiles in fp32 FMAs),
- * "int8+bf16" (in bf16 dot products), "int8 4-bit" (AVX2: int8 inputs for the 4-bit tiles only) or ""
+ * "int8+bf16" (in bf16 dot products), "int8 4-6 bit" (AVX2: int8 inputs for the 4-bit and TILES_Q8G6 tiles only) or ""
  * (none). */
 const char *sluice_wide_matmul(void) {
-    return amx_usable() ? "amx" : HAVE_BF16DOT ? "int8+bf16" : HAVE_INT8 ? "int8" : HAVE_INT8_Q4 ? "int8 4-bit" : "";
+    return amx_usable() ? "amx" : HAVE_BF16DOT ? "int8+bf16" : HAVE_INT8 ? "int8" : HAVE_INT8_Q4 ? "int8 4-6 bit" : "";
 }
 
 /* One column of blocks (16 output rows n0.., all K) for nb <= ROWS_PER_PASS input rows: y[b, n0 + n]. */
@@ -581,6 +586,53 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
 }
 #endif
 
+#if HAVE_INT8_Q4
+/* One column of TILES_Q8G6 blocks (int8 codes in [-32, 32]) for nb <= ROWS_PER_PASS rows of int8 inputs
+ * (AVX2, MM_INT8): y[b, n0 + n]. Eight output rows at a time: tile rows r and r + 1 (inputs 2r..2r+3)
+ * interleaved by words into 8 lanes of 4 codes, offset by 32 to be unsigned (0..64), a half group's four
+ * decoded once for all rows; each row's `vpmaddubsw` summed two by two in int16 (2 * 2 * 64 * 127 <
+ * 2^15), widened, less the offset's 32 * the sum of the half group's int8 inputs (s8 / 4). */
+static inline __attribute__((always_inline)) void q8g6_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
+                                                                 int nb, float *y, int ldy) {
+    const __m256i offset = _mm256_set1_epi8(32), ones = _mm256_set1_epi16(1);
+    for (int o = 0; o < 2; o++) {
+        __m256 accf[ROWS_PER_PASS];
+        for (int b = 0; b < nb; b++) accf[b] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
+            if (o == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
+            for (int h = 0; h < 2; h++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 32 * h + 16 * o)));
+                __m256i w[4];
+                for (int i = 0; i < 4; i++) {
+                    const int r = 8 * h + 2 * i;
+                    const __m128i a = _mm_loadu_si128((const __m128i *)(blk + 32 * r + 16 * o));
+                    const __m128i c = _mm_loadu_si128((const __m128i *)(blk + 32 * (r + 1) + 16 * o));
+                    w[i] = _mm256_add_epi8(_mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c)), offset);
+                }
+                for (int b = 0; b < nb; b++) {
+                    const int8_t *xg = qx->q8 + (size_t)b * K + g * GROUP + 16 * h;
+                    int32_t x0, x1, x2, x3;
+                    memcpy(&x0, xg, 4), memcpy(&x1, xg + 4, 4), memcpy(&x2, xg + 8, 4), memcpy(&x3, xg + 12, 4);
+                    const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x0)),
+                                                         _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(x1)));
+                    const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], _mm256_set1_epi32(x2)),
+                                                         _mm256_maddubs_epi16(w[3], _mm256_set1_epi32(x3)));
+                    const size_t i = ((size_t)b * G + g) * 2 + h;
+                    const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones)),
+                                                       _mm256_set1_epi32(qx->s8[i] / 4));
+                    accf[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[i])), accf[b]);
+                }
+            }
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 576 + 16 * o)));
+            for (int b = 0; b < nb; b++) /* the min term with the exact sum (sx is the int16 rows', / dx) */
+                accf[b] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[(size_t)b * G + g] * qx->dx[b]), accf[b]);
+        }
+        for (int b = 0; b < nb; b++) _mm256_storeu_ps(y + (size_t)b * ldy + 8 * o, accf[b]);
+    }
+}
+#endif
+
 #if HAVE_BF16DOT
 /* One column of F16 or BF16 blocks (`bf16`) for nb <= BF_ROWS_PER_PASS rows of bf16 inputs (xb: rows [nb, K],
  * MM_INT8's), in bf16 dot products with fp32 sums: y[b, n0 + n]. Passes of 16 rows (16 accumulators, the
@@ -610,18 +662,23 @@ static inline __attribute__((always_inline)) void f16_column_bf(const uint8_t *c
 #endif
 
 static inline int tile_bytes(int format) {
-    return format == TILES_Q8G ? Q8G_BLOCK_BYTES : format == TILES_F16 || format == TILES_BF16 ? F16_BLOCK_BYTES : BLOCK_BYTES;
+    return format == TILES_Q8G || format == TILES_Q8G6             ? Q8G_BLOCK_BYTES
+           : format == TILES_F16 || format == TILES_BF16 ? F16_BLOCK_BYTES
+                                                         : BLOCK_BYTES;
 }
 
 #if HAVE_INT8
 #define Q4_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N)
 #define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column_i8(col, G, part, K, nb, yb, N)
+#define Q8G6_I8(col, G, part, K, nb, yb, N) q8g_column_i8(col, G, part, K, nb, yb, N)
 #elif HAVE_INT8_Q4
 #define Q4_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N)
 #define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column(col, G, part, K, nb, yb, N)
+#define Q8G6_I8(col, G, part, K, nb, yb, N) q8g6_column_i8(col, G, part, K, nb, yb, N)
 #else
 #define Q4_I8(col, G, part, K, nb, yb, N) ((void)0)
 #define Q8G_I8(col, G, part, K, nb, yb, N) ((void)0)
+#define Q8G6_I8(col, G, part, K, nb, yb, N) ((void)0)
 #endif
 
 /* A column of any format for a constant nb (the compiler keeps each row's accumulator in a register);
@@ -633,7 +690,9 @@ static inline int tile_bytes(int format) {
             Q4_I8(col, G, part, K, nb, yb, N);                      \
         else if ((int8) && (fmt) == TILES_Q8G)                      \
             Q8G_I8(col, G, part, K, nb, yb, N);                     \
-        else if ((fmt) == TILES_Q8G)                                \
+        else if ((int8) && (fmt) == TILES_Q8G6)                     \
+            Q8G6_I8(col, G, part, K, nb, yb, N);                    \
+        else if ((fmt) == TILES_Q8G || (fmt) == TILES_Q8G6)         \
             q8g_column(col, G, part, K, nb, yb, N);                 \
         else if ((fmt) == TILES_F16)                                \
             f16_column(col, G, xb, K, nb, yb, N, 0);                \

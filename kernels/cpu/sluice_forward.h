@@ -4,14 +4,16 @@
 
 #include <stdint.h>
 
-/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of four formats:
+/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of five formats:
  * TILES_Q4: 4-bit codes with fp16 d and m per row and group (GGML Q4_0, Q4_1, Q4_K values), BLOCK_BYTES;
  * TILES_Q8G: int8 codes with fp16 d per row and half group (16 inputs) and fp16 m per row and group
  * (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 values), Q8G_BLOCK_BYTES;
  * TILES_F16: the weights themselves as fp16 (F16 files), F16_BLOCK_BYTES;
  * TILES_BF16: the weights themselves as bf16 (BF16 files), F16_BLOCK_BYTES: a block is an AMX bf16 B
- * tile as it stands. */
-enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3 };
+ * tile as it stands;
+ * TILES_Q8G6: TILES_Q8G whose codes all lie in [-32, 32] (the Q5 and Q6 types'), read as TILES_Q8G but by
+ * AVX2's int8 matmul, whose `vpmaddubsw` would saturate on larger codes. */
+enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3, TILES_Q8G6 = 4 };
 
 typedef struct {
     const uint8_t *blocks;

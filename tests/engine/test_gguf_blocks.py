@@ -5,6 +5,7 @@ mixed layers through the native step against a float64 reference."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import gguf
@@ -14,9 +15,9 @@ import torch
 
 from engine.gguf_blocks import DECODERS, dequantize, group_blocks, half_weights
 from engine.weights import pack_native
-from kernels.cpu import TILES_Q4, TILES_Q8G, LayerBlocks
+from kernels.cpu import TILES_Q4, TILES_Q8G, TILES_Q8G6, LayerBlocks
 from kernels.cpu import build as cpu_build
-from tests.kernels.cpu.test_forward import TinyModel, assert_step_matches_reference
+from tests.kernels.cpu.test_forward import TinyModel, _library, assert_step_matches_reference
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-kquants.gguf"
 
@@ -114,6 +115,7 @@ def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
                          for m, parts in fused.items()}
         packed = {m: pack_native([blocks[f"blk.{i}.{p}.weight"] for p in parts]) for m, parts in fused.items()}
         formats.update({f"{i}.{m}": t.format for m, t in packed.items() if t is not None})
+        model.q8g[i] = {m for m, t in packed.items() if t is not None and t.format == TILES_Q8G}
         _, norms, _ = model.layers[i]
         model.layers[i] = (dense, norms, None)
         model.blocks[i] = LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], **packed)  # type: ignore[arg-type]
@@ -121,12 +123,51 @@ def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
 
 
 @pytest.mark.skipif(cpu_build.load() is None, reason="no C compiler to build kernels/cpu/forward.c")
+@pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("rows", [1, 9, 40])
-def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(rows):
+def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(build, rows):
     model, formats = _fixture_model()
-    # layer 0 mixes Q4_K/Q5_K/Q6_K, Q8_0, Q5_0/Q5_1 and Q6_K: int8 group tiles; layer 1 is all Q4_K: 4-bit
-    assert {k: v for k, v in formats.items() if k.startswith("0.")} == dict.fromkeys(
-        ("0.qkv", "0.o", "0.gate_up", "0.down"), TILES_Q8G)
+    # layer 0 mixes Q4_K/Q5_K/Q6_K, Q8_0, Q5_0/Q5_1 and Q6_K: int8 group tiles, with codes in [-32, 32]
+    # but for Q8_0's; layer 1 is all Q4_K: 4-bit
+    assert {k: v for k, v in formats.items() if k.startswith("0.")} == {
+        "0.qkv": TILES_Q8G6, "0.o": TILES_Q8G, "0.gate_up": TILES_Q8G6, "0.down": TILES_Q8G6}
     assert {k: v for k, v in formats.items() if k.startswith("1.")} == dict.fromkeys(
         ("1.qkv", "1.o", "1.gate_up", "1.down"), TILES_Q4)
-    assert_step_matches_reference(model, cpu_build.load(), rows, seed=rows)
+    # AVX2's wide matmul gives the Q8_0 matrix int16 inputs and the others int8 ones: an int16 input that
+    # falls on the other side of a rounding step than the float64 reference's (a step is 2^9 fp32 ulps of
+    # the row's largest: it happens) then moves the next int8 roundings, and this file's reference moves by
+    # 1e-3 to 1e-2 a row for inputs moved by 1e-6 of themselves: its step is checked on int16 matmuls, its
+    # wide matmul matrix by matrix (below).
+    assert_step_matches_reference(model, _library(build), rows, seed=rows, wide=build != "avx2")
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_the_files_matrices_through_each_builds_wide_matmul_match_their_rounding(build):
+    """Each matrix of the file through the build's wide matmul (the native matmul of sluice_head_logits,
+    which takes a layer's tiles) against the float64 product with the inputs rounded as that matmul
+    rounds them: int8 in 16s for the 4-bit tiles, for the int8-group ones too on AVX-512 VNNI and on AVX2
+    for those with codes in [-32, 32] (TILES_Q8G6), else int16 per row."""
+    from kernels.cpu import head_logits
+    from tests.kernels.cpu.test_forward import _int8_groups, _int16_rows
+
+    lib = _library(build)
+    lib.sluice_wide_matmul.restype = ctypes.c_char_p
+    wide = lib.sluice_wide_matmul().decode()
+    if not wide.startswith("int8"):
+        pytest.skip(f"this build's wide matmul is {wide or 'none'}")
+    model, _ = _fixture_model()
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(0))
+    checked = 0
+    for i, layer in enumerate(model.blocks):
+        for name in ("qkv", "o", "gate_up", "down"):
+            tiles, weight, mins = getattr(layer, name), model.layers[i][0][name], model.mins[i][name]
+            if tiles.shape[1] != x.shape[1]:
+                continue
+            int16 = wide == "int8 4-6 bit" and tiles.format == TILES_Q8G
+            rounded = (_int16_rows if int16 else _int8_groups)(x.double())
+            want = rounded @ (weight - mins).T + x.double() @ mins.T
+            for threads in (1, 2):
+                got = head_logits(x, tiles, threads, wide_min_rows=1, lib=lib).double()
+                assert ((got - want).abs().max() / want.abs().max()).item() < 2e-6, (i, name, tiles.format, threads)
+            checked += 1
+    assert checked >= 6

@@ -108,7 +108,7 @@ def test_native_int8_output_layer_refines_the_top_candidates(rows):
     w8_ref = (w8.q.double() * w8.scales.double()[:, None]).T
     # 0: int16 activations; 1: every row count on the wide matmul (AMX: activations and weights in bf16)
     for amx in [0, 1] if wide else [0]:
-        int8 = amx and wide in ("int8", "int8+bf16")  # (AVX2's "int8 4-bit": int16 inputs for int8 rows)
+        int8 = amx and wide in ("int8", "int8+bf16")  # (AVX2's "int8 4-6 bit": int16 inputs for int8 rows)
         tol = 1e-4 if not amx or wide.startswith("int8") else 2e-2
         for threads in (1, 2):
             plain = cpu_kernels.head_logits(x, head, threads, wide_min_rows=amx)

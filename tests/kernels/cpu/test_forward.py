@@ -18,7 +18,17 @@ import pytest
 import torch
 
 import kernels.cpu as cpu_kernels
-from kernels.cpu import TILES_BF16, TILES_F16, TILES_Q8G, ForwardStep, LayerBlocks, pack_f16, pack_q4_1, pack_q8g
+from kernels.cpu import (
+    TILES_BF16,
+    TILES_F16,
+    TILES_Q8G,
+    TILES_Q8G6,
+    ForwardStep,
+    LayerBlocks,
+    pack_f16,
+    pack_q4_1,
+    pack_q8g,
+)
 from kernels.cpu import build as cpu_build
 from kernels.cpu.cpuinfo import cpu_info
 
@@ -51,15 +61,21 @@ def _q4(n: int, k: int, gen: torch.Generator):
     return (codes, scale, mn), dense
 
 
-def _q8g(n: int, k: int, gen: torch.Generator):
-    """Int8 codes over the full range (Q8_0's; Q5/Q6 codes are a part of it), a scale per 16 inputs and a
-    min per 32 (fp16-exact, signed: Q6_K's sub-block scales are); and the dequantised float64 value."""
-    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+def _q8g(n: int, k: int, gen: torch.Generator, max_code: int = 127):
+    """Int8 codes over the full range (Q8_0's; Q5/Q6 codes are a part of it) or [-max_code, max_code], a
+    scale per 16 inputs and a min per 32 (fp16-exact, signed: Q6_K's sub-block scales are); and the
+    dequantised float64 value."""
+    codes = torch.randint(-max_code, max_code + 1, (n, k), generator=gen, dtype=torch.int8)
     scale = ((torch.rand(n, k // 16, generator=gen) - 0.3) * 0.001).half().float()
     mn = (-torch.rand(n, k // 32, generator=gen) * 0.05).half().float()
     dense = (codes.double().view(n, k // 16, 16) * scale.double()[..., None]).view(n, k // 32, 32)
     dense = (dense + mn.double()[..., None]).view(n, k)
     return (codes, scale, mn), dense
+
+
+def _q8g6(n: int, k: int, gen: torch.Generator):
+    """_q8g with codes in [-32, 32] (the Q5 and Q6 types' range): TILES_Q8G6."""
+    return _q8g(n, k, gen, max_code=32)
 
 
 def _f16(n: int, k: int, gen: torch.Generator):
@@ -97,19 +113,20 @@ def _int8_groups(t: torch.Tensor) -> torch.Tensor:
 class TinyModel:
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int,
                  bias: bool, seed: int = 0, q8g: tuple[str, ...] = (), f16: tuple[str, ...] = (),
-                 bf16: tuple[str, ...] = ()):
-        """`q8g`, `f16`, `bf16`: the matrices (qkv, o, gate_up, down) held as Q8G, F16 or BF16 tiles, the
-        others as Q4."""
+                 bf16: tuple[str, ...] = (), q8g6: tuple[str, ...] = ()):
+        """`q8g`, `f16`, `bf16`, `q8g6`: the matrices (qkv, o, gate_up, down) held as Q8G (codes over the
+        int8 range), F16, BF16 or Q8G6 tiles (Q8G with codes in [-32, 32]), the others as Q4."""
         gen = torch.Generator().manual_seed(seed)
         self.dims = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, eps=1e-5)
         qkv_n = (heads + 2 * kv_heads) * head_dim
         self.layers = []
         self.blocks = []
         self.sixteen_bit = set(f16) | set(bf16)  # matrices whose matmuls take the fp32 inputs on every path
-        self.q8g = set(q8g)
+        self.q8g = [set(q8g) for _ in range(layers)]  # each layer's full-range int8-group matrices
         self.mins = []  # each layer's {matrix: the part of its weights that is the groups' mins (m), float64}
         for _ in range(layers):
-            mats = {name: (_q8g if name in q8g else _f16 if name in f16 else _bf16w if name in bf16 else _q4)(n, k, gen)
+            mats = {name: (_q8g if name in q8g else _q8g6 if name in q8g6 else _f16 if name in f16 else
+                           _bf16w if name in bf16 else _q4)(n, k, gen)
                     for name, (n, k) in {
                 "qkv": (qkv_n, hidden), "o": (hidden, heads * head_dim), "gate_up": (2 * inter, hidden),
                 "down": (hidden, inter)}.items()}
@@ -118,7 +135,7 @@ class TinyModel:
             self.layers.append(({k: v[1] for k, v in mats.items()}, norms, b))
             self.mins.append({k: v[0][2].double().repeat_interleave(32, 1) for k, v in mats.items()
                               if k not in self.sixteen_bit})
-            packed = {k: (pack_q8g if k in q8g else pack_f16 if k in f16 + bf16 else pack_q4_1)(*v[0])
+            packed = {k: (pack_q8g if k in q8g + q8g6 else pack_f16 if k in f16 + bf16 else pack_q4_1)(*v[0])
                       for k, v in mats.items()}
             self.blocks.append(LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], qkv_bias=b, **packed))  # type: ignore[arg-type]
         pos = torch.arange(512, dtype=torch.float64)
@@ -133,8 +150,9 @@ class TinyModel:
         matmul's input and weights rounded to bf16 first: what the AMX path and torch's bf16 path compute)
         or "int8" (the int8 matmul's: the inputs of the 4-bit and int8-group matrices' q * d parts rounded to
         int8 in 16s, their m parts multiplied by the exact inputs; the 16-bit matrices exact), "int8+bf16"
-        (the same, the 16-bit matrices' inputs and weights rounded to bf16) or "int8 4-bit" (AVX2's: only
-        the 4-bit matrices' inputs in int8, the int8-group ones exact)."""
+        (the same, the 16-bit matrices' inputs and weights rounded to bf16) or "int8 4-6 bit" (AVX2's: only
+        the 4-bit matrices' inputs and those of the int8-group ones with codes in [-32, 32] in int8, the
+        other int8-group ones' in int16)."""
         d = self.dims
         D, nh, nkv, eps = d["head_dim"], d["heads"], d["kv_heads"], d["eps"]
         x = x.double().clone()
@@ -154,9 +172,10 @@ class TinyModel:
                 return _bf16(v) @ _bf16(weight).T
             if matmuls.startswith("int8") and name not in self.sixteen_bit:  # q * d with int8 inputs, m exact
                 mins = self.mins[li][name]
-                # (AVX2's int8 4-bit: the int8-group matrices' inputs in int16, modelled here too, or the
-                # int8 roundings of the matmuls after them would be taken at other points than the kernel's)
-                rounded = _int16_rows(v) if matmuls == "int8 4-bit" and name in self.q8g else _int8_groups(v)
+                # (AVX2's int8 4-6 bit: the full-range int8-group matrices' inputs in int16, modelled here
+                # too, or the int8 roundings of the matmuls after them would fall at other points than the
+                # kernel's)
+                rounded = _int16_rows(v) if matmuls == "int8 4-6 bit" and name in self.q8g[li] else _int8_groups(v)
                 return rounded @ (weight - mins).T + v @ mins.T
             if matmuls == "int8+bf16":  # the 16-bit tiles in bf16 dot products
                 return _bf16(v) @ _bf16(weight).T
@@ -224,7 +243,8 @@ def _step(rows: int, gen: torch.Generator, block_size: int, blocks_per_seq: int)
 def _matmul_modes(lib) -> list[tuple[int, str]]:
     """(wide_min_rows, the reference's matmuls) to run: 0 (the int16 matmul, against exact products), and
     1 (every step on the build's wide matmul: AMX's bf16 tiles, or int8 dot products, with bf16 ones on the
-    16-bit tiles where the build has them: "int8+bf16", or on the 4-bit tiles only: AVX2's "int8 4-bit")
+    16-bit tiles where the build has them: "int8+bf16", or on the 4-bit tiles and the int8 ones with small
+    codes only: AVX2's "int8 4-6 bit")
     where it has one."""
     lib.sluice_wide_matmul.restype = ctypes.c_char_p
     wide = lib.sluice_wide_matmul().decode()
@@ -277,10 +297,10 @@ def test_forward_step_matches_a_float64_reference(build, config, rows):
             assert torch.equal(kv_ours[:, :, others], kv[:, :, others])
 
 
-def assert_step_matches_reference(model: TinyModel, lib, rows: int, seed: int) -> None:
-    """One step of `rows` mixed decode/prefill rows through `lib`'s native step (int16, and AMX where the CPU
-    has it) against the model's float64 reference (bf16-rounded matmuls for AMX), within 2e-3 of its
-    largest output."""
+def assert_step_matches_reference(model: TinyModel, lib, rows: int, seed: int, wide: bool = True) -> None:
+    """One step of `rows` mixed decode/prefill rows through `lib`'s native step (int16, and with `wide` its
+    wide matmul where the build has one) against the model's float64 reference (with the wide matmul's
+    roundings), as _assert_step_close holds them."""
     d = model.dims
     gen = torch.Generator().manual_seed(seed)
     step = ForwardStep(**d, block_size=4, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
@@ -288,7 +308,7 @@ def assert_step_matches_reference(model: TinyModel, lib, rows: int, seed: int) -
     kv = torch.randn(len(model.layers), 2, num_blocks * 4, d["kv_heads"], d["head_dim"], generator=gen).to(
         torch.bfloat16)
     x = torch.randn(rows, d["hidden"], generator=gen)
-    for amx, matmuls in _matmul_modes(lib):
+    for amx, matmuls in _matmul_modes(lib)[:None if wide else 1]:
         want = model.reference(x, positions, slots, tables, row_seq, kv.clone(), 4, matmuls)
         got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, wide_min_rows=amx)
         _assert_step_close(got, want, matmuls, (step.isa, amx))
@@ -305,6 +325,20 @@ def test_int8_group_tiles_and_mixed_formats_match_the_float64_reference(build, q
     layer = model.blocks[0]
     assert [m for m in ("qkv", "o", "gate_up", "down") if getattr(layer, m).format == TILES_Q8G] == list(q8g)
     assert_step_matches_reference(model, lib, rows, seed=100 + rows)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("q8g6, q8g", [(("qkv", "o", "gate_up", "down"), ()), (("o", "down"), ("qkv",))])
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_small_code_int8_tiles_match_the_float64_reference(build, q8g6, q8g, rows):
+    """Q8G tiles whose codes lie in [-32, 32] (a Q5 or Q6 type's: TILES_Q8G6, which AVX2's int8 matmul
+    reads with its codes offset to unsigned bytes), alone and beside full-range Q8G and Q4 tiles."""
+    lib = _library(build)
+    model = TinyModel(**CONFIGS["odd-groups"], q8g=q8g, q8g6=q8g6)
+    layer = model.blocks[0]
+    assert {m: getattr(layer, m).format for m in q8g6 + q8g} == {**dict.fromkeys(q8g6, TILES_Q8G6),
+                                                                 **dict.fromkeys(q8g, TILES_Q8G)}
+    assert_step_matches_reference(model, lib, rows, seed=200 + rows)
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
