@@ -220,11 +220,29 @@ def _as_groups(b: Q4Blocks | GroupBlocks) -> tuple[torch.Tensor, torch.Tensor, t
     return codes.to(torch.int8), scale.repeat_interleave(2, dim=-1), mn
 
 
+def _five_bit(b: Q4Blocks | GroupBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Quantised blocks as (codes 0..31, scale per 32, min per 32) where they are 5-bit ones (Q5_0 with
+    its codes moved up by 16 and its min down by 16 scales, Q5_1, Q5_K, and the 4-bit types), else None."""
+    if not isinstance(b, GroupBlocks):
+        codes, scale, mn = b
+        return codes.to(torch.uint8), scale, mn
+    scale = b.scale[:, ::2]
+    if not torch.equal(scale, b.scale[:, 1::2]):  # a scale per 16 (Q6_K)
+        return None
+    lo, hi = int(b.codes.min()), int(b.codes.max())
+    if lo >= 0 and hi <= 31:
+        return b.codes.to(torch.uint8), scale, b.mn
+    if lo >= -16 and hi <= 15:  # Q5_0: w = (q - 16) d
+        return (b.codes + 16).to(torch.uint8), scale, b.mn - 16 * scale
+    return None
+
+
 def pack_native(parts: list[NativeBlocks | None]) -> cpu_kernels.LayerTiles | None:
     """A fused matrix's parts (rows stacked) in the native step's tiles: the file's Q4_0/Q4_1 blocks as
     they are; 4-bit ones with a K type among them (Q4_K: a scale that is a product, rounded to fp16) in
-    4-bit tiles too; with any other type, int8 group tiles for all; F16 (BF16) ones in fp16 (bf16) tiles. None
-    when a part is missing, or 16-bit parts are mixed with quantised ones or with the other 16-bit type."""
+    4-bit tiles too; 5-bit ones (Q5_0, Q5_1, Q5_K, beside 4-bit ones) in 5-bit tiles; with any other type,
+    int8 group tiles for all; F16 (BF16) ones in fp16 (bf16) tiles. None when a part is missing, or 16-bit
+    parts are mixed with quantised ones or with the other 16-bit type."""
     if any(p is None for p in parts):
         return None
     if any(isinstance(p, HalfWeights) for p in parts):  # 16-bit weights stay 16-bit: all of them or none
@@ -239,7 +257,11 @@ def pack_native(parts: list[NativeBlocks | None]) -> cpu_kernels.LayerTiles | No
                 for p in parts]
         codes, scale, mn = (torch.cat([p[j] for p in four]) for j in range(3))
         return cpu_kernels.pack_q4_1(codes, scale, mn, round_scales=True)
-    groups = [_as_groups(p) for p in parts if p is not None and not isinstance(p, HalfWeights)]
+    quantised = [p for p in parts if p is not None and not isinstance(p, HalfWeights)]
+    five = [_five_bit(p) for p in quantised]
+    if all(f is not None for f in five):
+        return cpu_kernels.pack_q5(*(torch.cat([f[j] for f in five]) for j in range(3)))  # type: ignore[index]
+    groups = [_as_groups(p) for p in quantised]
     return cpu_kernels.pack_q8g(*(torch.cat([g[j] for g in groups]) for j in range(3)))
 
 

@@ -27,7 +27,7 @@ BLOCK_BYTES = 320  # a TILES_Q4 block: 256 bytes of codes, 16 fp16 scales d, 16 
 
 
 
-TILES_Q4, TILES_Q8G, TILES_F16, TILES_BF16, TILES_Q8G6 = 0, 1, 2, 3, 4  # sluice_forward.h's layer_tiles formats
+TILES_Q4, TILES_Q8G, TILES_F16, TILES_BF16, TILES_Q8G6, TILES_Q5 = 0, 1, 2, 3, 4, 5  # sluice_forward.h's formats
 Q8G6_MAX_CODE = 32  # TILES_Q8G6: TILES_Q8G with every code in [-32, 32] (AVX2's int8 matmul reads it)
 
 
@@ -39,9 +39,10 @@ class LayerTiles:
     (w = code * d + m; GGML Q4_0, Q4_1, Q4_K; 0.625 bytes per weight, Q4_1's own). TILES_Q8G: 512 bytes
     of int8 codes, the rows' fp16 d for inputs 0-15 and for 16-31, then their fp16 m (Q5_0, Q5_1, Q5_K,
     Q6_K, Q8_0; 1.19 bytes per weight); TILES_Q8G6 the same with every code in [-32, 32] (the Q5 and Q6
-    types'). TILES_F16 / TILES_BF16: the weights as fp16 / bf16 in the codes' order (2 bytes)."""
+    types'). TILES_F16 / TILES_BF16: the weights as fp16 / bf16 in the codes' order (2 bytes). TILES_Q5:
+    TILES_Q4's nibbles, then each code's fifth bit (64 bytes), then d and m (Q5_0, Q5_1, Q5_K; 0.75 bytes)."""
 
-    blocks: torch.Tensor  # [N / 16, K / 32, 320, 608 or 1024] uint8
+    blocks: torch.Tensor  # [N / 16, K / 32, 320, 384, 608 or 1024] uint8
     shape: tuple[int, int]
     format: int = TILES_Q4
 
@@ -71,6 +72,23 @@ def pack_q4_1(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
     code_bytes = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(nb, g, 256)
     return LayerTiles(torch.cat([code_bytes, _per_block(d16, nb, g), _per_block(m16, nb, g)], -1).contiguous(),
                       (n, k))
+
+
+def pack_q5(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> LayerTiles | None:
+    """The kernel's TILES_Q5 layout of codes [N, K] in 0..31 with a scale and min per 32 [N, K / 32] (rounded
+    to fp16); None when K is not a multiple of 32 or N not one of 16."""
+    n, k = codes.shape
+    if k % GROUP or n % TILE_N:
+        return None
+    nb, g = n // TILE_N, k // GROUP
+    low = pack_q4_1(codes.to(torch.uint8) & 0x0F, scale, mn, round_scales=True)
+    assert low is not None
+    # the fifth bits of pair p: bit 32 h + 2 n + j for input 4 p + 2 h + j of row n, 8 bytes little-endian
+    top = ((codes.to(torch.uint8) >> 4) & 1).view(nb, TILE_N, g, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
+    weights = (1 << torch.arange(8, dtype=torch.int32))
+    bits = (top.reshape(nb, g, 8, 8, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8).reshape(nb, g, 64)
+    blocks = low.blocks.view(nb, g, BLOCK_BYTES)
+    return LayerTiles(torch.cat([blocks[..., :256], bits, blocks[..., 256:]], -1).contiguous(), (n, k), TILES_Q5)
 
 
 def pack_f16(weight: torch.Tensor) -> LayerTiles | None:
@@ -177,8 +195,8 @@ class ForwardStep:
 
     def tile_formats(self) -> dict[str, int]:
         """How many of the layers' matrices each tile format holds ("4-bit", "int8 group", "fp16", "bf16")."""
-        names = {TILES_Q4: "4-bit", TILES_Q8G: "int8 group", TILES_Q8G6: "int8 group", TILES_F16: "fp16",
-                 TILES_BF16: "bf16"}
+        names = {TILES_Q4: "4-bit", TILES_Q5: "5-bit", TILES_Q8G: "int8 group", TILES_Q8G6: "int8 group",
+                 TILES_F16: "fp16", TILES_BF16: "bf16"}
         out: dict[str, int] = {}
         for lw in self._layers:
             for m in (lw.qkv, lw.o, lw.gate_up, lw.down):

@@ -165,22 +165,78 @@ const char *sluice_wide_matmul(void) {
     return amx_usable() ? "amx" : HAVE_BF16DOT ? "int8+bf16" : HAVE_INT8 ? "int8" : HAVE_INT8_Q4 ? "int8 4-6 bit" : "";
 }
 
-/* One column of blocks (16 output rows n0.., all K) for nb <= ROWS_PER_PASS input rows: y[b, n0 + n]. */
+#if defined(__AVX2__)
+/* Lane i (of 16) = 16 where bit i of `bits` is set, else 0: a TILES_Q5 code's fifth bit for 16-bit lanes. */
+static inline __m256i fifth_bits_epi16(uint32_t bits) {
+    const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, -32768);
+    return _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)bits), sel), sel),
+                            _mm256_set1_epi16(16));
+}
+#endif
+
+/* The d and m of a TILES_Q4 (five: TILES_Q5) block, and its fifth bits of tile row pair p. */
+#define Q_BYTES(five) ((five) ? Q5_BLOCK_BYTES : BLOCK_BYTES)
+#define Q_D(blk, five) ((blk) + ((five) ? 320 : 256))
+#define Q_M(blk, five) ((blk) + ((five) ? 352 : 288))
+static inline uint64_t fifth_bits(const uint8_t *blk, int p) {
+    uint64_t hb;
+    memcpy(&hb, blk + 256 + 8 * p, 8);
+    return hb;
+}
+
+/* Each 2-bit chunk i of x (16 bits) at bits 4i, 4i + 1. */
+static inline uint32_t spread_pairs(uint32_t x) {
+    x = (x | x << 8) & 0x00FF00FFu;
+    x = (x | x << 4) & 0x0F0F0F0Fu;
+    return (x | x << 2) & 0x33333333u;
+}
+
+/* The int8 paths' order of a pair p's fifth bits: bit 4n + j for input 4p + j of output row n. */
+static inline uint64_t fifth_bits_i8(uint64_t hb) {
+#if defined(__BMI2__)
+    return _pdep_u64(hb & 0xffffffffu, 0x3333333333333333ull) | _pdep_u64(hb >> 32, 0xCCCCCCCCCCCCCCCCull);
+#else
+    uint64_t out = 0;
+    for (int h = 0; h < 2; h++)
+        out |= ((uint64_t)spread_pairs((uint32_t)(hb >> 32 * h) & 0xffff) |
+                (uint64_t)spread_pairs((uint32_t)(hb >> (32 * h + 16)) & 0xffff) << 32) << 2 * h;
+    return out;
+#endif
+}
+
+#if defined(__AVX2__)
+/* Byte i (of 32) = 16 where bit i of x is set, else 0. */
+static inline __m256i fifth_bits_bytes(uint32_t x) {
+    const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                                            0x0303030303030303);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(16));
+}
+#endif
+
+/* One column of blocks (16 output rows n0.., all K) for nb <= ROWS_PER_PASS input rows: y[b, n0 + n].
+ * five: TILES_Q5 (the fifth bits or-ed into the codes), else TILES_Q4 (a constant: two functions). */
 static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, int G, const qx_t *qx, int K,
-                                                            int nb, float *y, int ldy) {
+                                                            int nb, float *y, int ldy, int five) {
     float out[ROWS_PER_PASS][TILE_N];
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     __m512 accf[ROWS_PER_PASS];
     for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi16(0xf);
+    const __m512i low = _mm512_set1_epi16(0xf), sixteen = _mm512_set1_epi16(16);
     for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
-        prefetch_l2(blk + PREFETCH_AHEAD, BLOCK_BYTES);
+        const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
+        prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
         __m512i acc[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
         for (int p = 0; p < 8; p++) {
             __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * p)));
             __m512i w0 = _mm512_and_si512(w, low), w1 = _mm512_srli_epi16(w, 4);
+            if (five) {
+                const uint64_t hb = fifth_bits(blk, p);
+                w0 = _mm512_mask_add_epi16(w0, (__mmask32)hb, w0, sixteen);
+                w1 = _mm512_mask_add_epi16(w1, (__mmask32)(hb >> 32), w1, sixteen);
+            }
             for (int b = 0; b < nb; b++) {
                 const int16_t *xp = qx->q + (size_t)b * K + g * GROUP + 4 * p;
                 int32_t x0, x1;
@@ -195,8 +251,8 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
 #endif
             }
         }
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
-        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_D(blk, five)));
+        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_M(blk, five)));
         for (int b = 0; b < nb; b++) {
             accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b]), d, accf[b]);
             accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(qx->sx[(size_t)b * G + g]), accf[b]);
@@ -207,8 +263,8 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
     for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
     const __m256i low = _mm256_set1_epi16(0xf);
     for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
-        prefetch_l2(blk + PREFETCH_AHEAD, BLOCK_BYTES);
+        const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
+        prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
         __m256i acc[ROWS_PER_PASS][2];
         for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
         for (int p = 0; p < 8; p++) {
@@ -217,6 +273,13 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
             __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * p + 16)));
             __m256i lo0 = _mm256_and_si256(lo, low), lo1 = _mm256_srli_epi16(lo, 4);
             __m256i hi0 = _mm256_and_si256(hi, low), hi1 = _mm256_srli_epi16(hi, 4);
+            if (five) {
+                const uint64_t hb = fifth_bits(blk, p);
+                lo0 = _mm256_or_si256(lo0, fifth_bits_epi16((uint32_t)hb & 0xffff));
+                hi0 = _mm256_or_si256(hi0, fifth_bits_epi16((uint32_t)(hb >> 16) & 0xffff));
+                lo1 = _mm256_or_si256(lo1, fifth_bits_epi16((uint32_t)(hb >> 32) & 0xffff));
+                hi1 = _mm256_or_si256(hi1, fifth_bits_epi16((uint32_t)(hb >> 48)));
+            }
             for (int b = 0; b < nb; b++) {
                 const int16_t *xp = qx->q + (size_t)b * K + g * GROUP + 4 * p;
                 int32_t x0i, x1i;
@@ -230,8 +293,8 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
             }
         }
         for (int h = 0; h < 2; h++) {
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * h)));
-            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * h)));
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_D(blk, five) + 16 * h)));
+            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_M(blk, five) + 16 * h)));
             for (int b = 0; b < nb; b++) {
                 __m256 o = _mm256_loadu_ps(out[b] + 8 * h);
                 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][h]), d, o);
@@ -243,17 +306,20 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
 #else
     for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
     for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
-        const uint16_t *dw = (const uint16_t *)(blk + 256), *mw = (const uint16_t *)(blk + 288);
+        const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
+        const uint16_t *dw = (const uint16_t *)Q_D(blk, five), *mw = (const uint16_t *)Q_M(blk, five);
         for (int b = 0; b < nb; b++) {
             const int16_t *xq = qx->q + (size_t)b * K + g * GROUP;
             int32_t s[TILE_N] = {0};
-            for (int p = 0; p < 8; p++)
+            for (int p = 0; p < 8; p++) {
+                const uint64_t hb = five ? fifth_bits(blk, p) : 0;
                 for (int i = 0; i < 32; i++) {
                     const uint8_t c = blk[32 * p + i];
                     const int n = i / 2, j = i % 2;
-                    s[n] += (c & 0xf) * xq[4 * p + j] + (c >> 4) * xq[4 * p + 2 + j];
+                    const int c0 = (c & 0xf) | (int)((hb >> i) & 1) << 4, c1 = (c >> 4) | (int)((hb >> (32 + i)) & 1) << 4;
+                    s[n] += c0 * xq[4 * p + j] + c1 * xq[4 * p + 2 + j];
                 }
+            }
             const float sx = qx->sx[(size_t)b * G + g];
             for (int n = 0; n < TILE_N; n++) out[b][n] += (float)s[n] * fp16_to_f32(dw[n]) + fp16_to_f32(mw[n]) * sx;
         }
@@ -455,21 +521,23 @@ static inline __attribute__((always_inline)) void f16_column(const uint8_t *col,
  * lanes of 4 codes each, in input order: word n (bytes 2n, 2n + 1) widened to lane n, its high nibbles
  * moved up by 12 bits, every byte masked to its low nibble. */
 static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
-                                                               int nb, float *y, int ldy) {
+                                                               int nb, float *y, int ldy, int five) {
     __m512 accf[ROWS_PER_PASS];
     for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
-    const __m512i nibbles = _mm512_set1_epi8(0x0f);
+    const __m512i nibbles = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
     for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
-        prefetch_l2(blk + PREFETCH_AHEAD, BLOCK_BYTES);
+        const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
+        prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
         const int8_t *xg = qx->q8 + g * GROUP;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_D(blk, five)));
         for (int h = 0; h < 2; h++) { /* each half group's inputs have their own scale */
             __m512i acc[ROWS_PER_PASS];
             for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
             for (int p = 4 * h; p < 4 * h + 4; p++) {
                 const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + 32 * p)));
-                const __m512i w = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nibbles, 0xA8); /* (v | v << 12) & 0x0f.. */
+                __m512i w = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nibbles, 0xA8); /* (v | v << 12) & 0x0f.. */
+                if (five) /* byte 4n + j: the fifth bit of input 4p + j, row n (2n + j, or 32 + 2n + j - 2) */
+                    w = _mm512_mask_add_epi8(w, fifth_bits_i8(fifth_bits(blk, p)), w, sixteen);
                 for (int b = 0; b < nb; b++) {
                     int32_t xv;
                     memcpy(&xv, xg + (size_t)b * K + 4 * p, 4);
@@ -480,7 +548,7 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
                 accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b]),
                                           _mm512_mul_ps(d, _mm512_set1_ps(qx->dg[((size_t)b * G + g) * 2 + h])), accf[b]);
         }
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_M(blk, five)));
         for (int b = 0; b < nb; b++) accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(qx->sx[(size_t)b * G + g]), accf[b]);
     }
     for (int b = 0; b < nb; b++) _mm512_storeu_ps(y + (size_t)b * ldy, accf[b]);
@@ -550,20 +618,25 @@ static inline __attribute__((always_inline)) void q8g_column_i8(const uint8_t *c
  * codes of inputs 4p..4p+3 (as q4_column_i8 above), a half group's four of them decoded once for all
  * rows; each row's four `vpmaddubsw` summed in int16 (4 * 3810 < 2^15), then widened. */
 static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
-                                                               int nb, float *y, int ldy) {
+                                                               int nb, float *y, int ldy, int five) {
     const __m256i nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     for (int o = 0; o < 2; o++) { /* output rows 8o..8o+7: their sums stay in registers over all groups */
         __m256 accf[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) accf[b] = _mm256_setzero_ps();
         for (int g = 0; g < G; g++) {
-            const uint8_t *blk = col + (size_t)g * BLOCK_BYTES;
-            if (o == 0) prefetch_l2(blk + PREFETCH_AHEAD, BLOCK_BYTES);
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * o)));
+            const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
+            if (o == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_D(blk, five) + 16 * o)));
             for (int h = 0; h < 2; h++) {
                 __m256i w[4];
                 for (int i = 0; i < 4; i++) {
                     const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * (4 * h + i) + 16 * o)));
                     w[i] = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), nibbles);
+                    if (five) { /* (5 bits x 127, 4 summed: still within int16) */
+                        const uint64_t hb = fifth_bits(blk, 4 * h + i);
+                        const uint32_t lo = (uint32_t)(hb >> (16 * o)) & 0xffff, hi = (uint32_t)(hb >> (32 + 16 * o)) & 0xffff;
+                        w[i] = _mm256_or_si256(w[i], fifth_bits_bytes(spread_pairs(lo) | spread_pairs(hi) << 2));
+                    }
                 }
                 for (int b = 0; b < nb; b++) {
                     const int8_t *xg = qx->q8 + (size_t)b * K + g * GROUP + 16 * h;
@@ -577,7 +650,7 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
                                               _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[((size_t)b * G + g) * 2 + h])), accf[b]);
                 }
             }
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * o)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_M(blk, five) + 16 * o)));
             for (int b = 0; b < nb; b++) /* the min term with the exact sum (sx is the int16 rows', / dx) */
                 accf[b] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[(size_t)b * G + g] * qx->dx[b]), accf[b]);
         }
@@ -664,15 +737,21 @@ static inline __attribute__((always_inline)) void f16_column_bf(const uint8_t *c
 static inline int tile_bytes(int format) {
     return format == TILES_Q8G || format == TILES_Q8G6             ? Q8G_BLOCK_BYTES
            : format == TILES_F16 || format == TILES_BF16 ? F16_BLOCK_BYTES
+           : format == TILES_Q5                          ? Q5_BLOCK_BYTES
                                                          : BLOCK_BYTES;
 }
 
+#if HAVE_INT8 || HAVE_INT8_Q4
+#define Q5_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N, 1)
+#else
+#define Q5_I8(col, G, part, K, nb, yb, N) ((void)0)
+#endif
 #if HAVE_INT8
-#define Q4_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N)
+#define Q4_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N, 0)
 #define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column_i8(col, G, part, K, nb, yb, N)
 #define Q8G6_I8(col, G, part, K, nb, yb, N) q8g_column_i8(col, G, part, K, nb, yb, N)
 #elif HAVE_INT8_Q4
-#define Q4_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N)
+#define Q4_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N, 0)
 #define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column(col, G, part, K, nb, yb, N)
 #define Q8G6_I8(col, G, part, K, nb, yb, N) q8g6_column_i8(col, G, part, K, nb, yb, N)
 #else
@@ -688,6 +767,10 @@ static inline int tile_bytes(int format) {
     do {                                                            \
         if ((int8) && (fmt) == TILES_Q4)                            \
             Q4_I8(col, G, part, K, nb, yb, N);                      \
+        else if ((int8) && (fmt) == TILES_Q5)                       \
+            Q5_I8(col, G, part, K, nb, yb, N);                      \
+        else if ((fmt) == TILES_Q5)                                 \
+            q4_column(col, G, part, K, nb, yb, N, 1);               \
         else if ((int8) && (fmt) == TILES_Q8G)                      \
             Q8G_I8(col, G, part, K, nb, yb, N);                     \
         else if ((int8) && (fmt) == TILES_Q8G6)                     \
@@ -699,7 +782,7 @@ static inline int tile_bytes(int format) {
         else if ((fmt) == TILES_BF16)                               \
             f16_column(col, G, xb, K, nb, yb, N, 1);                \
         else                                                        \
-            q4_column(col, G, part, K, nb, yb, N);                  \
+            q4_column(col, G, part, K, nb, yb, N, 0);               \
     } while (0)
 
 /* This thread's share of y[B, N] = x[B, K] W^T (x quantised by quantize_x as `mode`, MM_INT16 or
@@ -816,6 +899,32 @@ static inline void widen_f16_block(const uint8_t *blk, uint16_t *tile) {
     }
 }
 
+/* A Q5 block -> a bf16 B tile: widen_block's codes with their fifth bits (lanes 0-15 of tile row 2p: bits
+ * 0-15 of pair p's, 16-31: 16-31; row 2p + 1: 32-63). */
+static inline void widen_q5_block(const uint8_t *blk, uint16_t *tile) {
+    const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_rows = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 320)));
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 352)));
+    __m512 d0 = _mm512_permutexvar_ps(lo_rows, d), d1 = _mm512_permutexvar_ps(hi_rows, d);
+    __m512 m0 = _mm512_permutexvar_ps(lo_rows, m), m1 = _mm512_permutexvar_ps(hi_rows, m);
+    const __m512i low = _mm512_set1_epi32(0xf), sixteen = _mm512_set1_epi32(16);
+    for (int p = 0; p < 8; p++) {
+        uint64_t hb;
+        memcpy(&hb, blk + 256 + 8 * p, 8);
+        __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p))); /* lanes 0-15 */
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p + 16))); /* 16-31 */
+        __m512i a0 = _mm512_mask_or_epi32(_mm512_and_si512(a, low), (__mmask16)hb, _mm512_and_si512(a, low), sixteen);
+        __m512i b0 = _mm512_mask_or_epi32(_mm512_and_si512(b, low), (__mmask16)(hb >> 16), _mm512_and_si512(b, low), sixteen);
+        __m512i a1 = _mm512_mask_or_epi32(_mm512_srli_epi32(a, 4), (__mmask16)(hb >> 32), _mm512_srli_epi32(a, 4), sixteen);
+        __m512i b1 = _mm512_mask_or_epi32(_mm512_srli_epi32(b, 4), (__mmask16)(hb >> 48), _mm512_srli_epi32(b, 4), sixteen);
+        __m512 r0a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), d0, m0), r0b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b0), d1, m1);
+        __m512 r1a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), d0, m0), r1b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b1), d1, m1);
+        _mm512_storeu_si512(tile + (2 * p) * 32, (__m512i)_mm512_cvtne2ps_pbh(r0b, r0a));
+        _mm512_storeu_si512(tile + (2 * p + 1) * 32, (__m512i)_mm512_cvtne2ps_pbh(r1b, r1a));
+    }
+}
+
 static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *tile) {
     const uint8_t *blk = w->blocks + ((size_t)c * G + g) * w->block_bytes;
     prefetch_l2(blk + PREFETCH_AHEAD, w->block_bytes); /* as the int16 path: widening does not wait on memory */
@@ -827,6 +936,8 @@ static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *t
         memcpy(tile, blk, F16_BLOCK_BYTES); /* already a bf16 B tile */
     else if (w->block_bytes == F16_BLOCK_BYTES)
         widen_f16_block(blk, tile);
+    else if (w->format == TILES_Q5)
+        widen_q5_block(blk, tile);
     else
         widen_block(blk, tile);
 }

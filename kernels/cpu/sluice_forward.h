@@ -4,7 +4,7 @@
 
 #include <stdint.h>
 
-/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of five formats:
+/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of six formats:
  * TILES_Q4: 4-bit codes with fp16 d and m per row and group (GGML Q4_0, Q4_1, Q4_K values), BLOCK_BYTES;
  * TILES_Q8G: int8 codes with fp16 d per row and half group (16 inputs) and fp16 m per row and group
  * (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 values), Q8G_BLOCK_BYTES;
@@ -12,8 +12,12 @@
  * TILES_BF16: the weights themselves as bf16 (BF16 files), F16_BLOCK_BYTES: a block is an AMX bf16 B
  * tile as it stands;
  * TILES_Q8G6: TILES_Q8G whose codes all lie in [-32, 32] (the Q5 and Q6 types'), read as TILES_Q8G but by
- * AVX2's int8 matmul, whose `vpmaddubsw` would saturate on larger codes. */
-enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3, TILES_Q8G6 = 4 };
+ * AVX2's int8 matmul, whose `vpmaddubsw` would saturate on larger codes;
+ * TILES_Q5: 5-bit codes (0..31) with fp16 d and m per row and group (GGML Q5_0, Q5_1, Q5_K values, and
+ * 4-bit ones beside them), Q5_BLOCK_BYTES: TILES_Q4's low nibbles, then each code's fifth bit (8 bytes
+ * per pair p of tile rows: bit 2n + j for input 4p + j of output row n, bit 32 + 2n + j for 4p + 2 + j),
+ * then d and m. 0.75 bytes a weight where TILES_Q8G takes 1.19. */
+enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3, TILES_Q8G6 = 4, TILES_Q5 = 5 };
 
 typedef struct {
     const uint8_t *blocks;

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine.gguf_blocks import DECODERS, dequantize, group_blocks, half_weights
-from engine.weights import pack_native
-from kernels.cpu import TILES_Q4, TILES_Q8G, TILES_Q8G6, LayerBlocks
+from engine.weights import _five_bit, pack_native
+from kernels.cpu import TILES_Q4, TILES_Q5, TILES_Q8G, TILES_Q8G6, LayerBlocks
 from kernels.cpu import build as cpu_build
 from tests.kernels.cpu.test_forward import TinyModel, _library, assert_step_matches_reference
 
@@ -115,6 +115,10 @@ def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
                          for m, parts in fused.items()}
         packed = {m: pack_native([blocks[f"blk.{i}.{p}.weight"] for p in parts]) for m, parts in fused.items()}
         formats.update({f"{i}.{m}": t.format for m, t in packed.items() if t is not None})
+        for m, t in packed.items():  # 5-bit tiles hold Q5_0's codes moved up by 16, its mins down by 16 scales
+            if t is not None and t.format == TILES_Q5:
+                model.mins[i][m] = torch.cat([_five_bit(blocks[f"blk.{i}.{p}.weight"])[2].half().double()  # type: ignore[index]
+                                              .repeat_interleave(32, 1) for p in fused[m]])
         model.q8g[i] = {m for m, t in packed.items() if t is not None and t.format == TILES_Q8G}
         _, norms, _ = model.layers[i]
         model.layers[i] = (dense, norms, None)
@@ -128,17 +132,18 @@ def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
 def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(build, rows):
     model, formats = _fixture_model()
     # layer 0 mixes Q4_K/Q5_K/Q6_K, Q8_0, Q5_0/Q5_1 and Q6_K: int8 group tiles, with codes in [-32, 32]
-    # but for Q8_0's; layer 1 is all Q4_K: 4-bit
+    # but for Q8_0's, and 5-bit ones for Q5_0/Q5_1; layer 1 is all Q4_K: 4-bit
     assert {k: v for k, v in formats.items() if k.startswith("0.")} == {
-        "0.qkv": TILES_Q8G6, "0.o": TILES_Q8G, "0.gate_up": TILES_Q8G6, "0.down": TILES_Q8G6}
+        "0.qkv": TILES_Q8G6, "0.o": TILES_Q8G, "0.gate_up": TILES_Q5, "0.down": TILES_Q8G6}
     assert {k: v for k, v in formats.items() if k.startswith("1.")} == dict.fromkeys(
         ("1.qkv", "1.o", "1.gate_up", "1.down"), TILES_Q4)
     # AVX2's wide matmul gives the Q8_0 matrix int16 inputs and the others int8 ones: an int16 input that
     # falls on the other side of a rounding step than the float64 reference's (a step is 2^9 fp32 ulps of
     # the row's largest: it happens) then moves the next int8 roundings, and this file's reference moves by
     # 1e-3 to 1e-2 a row for inputs moved by 1e-6 of themselves: its step is checked on int16 matmuls, its
-    # wide matmul matrix by matrix (below).
-    assert_step_matches_reference(model, _library(build), rows, seed=rows, wide=build != "avx2")
+    # wide matmul matrix by matrix (below). On AVX-512 VNNI (int8 inputs everywhere) the median row stays
+    # within 1e-4, but one row of 40 may move as far as the reference's own (2.6e-2 under that 1e-6 move).
+    assert_step_matches_reference(model, _library(build), rows, seed=rows, wide=build != "avx2", int8_max=3e-2)
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])
