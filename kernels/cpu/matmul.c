@@ -633,9 +633,13 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
                     const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * (4 * h + i) + 16 * o)));
                     w[i] = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), nibbles);
                     if (five) { /* (5 bits x 127, 4 summed: still within int16) */
+                        /* bytes 2n + j: the fifth bits of inputs 4p + j (rows 8o + n), 16 + 2n + j: of 4p + 2 + j;
+                         * then their words n side by side, as the codes' */
                         const uint64_t hb = fifth_bits(blk, 4 * h + i);
-                        const uint32_t lo = (uint32_t)(hb >> (16 * o)) & 0xffff, hi = (uint32_t)(hb >> (32 + 16 * o)) & 0xffff;
-                        w[i] = _mm256_or_si256(w[i], fifth_bits_bytes(spread_pairs(lo) | spread_pairs(hi) << 2));
+                        const __m256i e = fifth_bits_bytes(((uint32_t)(hb >> (16 * o)) & 0xffff) |
+                                                           (uint32_t)(hb >> (32 + 16 * o)) << 16);
+                        const __m128i a = _mm256_castsi256_si128(e), c = _mm256_extracti128_si256(e, 1);
+                        w[i] = _mm256_or_si256(w[i], _mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c)));
                     }
                 }
                 for (int b = 0; b < nb; b++) {
