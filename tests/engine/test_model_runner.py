@@ -76,12 +76,15 @@ BF16 = dict.fromkeys(Q8Q5, "BF16")
 BF16_SCALE = {"attn_v": 2.0 ** -12, "attn_output": 2.0 ** 12}
 
 
-@pytest.mark.parametrize("kinds,tiles", [(Q8Q5, "int8 group"), (F16, "fp16"), (BF16, "bf16")],
-                         ids=["q8_0-q5_0-q5_1", "f16", "bf16"])
-def test_a_file_of_other_types_runs_natively_with_the_float_references_greedy_tokens(tmp_path, caplog, kinds, tiles):
+@pytest.mark.parametrize("kinds,formats", [(Q8Q5, {"int8 group": 60, "5-bit": 60}), (F16, {"fp16": 120}),
+                                            (BF16, {"bf16": 120})], ids=["q8_0-q5_0-q5_1", "f16", "bf16"])
+def test_a_file_of_other_types_runs_natively_with_the_float_references_greedy_tokens(tmp_path, caplog, kinds,
+                                                                                    formats):
     """SmolLM2 requantised by gguf-py (the types it writes), one type per kind of matrix, or all F16 or BF16:
-    the native step reads every layer (int8 group, fp16 or bf16 tiles, no torch copy) and its greedy tokens equal
-    those of the torch path over the same file's weights dequantised to float32, for 32 tokens."""
+    the native step reads every layer (int8 group tiles for Q8_0's, 5-bit for Q5_0's and Q5_1's, fp16 or bf16
+    tiles; no torch copy) and its greedy tokens equal those of the torch path over the same file's weights
+    dequantised to float32, for 32 tokens."""
+    tiles = next(iter(formats))
     import gguf
 
     src = default_model_path()
@@ -98,7 +101,7 @@ def test_a_file_of_other_types_runs_natively_with_the_float_references_greedy_to
     if not native.runner.kernels.native:
         pytest.skip("no native CPU step on this machine (no C compiler)")
     assert native.runner.model.native is not None and not native.runner.model.layers
-    assert native.runner.model.native.tile_formats() == {tiles: 120}
+    assert native.runner.model.native.tile_formats() == formats
     assert not [r for r in caplog.records if "not used" in r.getMessage()]
     ref = LLMEngine(EngineConfig(model=str(path), kv_cache_tokens=2048, max_running_requests=2, dtype="float32",
                                  weight_dtype="float32"))
