@@ -174,6 +174,17 @@ static inline __m256i fifth_bits_epi16(uint32_t bits) {
 }
 #endif
 
+/* The int8 matmul's codes as if centred (4-bit ones on 8, 5-bit ones on 16): the int8 inputs' rounding
+ * errors are multiplied by q - c rather than by q, all of one sign, whose sum of squares is four times
+ * larger (SmolLM2 Q4_K_M's mean KL against the float path, int8 wide matmul on every step: 0.0085
+ * uncentred, against 0.0021 when its Q5_0 matrices were int8 tiles with signed codes). Computed as the
+ * plain product plus c d (sum x - sum x~) per group, x~ the int8-rounded inputs (dg * s8 / 128 a half). */
+#define CODE_CENTRE(five) ((five) ? 16.0f : 8.0f)
+static inline float rounded_sum(const qx_t *qx, int b, int G, int g) {
+    const size_t i = ((size_t)b * G + g) * 2;
+    return qx->dg[i] * (float)(qx->s8[i] / 128) + qx->dg[i + 1] * (float)(qx->s8[i + 1] / 128);
+}
+
 /* The d and m of a TILES_Q4 (five: TILES_Q5) block, and its fifth bits of tile row pair p. */
 #define Q_BYTES(five) ((five) ? Q5_BLOCK_BYTES : BLOCK_BYTES)
 #define Q_D(blk, five) ((blk) + ((five) ? 320 : 256))
@@ -549,7 +560,12 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
                                           _mm512_mul_ps(d, _mm512_set1_ps(qx->dg[((size_t)b * G + g) * 2 + h])), accf[b]);
         }
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_M(blk, five)));
-        for (int b = 0; b < nb; b++) accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(qx->sx[(size_t)b * G + g]), accf[b]);
+        const __m512 dc = _mm512_mul_ps(d, _mm512_set1_ps(CODE_CENTRE(five)));
+        for (int b = 0; b < nb; b++) {
+            const float xs = qx->sx[(size_t)b * G + g];
+            accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), accf[b]);
+            accf[b] = _mm512_fmadd_ps(dc, _mm512_set1_ps(xs - rounded_sum(qx, b, G, g)), accf[b]);
+        }
     }
     for (int b = 0; b < nb; b++) _mm512_storeu_ps(y + (size_t)b * ldy, accf[b]);
 }
@@ -655,8 +671,12 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
                 }
             }
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_M(blk, five) + 16 * o)));
-            for (int b = 0; b < nb; b++) /* the min term with the exact sum (sx is the int16 rows', / dx) */
-                accf[b] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[(size_t)b * G + g] * qx->dx[b]), accf[b]);
+            const __m256 dc = _mm256_mul_ps(d, _mm256_set1_ps(CODE_CENTRE(five)));
+            for (int b = 0; b < nb; b++) { /* the min term with the exact sum (sx is the int16 rows', / dx) */
+                const float xs = qx->sx[(size_t)b * G + g] * qx->dx[b];
+                accf[b] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs), accf[b]);
+                accf[b] = _mm256_fmadd_ps(dc, _mm256_set1_ps(xs - rounded_sum(qx, b, G, g)), accf[b]);
+            }
         }
         for (int b = 0; b < nb; b++) _mm256_storeu_ps(y + (size_t)b * ldy + 8 * o, accf[b]);
     }

@@ -115,10 +115,12 @@ def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
                          for m, parts in fused.items()}
         packed = {m: pack_native([blocks[f"blk.{i}.{p}.weight"] for p in parts]) for m, parts in fused.items()}
         formats.update({f"{i}.{m}": t.format for m, t in packed.items() if t is not None})
-        for m, t in packed.items():  # 5-bit tiles hold Q5_0's codes moved up by 16, its mins down by 16 scales
-            if t is not None and t.format == TILES_Q5:
-                model.mins[i][m] = torch.cat([_five_bit(blocks[f"blk.{i}.{p}.weight"])[2].half().double()  # type: ignore[index]
-                                              .repeat_interleave(32, 1) for p in fused[m]])
+        for m, t in packed.items():  # 4-bit and 5-bit tiles: the int8 matmul centres their codes on 8 and 16
+            if t is not None and t.format in (TILES_Q4, TILES_Q5):  # (5-bit: Q5_0's codes moved up by 16)
+                parts = [_five_bit(blocks[f"blk.{i}.{p}.weight"]) for p in fused[m]]  # type: ignore[arg-type]
+                centre = 16 if t.format == TILES_Q5 else 8
+                model.mins[i][m] = torch.cat([(f[2].half().double() + centre * f[1].half().double())  # type: ignore[index]
+                                              .repeat_interleave(32, 1) for f in parts])
         model.q8g[i] = {m for m, t in packed.items() if t is not None and t.format == TILES_Q8G}
         _, norms, _ = model.layers[i]
         model.layers[i] = (dense, norms, None)

@@ -141,8 +141,12 @@ class TinyModel:
             norms = (1 + 0.1 * torch.randn(hidden, generator=gen), 1 + 0.1 * torch.randn(hidden, generator=gen))
             b = 0.05 * torch.randn(qkv_n, generator=gen) if bias else None
             self.layers.append(({k: v[1] for k, v in mats.items()}, norms, b))
-            self.mins.append({k: v[0][2].double().repeat_interleave(32, 1) for k, v in mats.items()
-                              if k not in self.sixteen_bit})
+            # (4-bit and 5-bit codes: the kernel's int8 matmul centres them on 8 or 16, which moves that
+            # many scales of each group into the part taken with the exact inputs)
+            centre = {k: 16 if k in q5 else 0 if k in q8g + q8g6 else 8 for k in mats}
+            self.mins.append({k: (v[0][2].double() + centre[k] * v[0][1].double() if centre[k] else
+                                  v[0][2].double()).repeat_interleave(32, 1)
+                              for k, v in mats.items() if k not in self.sixteen_bit})
             packed = {k: (pack_q8g if k in q8g + q8g6 else pack_q5 if k in q5 else pack_f16 if k in f16 + bf16
                           else pack_q4_1)(*v[0]) for k, v in mats.items()}
             self.blocks.append(LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], qkv_bias=b, **packed))  # type: ignore[arg-type]
@@ -157,7 +161,8 @@ class TinyModel:
         before any row attends to its sequence's positions 0..positions[b]. `matmuls`: "exact", "bf16" (each
         matmul's input and weights rounded to bf16 first: what the AMX path and torch's bf16 path compute)
         or "int8" (the int8 matmul's: the inputs of the 4-bit and int8-group matrices' q * d parts rounded to
-        int8 in 16s, their m parts multiplied by the exact inputs; the 16-bit matrices exact), "int8+bf16"
+        int8 in 16s, their m parts (with c d: their codes centred on c, 8 or 16, for the 4-bit and 5-bit
+        ones) multiplied by the exact inputs; the 16-bit matrices exact), "int8+bf16"
         (the same, the 16-bit matrices' inputs and weights rounded to bf16) or "int8 4-6 bit" (AVX2's: only
         the 4-bit matrices' inputs and those of the int8-group ones with codes in [-32, 32] in int8, the
         other int8-group ones' in int16)."""
@@ -691,8 +696,8 @@ def test_a_4bit_output_layer_matches_the_float64_reference_and_refines_exactly(b
     head = native_head(exact, bits=4)
     assert isinstance(head, cpu_kernels.LayerTiles) and head.format == cpu_kernels.TILES_Q4
     codes, d, m = q4_rows(exact)
-    mins = m.double().repeat_interleave(32, 1)
-    dense = codes.double() * d.double().repeat_interleave(32, 1) + mins
+    dense = codes.double() * d.double().repeat_interleave(32, 1) + m.double().repeat_interleave(32, 1)
+    mins = (m.double() + 8 * d.double()).repeat_interleave(32, 1)  # (the int8 matmul centres codes on 8)
     assert (dense - exact.double()).abs().max() <= d.double().max() * 0.51 + 1e-3  # 4-bit steps of each group
     x = torch.randn(rows, k, generator=gen)
     ref = x.double() @ dense.T
