@@ -134,7 +134,7 @@ static void head_int16(const head_ctx *c, int tid) {
             const int nb = c->B - b0 < ROWS_PER_PASS ? c->B - b0 : ROWS_PER_PASS;
             qx_t part = {c->qx.q + (size_t)b0 * K, c->qx.dx + b0, NULL, NULL,
                          int8 ? c->qx.q8 + (size_t)b0 * K : NULL, int8 ? c->qx.dg + (size_t)b0 * G * 2 : NULL,
-                         int8 ? c->qx.s8 + (size_t)b0 * G * 2 : NULL};
+                         int8 ? c->qx.s8 + (size_t)b0 * G * 2 : NULL, NULL};
             switch (nb) { /* a constant nb per call: the accumulators stay in registers */
                 case 1: Q8_COLUMN(int8, blocks, G, &part, K, 1, out); break;
                 case 2: Q8_COLUMN(int8, blocks, G, &part, K, 2, out); break;
@@ -239,7 +239,7 @@ int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     const int mode = wide_mode(B, wide_min_rows), amx = mode == MM_AMX;
     const size_t R = (size_t)(B + 31) / 32 * 32, per_thread = (size_t)(K / GROUP) * 1024;
     const size_t rows_scratch = exact || !exact_rows ? 0 : (size_t)nthreads * K;
-    const size_t floats = R * (1 + 5 * (K / GROUP)) + R * K / 2 + R * K / 2 + (size_t)nthreads * B * MAX_REFINE +
+    const size_t floats = R * (1 + 9 * (K / GROUP)) + R * K / 2 + R * K / 2 + (size_t)nthreads * B * MAX_REFINE +
                           rows_scratch + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
     float *buf = calloc(floats, sizeof(float));
     if (!buf) {
@@ -248,7 +248,7 @@ int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     }
     head_ctx c = {B, K, V, nthreads, refine, mode, x, {blocks, scale ? Q8_BLOCK_BYTES : tile_bytes(format), scale, scale ? TILES_Q8G : format}, exact,
                   {exact_rows, exact_type, K, exact_row_bytes}, NULL, out,
-                  {NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL, per_thread, NULL};
+                  {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL, per_thread, NULL};
     float *p = buf;
     c.qx.dx = p, p += R;
     c.qx.sx = p, p += R * (K / GROUP);
@@ -258,6 +258,7 @@ int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, cons
                                                                  * HAVE_INT8_Q4, which has no bf16 ones) */
     c.qx.dg = p, p += R * 2 * (K / GROUP);
     c.qx.s8 = (int32_t *)p, p += R * 2 * (K / GROUP);
+    c.qx.sc = (int32_t *)p, p += R * 4 * (K / GROUP);
     c.cand = (int32_t *)p, p += (size_t)nthreads * B * MAX_REFINE;
     c.row_scratch = p, p += rows_scratch;
     c.tile_scratch = (uint16_t *)(((uintptr_t)p + 63) & ~(uintptr_t)63);

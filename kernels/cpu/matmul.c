@@ -62,6 +62,7 @@ typedef struct {
                  * beside the int16 ones, and sx as theirs) */
     float *dg; /* MM_INT8: [B, G, 2], each half group's scale */
     int32_t *s8; /* MM_INT8: [B, G, 2], 128 * the sum of each half group's int8 inputs */
+    int32_t *sc; /* MM_INT8: [B, G, 2][2], 8 and 16 * the sum of each half group's int8 inputs (CODE_CENTRE) */
 } qx_t;
 
 #if HAVE_INT8_Q4
@@ -85,7 +86,10 @@ static void quantize_q8_row(const float *row, int K, qx_t *qx, int b) {
         const __m128i s16 = _mm_madd_epi16(_mm_add_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)),
                                            _mm_set1_epi16(1));
         const __m128i s2 = _mm_add_epi32(s16, _mm_shuffle_epi32(s16, 0x4E));
-        qx->s8[(size_t)b * 2 * G + h] = 128 * _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+        const int sum_q = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+        qx->s8[(size_t)b * 2 * G + h] = 128 * sum_q;
+        qx->sc[((size_t)b * 2 * G + h) * 2] = 8 * sum_q;
+        qx->sc[((size_t)b * 2 * G + h) * 2 + 1] = 16 * sum_q;
     }
 }
 #endif
@@ -110,7 +114,10 @@ static void quantize_x(const float *x, int K, qx_t *qx, int b0, int b1, int mode
                     const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f)));
                     _mm_storeu_si128((__m128i *)(dst + g * GROUP + 16 * h), _mm512_cvtsepi32_epi8(q));
                     qx->dg[((size_t)b * G + g) * 2 + h] = amax / 127.0f;
-                    qx->s8[((size_t)b * G + g) * 2 + h] = 128 * _mm512_reduce_add_epi32(q);
+                    const int sum_q = _mm512_reduce_add_epi32(q);
+                    qx->s8[((size_t)b * G + g) * 2 + h] = 128 * sum_q;
+                    qx->sc[(((size_t)b * G + g) * 2 + h) * 2] = 8 * sum_q;
+                    qx->sc[(((size_t)b * G + g) * 2 + h) * 2 + 1] = 16 * sum_q;
                     sum = _mm512_add_ps(sum, v);
                 }
                 qx->sx[(size_t)b * G + g] = _mm512_reduce_add_ps(sum);
@@ -174,16 +181,12 @@ static inline __m256i fifth_bits_epi16(uint32_t bits) {
 }
 #endif
 
-/* The int8 matmul's codes as if centred (4-bit ones on 8, 5-bit ones on 16): the int8 inputs' rounding
- * errors are multiplied by q - c rather than by q, all of one sign, whose sum of squares is four times
- * larger (SmolLM2 Q4_K_M's mean KL against the float path, int8 wide matmul on every step: 0.0085
- * uncentred, against 0.0021 when its Q5_0 matrices were int8 tiles with signed codes). Computed as the
- * plain product plus c d (sum x - sum x~) per group, x~ the int8-rounded inputs (dg * s8 / 128 a half). */
+/* The int8 matmul's codes centred (4-bit ones on 8, 5-bit ones on 16): the int8 inputs' rounding errors
+ * are multiplied by q - c rather than by q, all of one sign, whose sum of squares is four times larger
+ * (SmolLM2 Q4_K_M's mean KL against the float path, int8 wide matmul on every step: 0.0085 uncentred,
+ * against 0.0021 when its Q5_0 matrices were int8 tiles with signed codes). Each half group's integer
+ * sum less c times its int8 inputs' sum (qx->sc), and the min m + c d against the exact sums. */
 #define CODE_CENTRE(five) ((five) ? 16.0f : 8.0f)
-static inline float rounded_sum(const qx_t *qx, int b, int G, int g) {
-    const size_t i = ((size_t)b * G + g) * 2;
-    return qx->dg[i] * (float)(qx->s8[i] / 128) + qx->dg[i + 1] * (float)(qx->s8[i + 1] / 128);
-}
 
 /* The d and m of a TILES_Q4 (five: TILES_Q5) block, and its fifth bits of tile row pair p. */
 #define Q_BYTES(five) ((five) ? Q5_BLOCK_BYTES : BLOCK_BYTES)
@@ -555,17 +558,15 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
                     acc[b] = _mm512_dpbusd_epi32(acc[b], w, _mm512_set1_epi32(xv));
                 }
             }
-            for (int b = 0; b < nb; b++)
-                accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b]),
-                                          _mm512_mul_ps(d, _mm512_set1_ps(qx->dg[((size_t)b * G + g) * 2 + h])), accf[b]);
+            for (int b = 0; b < nb; b++) {
+                const size_t i = ((size_t)b * G + g) * 2 + h;
+                const __m512i centred = _mm512_sub_epi32(acc[b], _mm512_set1_epi32(qx->sc[2 * i + (five ? 1 : 0)]));
+                accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(d, _mm512_set1_ps(qx->dg[i])), accf[b]);
+            }
         }
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_M(blk, five)));
-        const __m512 dc = _mm512_mul_ps(d, _mm512_set1_ps(CODE_CENTRE(five)));
-        for (int b = 0; b < nb; b++) {
-            const float xs = qx->sx[(size_t)b * G + g];
-            accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), accf[b]);
-            accf[b] = _mm512_fmadd_ps(dc, _mm512_set1_ps(xs - rounded_sum(qx, b, G, g)), accf[b]);
-        }
+        const __m512 m = _mm512_fmadd_ps(d, _mm512_set1_ps(CODE_CENTRE(five)),
+                                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_M(blk, five))));
+        for (int b = 0; b < nb; b++) accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(qx->sx[(size_t)b * G + g]), accf[b]);
     }
     for (int b = 0; b < nb; b++) _mm512_storeu_ps(y + (size_t)b * ldy, accf[b]);
 }
@@ -666,17 +667,17 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
                                                  _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(x1)));
                     s = _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(w[2], _mm256_set1_epi32(x2)),
                                                              _mm256_maddubs_epi16(w[3], _mm256_set1_epi32(x3))));
-                    accf[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones)),
-                                              _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[((size_t)b * G + g) * 2 + h])), accf[b]);
+                    const size_t j = ((size_t)b * G + g) * 2 + h;
+                    const __m256i centred = _mm256_sub_epi32(_mm256_madd_epi16(s, ones),
+                                                             _mm256_set1_epi32(qx->sc[2 * j + (five ? 1 : 0)]));
+                    accf[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[j])),
+                                              accf[b]);
                 }
             }
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_M(blk, five) + 16 * o)));
-            const __m256 dc = _mm256_mul_ps(d, _mm256_set1_ps(CODE_CENTRE(five)));
-            for (int b = 0; b < nb; b++) { /* the min term with the exact sum (sx is the int16 rows', / dx) */
-                const float xs = qx->sx[(size_t)b * G + g] * qx->dx[b];
-                accf[b] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs), accf[b]);
-                accf[b] = _mm256_fmadd_ps(dc, _mm256_set1_ps(xs - rounded_sum(qx, b, G, g)), accf[b]);
-            }
+            const __m256 m = _mm256_fmadd_ps(d, _mm256_set1_ps(CODE_CENTRE(five)),
+                                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_M(blk, five) + 16 * o))));
+            for (int b = 0; b < nb; b++) /* the min term with the exact sum (sx is the int16 rows', / dx) */
+                accf[b] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[(size_t)b * G + g] * qx->dx[b]), accf[b]);
         }
         for (int b = 0; b < nb; b++) _mm256_storeu_ps(y + (size_t)b * ldy + 8 * o, accf[b]);
     }
@@ -843,7 +844,7 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
             const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
             qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,
                          int8 ? qx->q8 + (size_t)b0 * K : NULL, int8 ? qx->dg + (size_t)b0 * G * 2 : NULL,
-                         int8 ? qx->s8 + (size_t)b0 * G * 2 : NULL};
+                         int8 ? qx->s8 + (size_t)b0 * G * 2 : NULL, int8 ? qx->sc + (size_t)b0 * G * 4 : NULL};
             float *yb = y + (size_t)b0 * N + c * TILE_N;
             const float *xb = x + (size_t)b0 * K;
             switch (nb) {
