@@ -630,35 +630,60 @@ static inline __attribute__((always_inline)) void q8g_column_i8(const uint8_t *c
 #endif
 
 #if HAVE_INT8_Q4
-/* One column of Q4 blocks for nb <= ROWS_PER_PASS rows of int8 inputs (AVX2, MM_INT8): y[b, n0 + n]. Eight
- * output rows at a time (bytes 16o..16o+15 of each tile row): tile row p's words become 8 lanes of the 4
- * codes of inputs 4p..4p+3 (as q4_column_i8 above), a half group's four of them decoded once for all
- * rows; each row's four `vpmaddubsw` summed in int16 (4 * 3810 < 2^15), then widened. */
+/* A column of Q4 (five: Q5) blocks as AVX2's int8 matmul multiplies them: for output rows 8o..8o+7 (bytes
+ * 16o..16o+15 of each tile row), group g, half h, tile row pair 4h + i, 8 lanes of the 4 codes of inputs
+ * 4p..4p+3 (as the AVX-512 q4_column_i8 above) at wv[((o G + g) 2 + h) 4 + i]: decoded once per column
+ * into a thread's buffer (L1/L2-resident), for every pass of 8 rows over it. */
+static void decode_q4_i8(const uint8_t *col, int G, int five, __m256i *wv) {
+    const __m256i nibbles = _mm256_set1_epi8(0x0f);
+    for (int o = 0; o < 2; o++)
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
+            if (o == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
+            for (int p = 0; p < 8; p++) {
+                const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p + 16 * o)));
+                __m256i w = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), nibbles);
+                if (five) { /* (5 bits x 127, 4 summed: still within int16) */
+                    /* bytes 2n + j: the fifth bits of inputs 4p + j (rows 8o + n), 16 + 2n + j: of 4p + 2 + j;
+                     * then their words n side by side, as the codes' */
+                    const uint64_t hb = fifth_bits(blk, p);
+                    const __m256i e = fifth_bits_bytes(((uint32_t)(hb >> (16 * o)) & 0xffff) |
+                                                       (uint32_t)(hb >> (32 + 16 * o)) << 16);
+                    const __m128i a = _mm256_castsi256_si128(e), c = _mm256_extracti128_si256(e, 1);
+                    w = _mm256_or_si256(w, _mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c)));
+                }
+                _mm256_store_si256(wv + ((size_t)o * G + g) * 8 + p, w);
+            }
+        }
+}
+
+/* The buffer decode_q4_i8 fills: one per thread (the pool's threads live as long as the process). */
+static __m256i *decode_buffer(int G) {
+    static _Thread_local __m256i *buf;
+    static _Thread_local int groups;
+    if (G > groups) {
+        free(buf);
+        buf = aligned_alloc(32, (size_t)G * 16 * sizeof(__m256i));
+        groups = buf ? G : 0;
+    }
+    return buf;
+}
+
+/* One column of Q4 (five: Q5) blocks for nb <= ROWS_PER_PASS rows of int8 inputs (AVX2, MM_INT8), its
+ * codes decoded in wv (decode_q4_i8): y[b, n0 + n]. Eight output rows at a time; each row's four
+ * `vpmaddubsw` summed in int16 (4 * 31 * 127 * 2 < 2^15), then widened. */
 static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
-                                                               int nb, float *y, int ldy, int five) {
-    const __m256i nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+                                                               int nb, float *y, int ldy, int five,
+                                                               const __m256i *wv) {
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int o = 0; o < 2; o++) { /* output rows 8o..8o+7: their sums stay in registers over all groups */
         __m256 accf[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) accf[b] = _mm256_setzero_ps();
         for (int g = 0; g < G; g++) {
             const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
-            if (o == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_D(blk, five) + 16 * o)));
             for (int h = 0; h < 2; h++) {
-                __m256i w[4];
-                for (int i = 0; i < 4; i++) {
-                    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * (4 * h + i) + 16 * o)));
-                    w[i] = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), nibbles);
-                    if (five) { /* (5 bits x 127, 4 summed: still within int16) */
-                        /* bytes 2n + j: the fifth bits of inputs 4p + j (rows 8o + n), 16 + 2n + j: of 4p + 2 + j;
-                         * then their words n side by side, as the codes' */
-                        const uint64_t hb = fifth_bits(blk, 4 * h + i);
-                        const __m256i e = fifth_bits_bytes(((uint32_t)(hb >> (16 * o)) & 0xffff) |
-                                                           (uint32_t)(hb >> (32 + 16 * o)) << 16);
-                        const __m128i a = _mm256_castsi256_si128(e), c = _mm256_extracti128_si256(e, 1);
-                        w[i] = _mm256_or_si256(w[i], _mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c)));
-                    }
-                }
+                const __m256i *w = wv + ((size_t)o * G + g) * 8 + 4 * h;
                 for (int b = 0; b < nb; b++) {
                     const int8_t *xg = qx->q8 + (size_t)b * K + g * GROUP + 16 * h;
                     int32_t x0, x1, x2, x3;
@@ -766,9 +791,9 @@ static inline int tile_bytes(int format) {
                                                          : BLOCK_BYTES;
 }
 
-#if HAVE_INT8 || HAVE_INT8_Q4
+#if HAVE_INT8
 #define Q5_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N, 1)
-#else
+#else /* (HAVE_INT8_Q4: matmul_int16 takes the 4-bit and 5-bit tiles' int8 columns itself) */
 #define Q5_I8(col, G, part, K, nb, yb, N) ((void)0)
 #endif
 #if HAVE_INT8
@@ -776,7 +801,7 @@ static inline int tile_bytes(int format) {
 #define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column_i8(col, G, part, K, nb, yb, N)
 #define Q8G6_I8(col, G, part, K, nb, yb, N) q8g_column_i8(col, G, part, K, nb, yb, N)
 #elif HAVE_INT8_Q4
-#define Q4_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N, 0)
+#define Q4_I8(col, G, part, K, nb, yb, N) ((void)0)
 #define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column(col, G, part, K, nb, yb, N)
 #define Q8G6_I8(col, G, part, K, nb, yb, N) q8g6_column_i8(col, G, part, K, nb, yb, N)
 #else
@@ -816,7 +841,8 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
                          int nt, int mode) {
     const int G = K / GROUP, NB = N / TILE_N, per = (NB + nt - 1) / nt;
     const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
-    const int fmt = w->format, bytes = tile_bytes(fmt), int8 = (HAVE_INT8 || HAVE_INT8_Q4) && mode == MM_INT8;
+    const int fmt = w->format, bytes = tile_bytes(fmt);
+    int int8 = (HAVE_INT8 || HAVE_INT8_Q4) && mode == MM_INT8;
 #if HAVE_BF16DOT
     if (int8 && (fmt == TILES_F16 || fmt == TILES_BF16)) {
         const int bf16 = fmt == TILES_BF16;
@@ -837,6 +863,36 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
         }
         return;
     }
+#endif
+#if HAVE_INT8_Q4
+    __m256i *wv = int8 && (fmt == TILES_Q4 || fmt == TILES_Q5) ? decode_buffer(G) : NULL;
+    if (wv) { /* each column decoded once (decode_q4_i8), then multiplied by each pass of 8 rows */
+        for (int c = c0; c < c1; c++) {
+            const uint8_t *col = w->blocks + (size_t)c * G * bytes;
+            decode_q4_i8(col, G, fmt == TILES_Q5, wv);
+            for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {
+                const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
+                qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,
+                             qx->q8 + (size_t)b0 * K, qx->dg + (size_t)b0 * G * 2, qx->s8 + (size_t)b0 * G * 2,
+                             qx->sc + (size_t)b0 * G * 4};
+                float *yb = y + (size_t)b0 * N + c * TILE_N;
+#define Q_CASE(n)                                                                                             \
+    case n:                                                                                                   \
+        if (fmt == TILES_Q5)                                                                                  \
+            q4_column_i8(col, G, &part, K, n, yb, N, 1, wv);                                                  \
+        else                                                                                                  \
+            q4_column_i8(col, G, &part, K, n, yb, N, 0, wv);                                                  \
+        break;
+                switch (nb) {
+                    Q_CASE(1) Q_CASE(2) Q_CASE(3) Q_CASE(4) Q_CASE(5) Q_CASE(6) Q_CASE(7)
+                    default: Q_CASE(8)
+                }
+#undef Q_CASE
+            }
+        }
+        return;
+    }
+    if (int8 && (fmt == TILES_Q4 || fmt == TILES_Q5)) int8 = 0; /* (no buffer: the int16 rows, also prepared) */
 #endif
     for (int c = c0; c < c1; c++) {
         const uint8_t *col = w->blocks + (size_t)c * G * bytes;
