@@ -918,22 +918,31 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
 }
 
 #if HAVE_AMX
-/* Block -> a bf16 B tile: 16 rows (input pairs) of 32 bf16 (lane 2n + j), exactly the block's layout. */
-static inline void widen_block(const uint8_t *blk, uint16_t *tile) {
+/* Block -> a bf16 B tile: 16 rows (input pairs) of 32 bf16 (lane 2n + j), exactly the block's layout;
+ * five: a Q5 block, the codes with their fifth bits (lanes 0-15 of tile row 2p: bits 0-15 of pair p's,
+ * 16-31: 16-31; row 2p + 1: 32-63). */
+static inline void widen_block(const uint8_t *blk, uint16_t *tile, int five) {
     const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i hi_rows = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
-    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_D(blk, five)));
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_M(blk, five)));
     __m512 d0 = _mm512_permutexvar_ps(lo_rows, d), d1 = _mm512_permutexvar_ps(hi_rows, d);
     __m512 m0 = _mm512_permutexvar_ps(lo_rows, m), m1 = _mm512_permutexvar_ps(hi_rows, m);
-    const __m512i low = _mm512_set1_epi32(0xf);
+    const __m512i low = _mm512_set1_epi32(0xf), sixteen = _mm512_set1_epi32(16);
     for (int p = 0; p < 8; p++) {
         __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p))); /* lanes 0-15 */
         __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p + 16))); /* 16-31 */
-        __m512 r0a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(a, low)), d0, m0);
-        __m512 r0b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d1, m1);
-        __m512 r1a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), d0, m0);
-        __m512 r1b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1);
+        __m512i a0 = _mm512_and_si512(a, low), b0 = _mm512_and_si512(b, low);
+        __m512i a1 = _mm512_srli_epi32(a, 4), b1 = _mm512_srli_epi32(b, 4);
+        if (five) {
+            const uint64_t hb = fifth_bits(blk, p);
+            a0 = _mm512_mask_or_epi32(a0, (__mmask16)hb, a0, sixteen);
+            b0 = _mm512_mask_or_epi32(b0, (__mmask16)(hb >> 16), b0, sixteen);
+            a1 = _mm512_mask_or_epi32(a1, (__mmask16)(hb >> 32), a1, sixteen);
+            b1 = _mm512_mask_or_epi32(b1, (__mmask16)(hb >> 48), b1, sixteen);
+        }
+        __m512 r0a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), d0, m0), r0b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b0), d1, m1);
+        __m512 r1a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), d0, m0), r1b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b1), d1, m1);
         _mm512_storeu_si512(tile + (2 * p) * 32, (__m512i)_mm512_cvtne2ps_pbh(r0b, r0a));
         _mm512_storeu_si512(tile + (2 * p + 1) * 32, (__m512i)_mm512_cvtne2ps_pbh(r1b, r1a));
     }
@@ -980,32 +989,6 @@ static inline void widen_f16_block(const uint8_t *blk, uint16_t *tile) {
     }
 }
 
-/* A Q5 block -> a bf16 B tile: widen_block's codes with their fifth bits (lanes 0-15 of tile row 2p: bits
- * 0-15 of pair p's, 16-31: 16-31; row 2p + 1: 32-63). */
-static inline void widen_q5_block(const uint8_t *blk, uint16_t *tile) {
-    const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi_rows = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 320)));
-    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 352)));
-    __m512 d0 = _mm512_permutexvar_ps(lo_rows, d), d1 = _mm512_permutexvar_ps(hi_rows, d);
-    __m512 m0 = _mm512_permutexvar_ps(lo_rows, m), m1 = _mm512_permutexvar_ps(hi_rows, m);
-    const __m512i low = _mm512_set1_epi32(0xf), sixteen = _mm512_set1_epi32(16);
-    for (int p = 0; p < 8; p++) {
-        uint64_t hb;
-        memcpy(&hb, blk + 256 + 8 * p, 8);
-        __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p))); /* lanes 0-15 */
-        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p + 16))); /* 16-31 */
-        __m512i a0 = _mm512_mask_or_epi32(_mm512_and_si512(a, low), (__mmask16)hb, _mm512_and_si512(a, low), sixteen);
-        __m512i b0 = _mm512_mask_or_epi32(_mm512_and_si512(b, low), (__mmask16)(hb >> 16), _mm512_and_si512(b, low), sixteen);
-        __m512i a1 = _mm512_mask_or_epi32(_mm512_srli_epi32(a, 4), (__mmask16)(hb >> 32), _mm512_srli_epi32(a, 4), sixteen);
-        __m512i b1 = _mm512_mask_or_epi32(_mm512_srli_epi32(b, 4), (__mmask16)(hb >> 48), _mm512_srli_epi32(b, 4), sixteen);
-        __m512 r0a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), d0, m0), r0b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b0), d1, m1);
-        __m512 r1a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), d0, m0), r1b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b1), d1, m1);
-        _mm512_storeu_si512(tile + (2 * p) * 32, (__m512i)_mm512_cvtne2ps_pbh(r0b, r0a));
-        _mm512_storeu_si512(tile + (2 * p + 1) * 32, (__m512i)_mm512_cvtne2ps_pbh(r1b, r1a));
-    }
-}
-
 static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *tile) {
     const uint8_t *blk = w->blocks + ((size_t)c * G + g) * w->block_bytes;
     prefetch_l2(blk + PREFETCH_AHEAD, w->block_bytes); /* as the int16 path: widening does not wait on memory */
@@ -1018,9 +1001,9 @@ static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *t
     else if (w->block_bytes == F16_BLOCK_BYTES)
         widen_f16_block(blk, tile);
     else if (w->format == TILES_Q5)
-        widen_q5_block(blk, tile);
+        widen_block(blk, tile, 1);
     else
-        widen_block(blk, tile);
+        widen_block(blk, tile, 0);
 }
 
 /* Tile t (16 x 16 fp32) into rows [m, m + 16) of y, only those below M (a partial tile through a
