@@ -24,7 +24,7 @@
  * (w ^ 0x80), the offset's 128 * sum(xq) taken back per half group. */
 
 enum { MM_INT16 = 0, MM_AMX = 1, MM_INT8 = 2 }; /* how a step's matmuls take their inputs */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__BMI2__) /* (every CPU with VNNI has BMI2) */
 #define HAVE_INT8 1
 #else
 #define HAVE_INT8 0
@@ -198,25 +198,12 @@ static inline uint64_t fifth_bits(const uint8_t *blk, int p) {
     return hb;
 }
 
-/* Each 2-bit chunk i of x (16 bits) at bits 4i, 4i + 1. */
-static inline uint32_t spread_pairs(uint32_t x) {
-    x = (x | x << 8) & 0x00FF00FFu;
-    x = (x | x << 4) & 0x0F0F0F0Fu;
-    return (x | x << 2) & 0x33333333u;
-}
-
+#if HAVE_INT8
 /* The int8 paths' order of a pair p's fifth bits: bit 4n + j for input 4p + j of output row n. */
 static inline uint64_t fifth_bits_i8(uint64_t hb) {
-#if defined(__BMI2__)
     return _pdep_u64(hb & 0xffffffffu, 0x3333333333333333ull) | _pdep_u64(hb >> 32, 0xCCCCCCCCCCCCCCCCull);
-#else
-    uint64_t out = 0;
-    for (int h = 0; h < 2; h++)
-        out |= ((uint64_t)spread_pairs((uint32_t)(hb >> 32 * h) & 0xffff) |
-                (uint64_t)spread_pairs((uint32_t)(hb >> (32 * h + 16)) & 0xffff) << 32) << 2 * h;
-    return out;
-#endif
 }
+#endif
 
 #if defined(__AVX2__)
 /* Byte i (of 32) = 16 where bit i of x is set, else 0. */
