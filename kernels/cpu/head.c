@@ -133,7 +133,7 @@ static void head_int16(const head_ctx *c, int tid) {
         for (int b0 = 0; b0 < c->B; b0 += ROWS_PER_PASS) {
             const int nb = c->B - b0 < ROWS_PER_PASS ? c->B - b0 : ROWS_PER_PASS;
             qx_t part = {c->qx.q + (size_t)b0 * K, c->qx.dx + b0, NULL, NULL,
-                         int8 ? c->qx.q8 + (size_t)b0 * K : NULL, int8 ? c->qx.dg + (size_t)b0 * G * 2 : NULL,
+                         int8 ? c->qx.q8 + (size_t)b0 * K : NULL, int8 ? c->qx.dg + (size_t)b0 * G : NULL,
                          int8 ? c->qx.s8 + (size_t)b0 * G * 2 : NULL, NULL};
             switch (nb) { /* a constant nb per call: the accumulators stay in registers */
                 case 1: Q8_COLUMN(int8, blocks, G, &part, K, 1, out); break;
@@ -256,9 +256,9 @@ int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     c.qx.bf = (uint16_t *)p, p += R * K / 2;
     c.qx.q8 = HAVE_INT8_Q4 ? (int8_t *)c.qx.bf : (int8_t *)c.qx.q; /* (MM_INT8 has no int16 rows but with
                                                                  * HAVE_INT8_Q4, which has no bf16 ones) */
-    c.qx.dg = p, p += R * 2 * (K / GROUP);
+    c.qx.dg = p, p += R * (K / GROUP);
     c.qx.s8 = (int32_t *)p, p += R * 2 * (K / GROUP);
-    c.qx.sc = (int32_t *)p, p += R * 4 * (K / GROUP);
+    c.qx.ce = p, p += R * 2 * (K / GROUP);
     c.cand = (int32_t *)p, p += (size_t)nthreads * B * MAX_REFINE;
     c.row_scratch = p, p += rows_scratch;
     c.tile_scratch = (uint16_t *)(((uintptr_t)p + 63) & ~(uintptr_t)63);

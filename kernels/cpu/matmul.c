@@ -17,11 +17,12 @@
  *
  * Many rows without AMX (AVX-512 VNNI), `matmul_int16` with int8 inputs (MM_INT8): a step of many rows
  * is bound by arithmetic, and `vpdpbusd` does 64 multiply-adds an instruction, twice `vpdpwssd`. Each
- * 16 inputs of a row (half a weight group) are quantised to int8 with their own scale (dg = max|x| /
- * 127; one scale per row would lose the small elements, and one per 32, as llama.cpp's Q8_0
- * activations, put SmolLM2's mean KL against the float reference at 0.013, per 16 at 0.008, int16 at
- * 4e-5); the weights are the unsigned operand: 4-bit codes as they are, int8 codes offset by 128
- * (w ^ 0x80), the offset's 128 * sum(xq) taken back per half group. */
+ * 32 inputs of a row (a weight group) are quantised to int8 with their own scale (dg = max|x| / 127, as
+ * llama.cpp's Q8_0 activations; one scale per row would lose the small elements). Per 16 inputs cost
+ * twice the float work per group and row (a third of the 4-bit matmul's instructions) for a mean KL
+ * against the float reference of 0.0023 rather than 0.0034 (SmolLM2 Q4_K_M, codes centred below); the
+ * weights are the unsigned operand: 4-bit codes as they are, int8 codes offset by 128 (w ^ 0x80), the
+ * offset's 128 * sum(xq) taken back per half group. */
 
 enum { MM_INT16 = 0, MM_AMX = 1, MM_INT8 = 2 }; /* how a step's matmuls take their inputs */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__BMI2__) /* (every CPU with VNNI has BMI2) */
@@ -60,36 +61,61 @@ typedef struct {
                    * for MM_INT8's F16/BF16 columns as rows [B, K] (HAVE_BF16DOT) */
     int8_t *q8; /* MM_INT8: [B, K] (sx then holds the exact sums themselves; HAVE_INT8_Q4: its own rows,
                  * beside the int16 ones, and sx as theirs) */
-    float *dg; /* MM_INT8: [B, G, 2], each half group's scale */
+    float *dg; /* MM_INT8: [B, G], each group's scale (one per 32 inputs, as llama.cpp's q8_0) */
     int32_t *s8; /* MM_INT8: [B, G, 2], 128 * the sum of each half group's int8 inputs */
-    int32_t *sc; /* MM_INT8: [B, G, 2][2], 8 and 16 * the sum of each half group's int8 inputs (CODE_CENTRE) */
+    float *ce; /* MM_INT8: [B, G, 2], the centring's correction for 4-bit and 5-bit codes (CODE_CENTRE c = 8,
+                * 16): c * (the exact sum - dg * the sum of the int8 inputs) */
 } qx_t;
 
+/* The int8 matmul's codes centred (4-bit ones on 8, 5-bit ones on 16): the int8 inputs' rounding errors
+ * are multiplied by q - c rather than by q, all of one sign, whose sum of squares is four times larger
+ * (SmolLM2 Q4_K_M's mean KL against the float path, int8 wide matmul on every step: 0.0085 uncentred,
+ * against 0.0021 when its Q5_0 matrices were int8 tiles with signed codes). d dg sum (q - c) x8 + (m + c d) sx
+ * (sx: the exact sum) is taken as d (dg sum q x8 + ce) + m sx, ce = c (sx - dg sum x8) per row and group
+ * (set_int8_sums): one integer sum per group and three FMAs per row, the same to fp32's rounding. */
+#define CODE_CENTRE(five) ((five) ? 16.0f : 8.0f)
+
+#if HAVE_INT8 || HAVE_INT8_Q4
+/* Group i (of row b: b * G + g) of the int8 inputs: its scale, the offset's and the centring's sums. */
+static inline void set_int8_sums(qx_t *qx, int i, float dg, const int sum_q[2], float exact) {
+    qx->dg[i] = dg;
+    qx->s8[2 * (size_t)i] = 128 * sum_q[0];
+    qx->s8[2 * (size_t)i + 1] = 128 * sum_q[1];
+    const float err = exact - dg * (float)(sum_q[0] + sum_q[1]); /* (the int8 inputs' error in the sum) */
+    qx->ce[2 * (size_t)i] = CODE_CENTRE(0) * err;
+    qx->ce[2 * (size_t)i + 1] = CODE_CENTRE(1) * err;
+}
+#endif
+
 #if HAVE_INT8_Q4
-/* Row b of x as int8 per half group (scale dg = max|x| / 127), for the 4-bit tiles' MM_INT8 columns. */
+/* Row b of x as int8 per group (scale dg = max|x| / 127), for the 4-bit tiles' MM_INT8 columns. */
 static void quantize_q8_row(const float *row, int K, qx_t *qx, int b) {
     const int G = K / GROUP;
     int8_t *dst = qx->q8 + (size_t)b * K;
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int h = 0; h < 2 * G; h++) {
-        const __m256 lo = _mm256_loadu_ps(row + 16 * h), hi = _mm256_loadu_ps(row + 16 * h + 8);
-        __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, lo), _mm256_andnot_ps(sign, hi));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    for (int g = 0; g < G; g++) {
+        const float *p = row + g * GROUP;
+        __m256 v[4], m = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(p + 8 * i);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+            sum = _mm256_add_ps(sum, v[i]);
+        }
+        const float amax = hmax8(m), exact = hsum8(sum), dg = amax / 127.0f;
         const __m256 s = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
-        const __m256i q16 = _mm256_permute4x64_epi64(
-            _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(lo, s)), _mm256_cvtps_epi32(_mm256_mul_ps(hi, s))), 0xD8);
-        _mm_storeu_si128((__m128i *)(dst + 16 * h),
-                         _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
-        qx->dg[(size_t)b * 2 * G + h] = amax / 127.0f;
-        const __m128i s16 = _mm_madd_epi16(_mm_add_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)),
-                                           _mm_set1_epi16(1));
-        const __m128i s2 = _mm_add_epi32(s16, _mm_shuffle_epi32(s16, 0x4E));
-        const int sum_q = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
-        qx->s8[(size_t)b * 2 * G + h] = 128 * sum_q;
-        qx->sc[((size_t)b * 2 * G + h) * 2] = 8 * sum_q;
-        qx->sc[((size_t)b * 2 * G + h) * 2 + 1] = 16 * sum_q;
+        int sum_q[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256i q16 = _mm256_permute4x64_epi64(
+                _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h], s)),
+                                   _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h + 1], s))), 0xD8);
+            _mm_storeu_si128((__m128i *)(dst + g * GROUP + 16 * h),
+                             _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
+            const __m128i s16 = _mm_madd_epi16(_mm_add_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)),
+                                               _mm_set1_epi16(1));
+            const __m128i s2 = _mm_add_epi32(s16, _mm_shuffle_epi32(s16, 0x4E));
+            sum_q[h] = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+        }
+        set_int8_sums(qx, b * G + g, dg, sum_q, exact);
     }
 }
 #endif
@@ -107,20 +133,16 @@ static void quantize_x(const float *x, int K, qx_t *qx, int b0, int b1, int mode
         if (mode == MM_INT8) {
             int8_t *dst = qx->q8 + (size_t)b * K;
             for (int g = 0; g < G; g++) {
-                __m512 sum = _mm512_setzero_ps();
-                for (int h = 0; h < 2; h++) {
-                    const __m512 v = _mm512_loadu_ps(row + g * GROUP + 16 * h);
-                    const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
-                    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f)));
-                    _mm_storeu_si128((__m128i *)(dst + g * GROUP + 16 * h), _mm512_cvtsepi32_epi8(q));
-                    qx->dg[((size_t)b * G + g) * 2 + h] = amax / 127.0f;
-                    const int sum_q = _mm512_reduce_add_epi32(q);
-                    qx->s8[((size_t)b * G + g) * 2 + h] = 128 * sum_q;
-                    qx->sc[(((size_t)b * G + g) * 2 + h) * 2] = 8 * sum_q;
-                    qx->sc[(((size_t)b * G + g) * 2 + h) * 2 + 1] = 16 * sum_q;
-                    sum = _mm512_add_ps(sum, v);
-                }
-                qx->sx[(size_t)b * G + g] = _mm512_reduce_add_ps(sum);
+                const __m512 lo = _mm512_loadu_ps(row + g * GROUP), hi = _mm512_loadu_ps(row + g * GROUP + 16);
+                const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+                const __m512 s = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+                const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, s)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, s));
+                _mm_storeu_si128((__m128i *)(dst + g * GROUP), _mm512_cvtsepi32_epi8(qlo));
+                _mm_storeu_si128((__m128i *)(dst + g * GROUP + 16), _mm512_cvtsepi32_epi8(qhi));
+                const int sum_q[2] = {_mm512_reduce_add_epi32(qlo), _mm512_reduce_add_epi32(qhi)};
+                const float exact = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+                set_int8_sums(qx, b * G + g, amax / 127.0f, sum_q, exact);
+                qx->sx[(size_t)b * G + g] = exact;
             }
 #if HAVE_BF16DOT
             for (int k = 0; k < K; k += 16)
@@ -180,13 +202,6 @@ static inline __m256i fifth_bits_epi16(uint32_t bits) {
                             _mm256_set1_epi16(16));
 }
 #endif
-
-/* The int8 matmul's codes centred (4-bit ones on 8, 5-bit ones on 16): the int8 inputs' rounding errors
- * are multiplied by q - c rather than by q, all of one sign, whose sum of squares is four times larger
- * (SmolLM2 Q4_K_M's mean KL against the float path, int8 wide matmul on every step: 0.0085 uncentred,
- * against 0.0021 when its Q5_0 matrices were int8 tiles with signed codes). Each half group's integer
- * sum less c times its int8 inputs' sum (qx->sc), and the min m + c d against the exact sums. */
-#define CODE_CENTRE(five) ((five) ? 16.0f : 8.0f)
 
 /* The d and m of a TILES_Q4 (five: TILES_Q5) block, and its fifth bits of tile row pair p. */
 #define Q_BYTES(five) ((five) ? Q5_BLOCK_BYTES : BLOCK_BYTES)
@@ -530,30 +545,28 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
         const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
         prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
         const int8_t *xg = qx->q8 + g * GROUP;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_D(blk, five)));
-        for (int h = 0; h < 2; h++) { /* each half group's inputs have their own scale */
-            __m512i acc[ROWS_PER_PASS];
-            for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
-            for (int p = 4 * h; p < 4 * h + 4; p++) {
-                const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + 32 * p)));
-                __m512i w = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nibbles, 0xA8); /* (v | v << 12) & 0x0f.. */
-                if (five) /* byte 4n + j: the fifth bit of input 4p + j, row n (2n + j, or 32 + 2n + j - 2) */
-                    w = _mm512_mask_add_epi8(w, fifth_bits_i8(fifth_bits(blk, p)), w, sixteen);
-                for (int b = 0; b < nb; b++) {
-                    int32_t xv;
-                    memcpy(&xv, xg + (size_t)b * K + 4 * p, 4);
-                    acc[b] = _mm512_dpbusd_epi32(acc[b], w, _mm512_set1_epi32(xv));
-                }
-            }
+        __m512i acc[ROWS_PER_PASS];
+        for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
+        for (int p = 0; p < 8; p++) {
+            const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + 32 * p)));
+            __m512i w = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nibbles, 0xA8); /* (v | v << 12) & 0x0f.. */
+            if (five) /* byte 4n + j: the fifth bit of input 4p + j, row n (2n + j, or 32 + 2n + j - 2) */
+                w = _mm512_mask_add_epi8(w, fifth_bits_i8(fifth_bits(blk, p)), w, sixteen);
             for (int b = 0; b < nb; b++) {
-                const size_t i = ((size_t)b * G + g) * 2 + h;
-                const __m512i centred = _mm512_sub_epi32(acc[b], _mm512_set1_epi32(qx->sc[2 * i + (five ? 1 : 0)]));
-                accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(d, _mm512_set1_ps(qx->dg[i])), accf[b]);
+                int32_t xv;
+                memcpy(&xv, xg + (size_t)b * K + 4 * p, 4);
+                acc[b] = _mm512_dpbusd_epi32(acc[b], w, _mm512_set1_epi32(xv));
             }
         }
-        const __m512 m = _mm512_fmadd_ps(d, _mm512_set1_ps(CODE_CENTRE(five)),
-                                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_M(blk, five))));
-        for (int b = 0; b < nb; b++) accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(qx->sx[(size_t)b * G + g]), accf[b]);
+        /* d (dg (codes . inputs) + ce) + m sx: the codes' products centred on CODE_CENTRE in ce */
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_D(blk, five)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_M(blk, five)));
+        for (int b = 0; b < nb; b++) {
+            const size_t i = (size_t)b * G + g;
+            const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b]), _mm512_set1_ps(qx->dg[i]),
+                                             _mm512_set1_ps(qx->ce[2 * i + (five ? 1 : 0)]));
+            accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(qx->sx[i]), _mm512_fmadd_ps(d, t, accf[b]));
+        }
     }
     for (int b = 0; b < nb; b++) _mm512_storeu_ps(y + (size_t)b * ldy, accf[b]);
 }
@@ -581,23 +594,33 @@ static inline __attribute__((always_inline)) void q8_tile_rows_i8(const uint8_t 
     }
 }
 
-/* accf[b] += group g of an int8 block (the tile rows of both halves) dotted with nb rows' int8 inputs, each
- * half's sums less the weights' offset times that half's input scale dg and (`d`: a Q8G block's) its
- * weight scales; the output layer's blocks (no `d`) take theirs per row after. */
+/* accf[b] += group g of an int8 block (the tile rows of both halves) dotted with nb rows' int8 inputs, less
+ * the weights' offset, times the group's input scale dg and (`d`: a Q8G block's) each half's weight scales;
+ * the output layer's blocks (no `d`) take theirs per row after. */
 static inline __attribute__((always_inline)) void q8_group_i8(const uint8_t *blk, const qx_t *qx, int K, int G, int g,
                                                               int nb, int d, __m512 *accf) {
+    __m512i acc[ROWS_PER_PASS];
+    if (!d) { /* one scale for the group: both halves in one sum */
+        for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
+        q8_tile_rows_i8(blk, 0, 16, qx, K, g, nb, acc);
+        for (int b = 0; b < nb; b++) {
+            const size_t i = (size_t)b * G + g;
+            const __m512i s = _mm512_sub_epi32(acc[b], _mm512_set1_epi32(qx->s8[2 * i] + qx->s8[2 * i + 1]));
+            accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(qx->dg[i]), accf[b]);
+        }
+        return;
+    }
+    __m512 t[ROWS_PER_PASS];
     for (int h = 0; h < 2; h++) {
-        __m512i acc[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
         q8_tile_rows_i8(blk, 8 * h, 8 * h + 8, qx, K, g, nb, acc);
-        const __m512 dw = d ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512 + 32 * h)))
-                            : _mm512_set1_ps(1.0f);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512 + 32 * h)));
         for (int b = 0; b < nb; b++) {
-            const size_t i = ((size_t)b * G + g) * 2 + h;
-            const __m512i s = _mm512_sub_epi32(acc[b], _mm512_set1_epi32(qx->s8[i]));
-            accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(qx->dg[i])), accf[b]);
+            const __m512 s = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[b], _mm512_set1_epi32(qx->s8[2 * ((size_t)b * G + g) + h])));
+            t[b] = h ? _mm512_fmadd_ps(s, dw, t[b]) : _mm512_mul_ps(s, dw);
         }
     }
+    for (int b = 0; b < nb; b++) accf[b] = _mm512_fmadd_ps(t[b], _mm512_set1_ps(qx->dg[(size_t)b * G + g]), accf[b]);
 }
 
 /* One column of Q8G blocks for nb <= ROWS_PER_PASS rows of int8 inputs: y[b, n0 + n]. */
@@ -669,27 +692,27 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
         for (int g = 0; g < G; g++) {
             const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_D(blk, five) + 16 * o)));
-            for (int h = 0; h < 2; h++) {
-                const __m256i *w = wv + ((size_t)o * G + g) * 8 + 4 * h;
-                for (int b = 0; b < nb; b++) {
-                    const int8_t *xg = qx->q8 + (size_t)b * K + g * GROUP + 16 * h;
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_M(blk, five) + 16 * o)));
+            const __m256i *w = wv + ((size_t)o * G + g) * 8;
+            for (int b = 0; b < nb; b++) {
+                const int8_t *xg = qx->q8 + (size_t)b * K + g * GROUP;
+                __m256i acc = _mm256_setzero_si256();
+                for (int h = 0; h < 2; h++) {
                     int32_t x0, x1, x2, x3;
-                    memcpy(&x0, xg, 4), memcpy(&x1, xg + 4, 4), memcpy(&x2, xg + 8, 4), memcpy(&x3, xg + 12, 4);
-                    __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x0)),
-                                                 _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(x1)));
-                    s = _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(w[2], _mm256_set1_epi32(x2)),
-                                                             _mm256_maddubs_epi16(w[3], _mm256_set1_epi32(x3))));
-                    const size_t j = ((size_t)b * G + g) * 2 + h;
-                    const __m256i centred = _mm256_sub_epi32(_mm256_madd_epi16(s, ones),
-                                                             _mm256_set1_epi32(qx->sc[2 * j + (five ? 1 : 0)]));
-                    accf[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[j])),
-                                              accf[b]);
+                    memcpy(&x0, xg + 16 * h, 4), memcpy(&x1, xg + 16 * h + 4, 4);
+                    memcpy(&x2, xg + 16 * h + 8, 4), memcpy(&x3, xg + 16 * h + 12, 4);
+                    __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w[4 * h], _mm256_set1_epi32(x0)),
+                                                 _mm256_maddubs_epi16(w[4 * h + 1], _mm256_set1_epi32(x1)));
+                    s = _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(w[4 * h + 2], _mm256_set1_epi32(x2)),
+                                                             _mm256_maddubs_epi16(w[4 * h + 3], _mm256_set1_epi32(x3))));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(s, ones));
                 }
+                /* d (dg (codes . inputs) + ce) + m sx, as the AVX-512 q4_column_i8 (sx is the int16 rows', / dx) */
+                const size_t i = (size_t)b * G + g;
+                const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(qx->dg[i]),
+                                                 _mm256_set1_ps(qx->ce[2 * i + (five ? 1 : 0)]));
+                accf[b] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[i] * qx->dx[b]), _mm256_fmadd_ps(d, t, accf[b]));
             }
-            const __m256 m = _mm256_fmadd_ps(d, _mm256_set1_ps(CODE_CENTRE(five)),
-                                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_M(blk, five) + 16 * o))));
-            for (int b = 0; b < nb; b++) /* the min term with the exact sum (sx is the int16 rows', / dx) */
-                accf[b] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[(size_t)b * G + g] * qx->dx[b]), accf[b]);
         }
         for (int b = 0; b < nb; b++) _mm256_storeu_ps(y + (size_t)b * ldy + 8 * o, accf[b]);
     }
@@ -731,7 +754,7 @@ static inline __attribute__((always_inline)) void q8g6_column_i8(const uint8_t *
                     const size_t i = ((size_t)b * G + g) * 2 + h;
                     const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones)),
                                                        _mm256_set1_epi32(qx->s8[i] / 4));
-                    accf[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[i])), accf[b]);
+                    accf[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[i / 2])), accf[b]);
                 }
             }
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 576 + 16 * o)));
@@ -860,8 +883,8 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
             for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {
                 const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
                 qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,
-                             qx->q8 + (size_t)b0 * K, qx->dg + (size_t)b0 * G * 2, qx->s8 + (size_t)b0 * G * 2,
-                             qx->sc + (size_t)b0 * G * 4};
+                             qx->q8 + (size_t)b0 * K, qx->dg + (size_t)b0 * G, qx->s8 + (size_t)b0 * G * 2,
+                             qx->ce + (size_t)b0 * G * 2};
                 float *yb = y + (size_t)b0 * N + c * TILE_N;
 #define Q_CASE(n)                                                                                             \
     case n:                                                                                                   \
@@ -886,8 +909,8 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
         for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {
             const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
             qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,
-                         int8 ? qx->q8 + (size_t)b0 * K : NULL, int8 ? qx->dg + (size_t)b0 * G * 2 : NULL,
-                         int8 ? qx->s8 + (size_t)b0 * G * 2 : NULL, int8 ? qx->sc + (size_t)b0 * G * 4 : NULL};
+                         int8 ? qx->q8 + (size_t)b0 * K : NULL, int8 ? qx->dg + (size_t)b0 * G : NULL,
+                         int8 ? qx->s8 + (size_t)b0 * G * 2 : NULL, int8 ? qx->ce + (size_t)b0 * G * 2 : NULL};
             float *yb = y + (size_t)b0 * N + c * TILE_N;
             const float *xb = x + (size_t)b0 * K;
             switch (nb) {

@@ -190,9 +190,9 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
     c.qx.bf = (uint16_t *)p, p += (size_t)R * kmax / 2;
     c.qx.q8 = HAVE_INT8_Q4 ? (int8_t *)c.qx.bf : (int8_t *)c.qx.q; /* (MM_INT8 has no int16 rows but with
                                                                  * HAVE_INT8_Q4, which has no bf16 ones) */
-    c.qx.dg = p, p += (size_t)R * 2 * gmax;
+    c.qx.dg = p, p += (size_t)R * gmax;
     c.qx.s8 = (int32_t *)p, p += (size_t)R * 2 * gmax;
-    c.qx.sc = (int32_t *)p, p += (size_t)R * 4 * gmax;
+    c.qx.ce = p, p += (size_t)R * 2 * gmax;
     c.scores = p, p += (size_t)nthreads * scores_per_thread;
     p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); /* (the 16 spare floats) */
     c.tile_scratch = (uint16_t *)p;

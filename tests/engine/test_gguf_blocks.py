@@ -152,7 +152,7 @@ def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(
 def test_the_files_matrices_through_each_builds_wide_matmul_match_their_rounding(build):
     """Each matrix of the file through the build's wide matmul (the native matmul of sluice_head_logits,
     which takes a layer's tiles) against the float64 product with the inputs rounded as that matmul
-    rounds them: int8 in 16s for the 4-bit tiles, for the int8-group ones too on AVX-512 VNNI and on AVX2
+    rounds them: int8 in 32s for the 4-bit tiles, for the int8-group ones too on AVX-512 VNNI and on AVX2
     for those with codes in [-32, 32] (TILES_Q8G6), else int16 per row."""
     from kernels.cpu import head_logits
     from tests.kernels.cpu.test_forward import _int8_groups, _int16_rows

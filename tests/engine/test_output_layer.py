@@ -89,7 +89,7 @@ def test_int8_output_layer_keeps_the_exact_top_candidates():
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 40])
 def test_native_int8_output_layer_refines_the_top_candidates(rows):
     """The native output layer (kernels/cpu): its products equal the int8 weights' to the rounding of its
-    matmul (int16 activations; the wide matmul's bf16 tiles on AMX, or int8 activations in 16s, against
+    matmul (int16 activations; the wide matmul's bf16 tiles on AMX, or int8 activations in 32s, against
     the same rounding of x), and each row's REFINE_TOP best are recomputed
     against the exact weights in the same call, on one and two threads; the model's logits take it."""
     torch.manual_seed(rows)
@@ -102,9 +102,9 @@ def test_native_int8_output_layer_refines_the_top_candidates(rows):
     lib = cpu_kernels.build.load()
     lib.sluice_wide_matmul.restype = ctypes.c_char_p
     wide = lib.sluice_wide_matmul().decode()
-    groups = x.double().view(rows, -1, 16)
+    groups = x.double().view(rows, -1, 32)
     steps = groups.abs().amax(-1, keepdim=True) / 127
-    x8 = (torch.round(groups / steps) * steps).view(rows, -1)  # int8 in 16s
+    x8 = (torch.round(groups / steps) * steps).view(rows, -1)  # int8 in 32s
     w8_ref = (w8.q.double() * w8.scales.double()[:, None]).T
     # 0: int16 activations; 1: every row count on the wide matmul (AMX: activations and weights in bf16)
     for amx in [0, 1] if wide else [0]:

@@ -111,9 +111,9 @@ def _int16_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _int8_groups(t: torch.Tensor) -> torch.Tensor:
-    """Each 16 inputs of a row (half a weight group) rounded to int8 steps of their own scale (max |x| / 127),
+    """Each 32 inputs of a row (a weight group) rounded to int8 steps of their own scale (max |x| / 127),
     as the int8 matmul takes its inputs."""
-    g = t.view(*t.shape[:-1], -1, 16)
+    g = t.view(*t.shape[:-1], -1, 32)
     d = g.abs().amax(-1, keepdim=True) / 127
     return (torch.round(g / torch.where(d > 0, d, 1)) * d).view(t.shape)
 
@@ -161,7 +161,7 @@ class TinyModel:
         before any row attends to its sequence's positions 0..positions[b]. `matmuls`: "exact", "bf16" (each
         matmul's input and weights rounded to bf16 first: what the AMX path and torch's bf16 path compute)
         or "int8" (the int8 matmul's: the inputs of the 4-bit and int8-group matrices' q * d parts rounded to
-        int8 in 16s, their m parts (with c d: their codes centred on c, 8 or 16, for the 4-bit and 5-bit
+        int8 in 32s, their m parts (with c d: their codes centred on c, 8 or 16, for the 4-bit and 5-bit
         ones) multiplied by the exact inputs; the 16-bit matrices exact), "int8+bf16"
         (the same, the 16-bit matrices' inputs and weights rounded to bf16) or "int8 4-6 bit" (AVX2's: only
         the 4-bit matrices' inputs and those of the int8-group ones with codes in [-32, 32] in int8, the
