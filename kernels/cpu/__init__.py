@@ -27,7 +27,7 @@ BLOCK_BYTES = 320  # a TILES_Q4 block: 256 bytes of codes, 16 fp16 scales d, 16 
 
 
 
-TILES_Q4, TILES_Q8G, TILES_F16, TILES_BF16, TILES_Q8G6, TILES_Q5 = 0, 1, 2, 3, 4, 5  # sluice_forward.h's formats
+TILES_Q4, TILES_Q8G, TILES_F16, TILES_BF16, TILES_Q8G6, TILES_Q5, TILES_Q8 = 0, 1, 2, 3, 4, 5, 6  # sluice_forward.h's
 Q8G6_MAX_CODE = 32  # TILES_Q8G6: TILES_Q8G with every code in [-32, 32] (AVX2's int8 matmul reads it)
 
 
@@ -107,7 +107,8 @@ def pack_f16(weight: torch.Tensor) -> LayerTiles | None:
 def pack_q8g(codes: torch.Tensor, scale16: torch.Tensor, mn: torch.Tensor) -> LayerTiles | None:
     """The kernel's TILES_Q8G layout of int8 codes [N, K] with a scale per 16 inputs [N, K / 16] and a min
     per 32 [N, K / 32] (w = code * scale + min), both rounded to fp16; None when K is not a multiple of 32
-    or N not one of 16. TILES_Q8G6 where every code lies in [-32, 32]."""
+    or N not one of 16. TILES_Q8G6 where every code lies in [-32, 32]; else TILES_Q8 where each group's two
+    scales are equal and every min zero (Q8_0's)."""
     n, k = codes.shape
     if k % GROUP or n % TILE_N:
         return None
@@ -116,9 +117,13 @@ def pack_q8g(codes: torch.Tensor, scale16: torch.Tensor, mn: torch.Tensor) -> La
     q = codes.to(torch.int8).view(nb, TILE_N, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 512)
     d16 = scale16.to(torch.float16).contiguous()
     m16 = mn.to(torch.float16).contiguous()
+    if int(codes.abs().max()) <= Q8G6_MAX_CODE:
+        fmt = TILES_Q8G6
+    else:
+        halves = d16.view(n, g, 2)
+        fmt = TILES_Q8 if torch.equal(halves[..., 0], halves[..., 1]) and not m16.any() else TILES_Q8G
     return LayerTiles(torch.cat([q.view(torch.uint8), _per_block(d16, nb, g, 2), _per_block(m16, nb, g)], -1)
-                      .contiguous(), (n, k),
-                      TILES_Q8G6 if int(codes.abs().max()) <= Q8G6_MAX_CODE else TILES_Q8G)
+                      .contiguous(), (n, k), fmt)
 
 
 @dataclass
@@ -196,6 +201,7 @@ class ForwardStep:
     def tile_formats(self) -> dict[str, int]:
         """How many of the layers' matrices each tile format holds ("4-bit", "int8 group", "fp16", "bf16")."""
         names = {TILES_Q4: "4-bit", TILES_Q5: "5-bit", TILES_Q8G: "int8 group", TILES_Q8G6: "int8 group",
+                 TILES_Q8: "int8 group",
                  TILES_F16: "fp16", TILES_BF16: "bf16"}
         out: dict[str, int] = {}
         for lw in self._layers:

@@ -231,7 +231,7 @@ int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, cons
                        int nthreads, int wide_min_rows) {
     const size_t exact_row_bytes = exact_rows ? gguf_row_bytes(exact_type, K) : 0;
     if (B < 0 || K % GROUP || V % TILE_N || refine > MAX_REFINE || refine > V || (exact_rows && !exact_row_bytes) ||
-        (!scale && (format < TILES_Q4 || format > TILES_Q5)))
+        (!scale && (format < TILES_Q4 || format > TILES_Q8)))
         return -2;
     if (B == 0) return 0; /* a step that samples nothing (a prefill chunk) */
     pthread_mutex_lock(&step_lock);
@@ -239,7 +239,7 @@ int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     const int mode = wide_mode(B, wide_min_rows), amx = mode == MM_AMX;
     const size_t R = (size_t)(B + 31) / 32 * 32, per_thread = (size_t)(K / GROUP) * 1024;
     const size_t rows_scratch = exact || !exact_rows ? 0 : (size_t)nthreads * K;
-    const size_t floats = R * (1 + 9 * (K / GROUP)) + R * K / 2 + R * K / 2 + (size_t)nthreads * B * MAX_REFINE +
+    const size_t floats = R * (1 + 7 * (K / GROUP)) + R * K / 2 + R * K / 2 + (size_t)nthreads * B * MAX_REFINE +
                           rows_scratch + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
     float *buf = calloc(floats, sizeof(float));
     if (!buf) {
@@ -248,7 +248,7 @@ int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     }
     head_ctx c = {B, K, V, nthreads, refine, mode, x, {blocks, scale ? Q8_BLOCK_BYTES : tile_bytes(format), scale, scale ? TILES_Q8G : format}, exact,
                   {exact_rows, exact_type, K, exact_row_bytes}, NULL, out,
-                  {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL, per_thread, NULL};
+                  {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL, per_thread, NULL};
     float *p = buf;
     c.qx.dx = p, p += R;
     c.qx.sx = p, p += R * (K / GROUP);
@@ -259,6 +259,7 @@ int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     c.qx.dg = p, p += R * (K / GROUP);
     c.qx.s8 = (int32_t *)p, p += R * 2 * (K / GROUP);
     c.qx.ce = p, p += R * 2 * (K / GROUP);
+    c.qx.o8 = p, p += R * (K / GROUP);
     c.cand = (int32_t *)p, p += (size_t)nthreads * B * MAX_REFINE;
     c.row_scratch = p, p += rows_scratch;
     c.tile_scratch = (uint16_t *)(((uintptr_t)p + 63) & ~(uintptr_t)63);

@@ -65,6 +65,7 @@ typedef struct {
     int32_t *s8; /* MM_INT8: [B, G, 2], 128 * the sum of each half group's int8 inputs */
     float *ce; /* MM_INT8: [B, G, 2], the centring's correction for 4-bit and 5-bit codes (CODE_CENTRE c = 8,
                 * 16): c * (the exact sum - dg * the sum of the int8 inputs) */
+    float *o8; /* MM_INT8: [B, G], -128 dg * the sum of the group's int8 inputs (TILES_Q8's offset) */
 } qx_t;
 
 /* The int8 matmul's codes centred (4-bit ones on 8, 5-bit ones on 16): the int8 inputs' rounding errors
@@ -84,6 +85,7 @@ static inline void set_int8_sums(qx_t *qx, int i, float dg, const int sum_q[2], 
     const float err = exact - dg * (float)(sum_q[0] + sum_q[1]); /* (the int8 inputs' error in the sum) */
     qx->ce[2 * (size_t)i] = CODE_CENTRE(0) * err;
     qx->ce[2 * (size_t)i + 1] = CODE_CENTRE(1) * err;
+    qx->o8[i] = -128.0f * dg * (float)(sum_q[0] + sum_q[1]);
 }
 #endif
 
@@ -623,6 +625,28 @@ static inline __attribute__((always_inline)) void q8_group_i8(const uint8_t *blk
     for (int b = 0; b < nb; b++) accf[b] = _mm512_fmadd_ps(t[b], _mm512_set1_ps(qx->dg[(size_t)b * G + g]), accf[b]);
 }
 
+/* One column of TILES_Q8 blocks (Q8G's with one d per group and no min) for nb <= ROWS_PER_PASS rows of
+ * int8 inputs: y[b, n0 + n] = d (dg sum (q + 128) x8 + o8), both halves in one integer sum. */
+static inline __attribute__((always_inline)) void q8_0_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
+                                                                 int nb, float *y, int ldy) {
+    __m512 accf[ROWS_PER_PASS];
+    for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
+        __m512i acc[ROWS_PER_PASS];
+        for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
+        q8_tile_rows_i8(blk, 0, 16, qx, K, g, nb, acc);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512)));
+        for (int b = 0; b < nb; b++) {
+            const size_t i = (size_t)b * G + g;
+            const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b]), _mm512_set1_ps(qx->dg[i]), _mm512_set1_ps(qx->o8[i]));
+            accf[b] = _mm512_fmadd_ps(d, t, accf[b]);
+        }
+    }
+    for (int b = 0; b < nb; b++) _mm512_storeu_ps(y + (size_t)b * ldy, accf[b]);
+}
+
 /* One column of Q8G blocks for nb <= ROWS_PER_PASS rows of int8 inputs: y[b, n0 + n]. */
 static inline __attribute__((always_inline)) void q8g_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
                                                                 int nb, float *y, int ldy) {
@@ -795,7 +819,7 @@ static inline __attribute__((always_inline)) void f16_column_bf(const uint8_t *c
 #endif
 
 static inline int tile_bytes(int format) {
-    return format == TILES_Q8G || format == TILES_Q8G6             ? Q8G_BLOCK_BYTES
+    return format == TILES_Q8G || format == TILES_Q8G6 || format == TILES_Q8 ? Q8G_BLOCK_BYTES
            : format == TILES_F16 || format == TILES_BF16 ? F16_BLOCK_BYTES
            : format == TILES_Q5                          ? Q5_BLOCK_BYTES
                                                          : BLOCK_BYTES;
@@ -810,14 +834,17 @@ static inline int tile_bytes(int format) {
 #define Q4_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N, 0)
 #define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column_i8(col, G, part, K, nb, yb, N)
 #define Q8G6_I8(col, G, part, K, nb, yb, N) q8g_column_i8(col, G, part, K, nb, yb, N)
+#define Q8_I8(col, G, part, K, nb, yb, N) q8_0_column_i8(col, G, part, K, nb, yb, N)
 #elif HAVE_INT8_Q4
 #define Q4_I8(col, G, part, K, nb, yb, N) ((void)0)
 #define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column(col, G, part, K, nb, yb, N)
 #define Q8G6_I8(col, G, part, K, nb, yb, N) q8g6_column_i8(col, G, part, K, nb, yb, N)
+#define Q8_I8(col, G, part, K, nb, yb, N) q8g_column(col, G, part, K, nb, yb, N)
 #else
 #define Q4_I8(col, G, part, K, nb, yb, N) ((void)0)
 #define Q8G_I8(col, G, part, K, nb, yb, N) ((void)0)
 #define Q8G6_I8(col, G, part, K, nb, yb, N) ((void)0)
+#define Q8_I8(col, G, part, K, nb, yb, N) ((void)0)
 #endif
 
 /* A column of any format for a constant nb (the compiler keeps each row's accumulator in a register);
@@ -835,7 +862,9 @@ static inline int tile_bytes(int format) {
             Q8G_I8(col, G, part, K, nb, yb, N);                     \
         else if ((int8) && (fmt) == TILES_Q8G6)                     \
             Q8G6_I8(col, G, part, K, nb, yb, N);                    \
-        else if ((fmt) == TILES_Q8G || (fmt) == TILES_Q8G6)         \
+        else if ((int8) && (fmt) == TILES_Q8)                       \
+            Q8_I8(col, G, part, K, nb, yb, N);                      \
+        else if ((fmt) == TILES_Q8G || (fmt) == TILES_Q8G6 || (fmt) == TILES_Q8) \
             q8g_column(col, G, part, K, nb, yb, N);                 \
         else if ((fmt) == TILES_F16)                                \
             f16_column(col, G, xb, K, nb, yb, N, 0);                \
@@ -884,7 +913,7 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
                 const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
                 qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,
                              qx->q8 + (size_t)b0 * K, qx->dg + (size_t)b0 * G, qx->s8 + (size_t)b0 * G * 2,
-                             qx->ce + (size_t)b0 * G * 2};
+                             qx->ce + (size_t)b0 * G * 2, qx->o8 + (size_t)b0 * G};
                 float *yb = y + (size_t)b0 * N + c * TILE_N;
 #define Q_CASE(n)                                                                                             \
     case n:                                                                                                   \
@@ -910,7 +939,8 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
             const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
             qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,
                          int8 ? qx->q8 + (size_t)b0 * K : NULL, int8 ? qx->dg + (size_t)b0 * G : NULL,
-                         int8 ? qx->s8 + (size_t)b0 * G * 2 : NULL, int8 ? qx->ce + (size_t)b0 * G * 2 : NULL};
+                         int8 ? qx->s8 + (size_t)b0 * G * 2 : NULL, int8 ? qx->ce + (size_t)b0 * G * 2 : NULL,
+                         int8 ? qx->o8 + (size_t)b0 * G : NULL};
             float *yb = y + (size_t)b0 * N + c * TILE_N;
             const float *xb = x + (size_t)b0 * K;
             switch (nb) {

@@ -4,7 +4,7 @@
 
 #include <stdint.h>
 
-/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of six formats:
+/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of seven formats:
  * TILES_Q4: 4-bit codes with fp16 d and m per row and group (GGML Q4_0, Q4_1, Q4_K values), BLOCK_BYTES;
  * TILES_Q8G: int8 codes with fp16 d per row and half group (16 inputs) and fp16 m per row and group
  * (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 values), Q8G_BLOCK_BYTES;
@@ -16,8 +16,11 @@
  * TILES_Q5: 5-bit codes (0..31) with fp16 d and m per row and group (GGML Q5_0, Q5_1, Q5_K values, and
  * 4-bit ones beside them), Q5_BLOCK_BYTES: TILES_Q4's low nibbles, then each code's fifth bit (8 bytes
  * per pair p of tile rows: bit 2n + j for input 4p + j of output row n, bit 32 + 2n + j for 4p + 2 + j),
- * then d and m. 0.75 bytes a weight where TILES_Q8G takes 1.19. */
-enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3, TILES_Q8G6 = 4, TILES_Q5 = 5 };
+ * then d and m. 0.75 bytes a weight where TILES_Q8G takes 1.19;
+ * TILES_Q8: TILES_Q8G whose two half-group scales are equal and whose mins are zero (Q8_0's), read as
+ * TILES_Q8G but by the AVX-512 VNNI int8 matmul, which sums a group's halves in one integer and needs
+ * no min. */
+enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3, TILES_Q8G6 = 4, TILES_Q5 = 5, TILES_Q8 = 6 };
 
 typedef struct {
     const uint8_t *blocks;

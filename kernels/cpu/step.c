@@ -168,7 +168,7 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
     const int R = (B + 31) / 32 * 32; /* rows of the row buffers */
     const int kmax = H > q_n ? (H > I ? H : I) : (q_n > I ? q_n : I), gmax = kmax / GROUP;
     const size_t per_thread = (size_t)gmax * 1024; /* bf16 elements: a widened column pair of the widest K */
-    size_t floats = (size_t)R * (H + qkv_n + q_n + 2 * I + I + 1 + gmax + kmax / 2 + kmax / 2 + 8 * gmax) +
+    size_t floats = (size_t)R * (H + qkv_n + q_n + 2 * I + I + 1 + gmax + kmax / 2 + kmax / 2 + 6 * gmax) +
                     (size_t)nthreads * scores_per_thread + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
     float *buf = calloc(floats, sizeof(float));
     if (!buf) {
@@ -193,6 +193,7 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
     c.qx.dg = p, p += (size_t)R * gmax;
     c.qx.s8 = (int32_t *)p, p += (size_t)R * 2 * gmax;
     c.qx.ce = p, p += (size_t)R * 2 * gmax;
+    c.qx.o8 = p, p += (size_t)R * gmax;
     c.scores = p, p += (size_t)nthreads * scores_per_thread;
     p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); /* (the 16 spare floats) */
     c.tile_scratch = (uint16_t *)p;

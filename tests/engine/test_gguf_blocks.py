@@ -15,7 +15,7 @@ import torch
 
 from engine.gguf_blocks import DECODERS, dequantize, group_blocks, half_weights
 from engine.weights import _five_bit, pack_native
-from kernels.cpu import TILES_Q4, TILES_Q5, TILES_Q8G, TILES_Q8G6, LayerBlocks
+from kernels.cpu import TILES_Q4, TILES_Q5, TILES_Q8, TILES_Q8G, TILES_Q8G6, LayerBlocks
 from kernels.cpu import build as cpu_build
 from tests.kernels.cpu.test_forward import TinyModel, _library, assert_step_matches_reference
 
@@ -121,7 +121,7 @@ def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
                 centre = 16 if t.format == TILES_Q5 else 8
                 model.mins[i][m] = torch.cat([(f[2].half().double() + centre * f[1].half().double())  # type: ignore[index]
                                               .repeat_interleave(32, 1) for f in parts])
-        model.q8g[i] = {m for m, t in packed.items() if t is not None and t.format == TILES_Q8G}
+        model.q8g[i] = {m for m, t in packed.items() if t is not None and t.format in (TILES_Q8G, TILES_Q8)}
         _, norms, _ = model.layers[i]
         model.layers[i] = (dense, norms, None)
         model.blocks[i] = LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], **packed)  # type: ignore[arg-type]
@@ -134,9 +134,9 @@ def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
 def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(build, rows):
     model, formats = _fixture_model()
     # layer 0 mixes Q4_K/Q5_K/Q6_K, Q8_0, Q5_0/Q5_1 and Q6_K: int8 group tiles, with codes in [-32, 32]
-    # but for Q8_0's, and 5-bit ones for Q5_0/Q5_1; layer 1 is all Q4_K: 4-bit
+    # but for Q8_0's (Q8 tiles: one scale per group, no min), and 5-bit ones for Q5_0/Q5_1; layer 1 is all Q4_K
     assert {k: v for k, v in formats.items() if k.startswith("0.")} == {
-        "0.qkv": TILES_Q8G6, "0.o": TILES_Q8G, "0.gate_up": TILES_Q5, "0.down": TILES_Q8G6}
+        "0.qkv": TILES_Q8G6, "0.o": TILES_Q8, "0.gate_up": TILES_Q5, "0.down": TILES_Q8G6}
     assert {k: v for k, v in formats.items() if k.startswith("1.")} == dict.fromkeys(
         ("1.qkv", "1.o", "1.gate_up", "1.down"), TILES_Q4)
     # AVX2's wide matmul gives the Q8_0 matrix int16 inputs and the others int8 ones: an int16 input that
@@ -170,7 +170,7 @@ def test_the_files_matrices_through_each_builds_wide_matmul_match_their_rounding
             tiles, weight, mins = getattr(layer, name), model.layers[i][0][name], model.mins[i][name]
             if tiles.shape[1] != x.shape[1]:
                 continue
-            int16 = wide == "int8 4-6 bit" and tiles.format == TILES_Q8G
+            int16 = wide == "int8 4-6 bit" and tiles.format in (TILES_Q8G, TILES_Q8)
             rounded = (_int16_rows if int16 else _int8_groups)(x.double())
             want = rounded @ (weight - mins).T + x.double() @ mins.T
             for threads in (1, 2):

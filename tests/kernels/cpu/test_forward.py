@@ -22,6 +22,7 @@ from kernels.cpu import (
     TILES_BF16,
     TILES_F16,
     TILES_Q5,
+    TILES_Q8,
     TILES_Q8G,
     TILES_Q8G6,
     ForwardStep,
@@ -76,6 +77,14 @@ def _q8g(n: int, k: int, gen: torch.Generator, max_code: int = 127):
     return (codes, scale, mn), dense
 
 
+def _q8_0(n: int, k: int, gen: torch.Generator):
+    """_q8g as Q8_0 is: one scale per 32 inputs (both halves' equal), no min: TILES_Q8."""
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = ((torch.rand(n, k // 32, generator=gen) - 0.3) * 0.001).half().float()
+    dense = (codes.double().view(n, k // 32, 32) * scale.double()[..., None]).view(n, k)
+    return (codes, scale.repeat_interleave(2, 1), torch.zeros(n, k // 32)), dense
+
+
 def _q5(n: int, k: int, gen: torch.Generator):
     """_q4 with 5-bit codes (0..31): TILES_Q5."""
     return _q4(n, k, gen, levels=32)
@@ -121,19 +130,22 @@ def _int8_groups(t: torch.Tensor) -> torch.Tensor:
 class TinyModel:
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int,
                  bias: bool, seed: int = 0, q8g: tuple[str, ...] = (), f16: tuple[str, ...] = (),
-                 bf16: tuple[str, ...] = (), q8g6: tuple[str, ...] = (), q5: tuple[str, ...] = ()):
-        """`q8g`, `f16`, `bf16`, `q8g6`, `q5`: the matrices (qkv, o, gate_up, down) held as Q8G (codes over
-        the int8 range), F16, BF16, Q8G6 (Q8G with codes in [-32, 32]) or Q5 tiles, the others as Q4."""
+                 bf16: tuple[str, ...] = (), q8g6: tuple[str, ...] = (), q5: tuple[str, ...] = (),
+                 q8: tuple[str, ...] = ()):
+        """`q8g`, `f16`, `bf16`, `q8g6`, `q5`, `q8`: the matrices (qkv, o, gate_up, down) held as Q8G (codes
+        over the int8 range), F16, BF16, Q8G6 (Q8G with codes in [-32, 32]), Q5 or Q8 (Q8_0's) tiles, the
+        others as Q4."""
         gen = torch.Generator().manual_seed(seed)
         self.dims = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, eps=1e-5)
         qkv_n = (heads + 2 * kv_heads) * head_dim
         self.layers = []
         self.blocks = []
         self.sixteen_bit = set(f16) | set(bf16)  # matrices whose matmuls take the fp32 inputs on every path
-        self.q8g = [set(q8g) for _ in range(layers)]  # each layer's full-range int8-group matrices
+        self.q8g = [set(q8g) | set(q8) for _ in range(layers)]  # each layer's full-range int8-group matrices
         self.mins = []  # each layer's {matrix: the part of its weights that is the groups' mins (m), float64}
         for _ in range(layers):
-            mats = {name: (_q8g if name in q8g else _q8g6 if name in q8g6 else _f16 if name in f16 else
+            mats = {name: (_q8g if name in q8g else _q8g6 if name in q8g6 else _q8_0 if name in q8 else
+                           _f16 if name in f16 else
                            _bf16w if name in bf16 else _q5 if name in q5 else _q4)(n, k, gen)
                     for name, (n, k) in {
                 "qkv": (qkv_n, hidden), "o": (hidden, heads * head_dim), "gate_up": (2 * inter, hidden),
@@ -143,11 +155,11 @@ class TinyModel:
             self.layers.append(({k: v[1] for k, v in mats.items()}, norms, b))
             # (4-bit and 5-bit codes: the kernel's int8 matmul centres them on 8 or 16, which moves that
             # many scales of each group into the part taken with the exact inputs)
-            centre = {k: 16 if k in q5 else 0 if k in q8g + q8g6 else 8 for k in mats}
+            centre = {k: 16 if k in q5 else 0 if k in q8g + q8g6 + q8 else 8 for k in mats}
             self.mins.append({k: (v[0][2].double() + centre[k] * v[0][1].double() if centre[k] else
                                   v[0][2].double()).repeat_interleave(32, 1)
                               for k, v in mats.items() if k not in self.sixteen_bit})
-            packed = {k: (pack_q8g if k in q8g + q8g6 else pack_q5 if k in q5 else pack_f16 if k in f16 + bf16
+            packed = {k: (pack_q8g if k in q8g + q8g6 + q8 else pack_q5 if k in q5 else pack_f16 if k in f16 + bf16
                           else pack_q4_1)(*v[0]) for k, v in mats.items()}
             self.blocks.append(LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], qkv_bias=b, **packed))  # type: ignore[arg-type]
         pos = torch.arange(512, dtype=torch.float64)
@@ -355,6 +367,19 @@ def test_small_code_int8_tiles_match_the_float64_reference(build, q8g6, q8g, row
     assert {m: getattr(layer, m).format for m in q8g6 + q8g} == {**dict.fromkeys(q8g6, TILES_Q8G6),
                                                                  **dict.fromkeys(q8g, TILES_Q8G)}
     assert_step_matches_reference(model, lib, rows, seed=200 + rows)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("q8, q8g", [(("qkv", "o", "gate_up", "down"), ()), (("qkv", "down"), ("o",))])
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_q8_0_tiles_match_the_float64_reference(build, q8, q8g, rows):
+    """Q8 tiles (Q8_0's: one scale per group and no min, which the VNNI int8 matmul takes in one integer
+    sum per group), alone and beside Q8G tiles of the same codes' range and Q4 ones."""
+    lib = _library(build)
+    model = TinyModel(**CONFIGS["odd-groups"], q8g=q8g, q8=q8)
+    assert {m: getattr(model.blocks[0], m).format for m in q8 + q8g} == {**dict.fromkeys(q8, TILES_Q8),
+                                                                        **dict.fromkeys(q8g, TILES_Q8G)}
+    assert_step_matches_reference(model, lib, rows, seed=400 + rows)
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
