@@ -27,20 +27,22 @@ static inline __attribute__((always_inline)) void q8_column(const uint8_t *col, 
     }
     for (int b = 0; b < nb; b++) _mm512_storeu_ps(out[b], accf[b]);
 #elif defined(__AVX2__) && defined(__FMA__)
-    __m256 accf[ROWS_PER_PASS][2];
-    for (int b = 0; b < nb; b++) accf[b][0] = accf[b][1] = _mm256_setzero_ps();
-    for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * Q8_BLOCK_BYTES;
-        prefetch_l2(blk + PREFETCH_AHEAD, Q8_BLOCK_BYTES);
-        __m256i acc[ROWS_PER_PASS][2];
-        for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
-        q8_tile_rows(blk, 0, 16, qx, K, g, nb, acc);
+    /* output rows 8o..8o+7 at a time for many input rows, all 16 for up to 3 (as q8g_column) */
+    const int O2 = nb <= 3 ? 2 : 1;
+    for (int o0 = 0; o0 < 2; o0 += O2) {
+        __m256 accf[ROWS_PER_PASS][2];
+        for (int b = 0; b < nb; b++) accf[b][0] = accf[b][1] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = col + (size_t)g * Q8_BLOCK_BYTES;
+            if (o0 == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q8_BLOCK_BYTES);
+            __m256i acc[ROWS_PER_PASS][2];
+            for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
+            q8_tile_rows(blk, 0, 16, o0, O2, qx, K, g, nb, acc);
+            for (int b = 0; b < nb; b++)
+                for (int q = 0; q < O2; q++) accf[b][q] = _mm256_add_ps(accf[b][q], _mm256_cvtepi32_ps(acc[b][q]));
+        }
         for (int b = 0; b < nb; b++)
-            for (int h = 0; h < 2; h++) accf[b][h] = _mm256_add_ps(accf[b][h], _mm256_cvtepi32_ps(acc[b][h]));
-    }
-    for (int b = 0; b < nb; b++) {
-        _mm256_storeu_ps(out[b], accf[b][0]);
-        _mm256_storeu_ps(out[b] + 8, accf[b][1]);
+            for (int q = 0; q < O2; q++) _mm256_storeu_ps(out[b] + 8 * (o0 + q), accf[b][q]);
     }
 #else
     for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);

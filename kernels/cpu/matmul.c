@@ -366,26 +366,30 @@ static inline __attribute__((always_inline)) void q8_tile_rows(const uint8_t *bl
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-static inline __attribute__((always_inline)) void q8_tile_rows(const uint8_t *blk, int r0, int r1, const qx_t *qx,
-                                                               int K, int g, int nb, __m256i (*acc)[2]) {
+/* (AVX2: output rows 8 (o0 + q)..8 (o0 + q) + 7 into acc[b][q] for q < no: AVX2's 16 registers hold both
+ * halves' sums for up to 3 input rows, one half's for 8) */
+static inline __attribute__((always_inline)) void q8_tile_rows(const uint8_t *blk, int r0, int r1, int o0, int no,
+                                                               const qx_t *qx, int K, int g, int nb,
+                                                               __m256i (*acc)[2]) {
     for (int r = r0; r < r1; r++) {
-        __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r))); /* rows 0-7 */
-        __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r + 16))); /* 8-15 */
+        __m256i w[2];
+        for (int q = 0; q < no; q++)
+            w[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * r + 16 * (o0 + q))));
         for (int b = 0; b < nb; b++) {
             int32_t xp;
             memcpy(&xp, qx->q + (size_t)b * K + g * GROUP + 2 * r, 4);
             const __m256i xv = _mm256_set1_epi32(xp);
-            acc[b][0] = _mm256_add_epi32(acc[b][0], _mm256_madd_epi16(lo, xv));
-            acc[b][1] = _mm256_add_epi32(acc[b][1], _mm256_madd_epi16(hi, xv));
+            for (int q = 0; q < no; q++) acc[b][q] = _mm256_add_epi32(acc[b][q], _mm256_madd_epi16(w[q], xv));
         }
     }
 }
 #endif
 
 /* One column of Q8G blocks (int8 codes, d per half group, m per group) for nb <= ROWS_PER_PASS input rows:
- * y[b, n0 + n]. Each half group's int32 sums (127 * 32767 * 16 < 2^31) take their own d. */
+ * y[b, n0 + n]. Each half group's int32 sums (127 * 32767 * 16 < 2^31) take their own d; `one` (TILES_Q8:
+ * one d per group, no min): the group's sums in one integer (127 * 32767 * 32 < 2^31), one d, no m. */
 static inline __attribute__((always_inline)) void q8g_column(const uint8_t *col, int G, const qx_t *qx, int K,
-                                                             int nb, float *y, int ldy) {
+                                                             int nb, float *y, int ldy, int one) {
     float out[ROWS_PER_PASS][TILE_N];
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     __m512 accf[ROWS_PER_PASS];
@@ -393,43 +397,48 @@ static inline __attribute__((always_inline)) void q8g_column(const uint8_t *col,
     for (int g = 0; g < G; g++) {
         const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
         prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < (one ? 1 : 2); h++) {
             __m512i acc[ROWS_PER_PASS];
             for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
-            q8_tile_rows(blk, 8 * h, 8 * h + 8, qx, K, g, nb, acc);
+            q8_tile_rows(blk, one ? 0 : 8 * h, one ? 16 : 8 * h + 8, qx, K, g, nb, acc);
             __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512 + 32 * h)));
             for (int b = 0; b < nb; b++) accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b]), d, accf[b]);
         }
+        if (one) continue;
         __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 576)));
         for (int b = 0; b < nb; b++) accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(qx->sx[(size_t)b * G + g]), accf[b]);
     }
     for (int b = 0; b < nb; b++) _mm512_storeu_ps(out[b], accf[b]);
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
-    for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
-        prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
-        for (int h = 0; h < 2; h++) {
-            __m256i acc[ROWS_PER_PASS][2];
-            for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
-            q8_tile_rows(blk, 8 * h, 8 * h + 8, qx, K, g, nb, acc);
-            for (int q = 0; q < 2; q++) {
-                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 32 * h + 16 * q)));
-                for (int b = 0; b < nb; b++) {
-                    __m256 o = _mm256_loadu_ps(out[b] + 8 * q);
-                    _mm256_storeu_ps(out[b] + 8 * q, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][q]), d, o));
+    /* output rows 8o..8o+7 at a time for many input rows, all 16 for up to 3 (q8_tile_rows) */
+    const int O2 = nb <= 3 ? 2 : 1;
+    for (int o0 = 0; o0 < 2; o0 += O2) {
+        __m256 accf[ROWS_PER_PASS][2];
+        for (int b = 0; b < nb; b++) accf[b][0] = accf[b][1] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
+            if (o0 == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
+            for (int h = 0; h < (one ? 1 : 2); h++) {
+                __m256i acc[ROWS_PER_PASS][2];
+                for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
+                q8_tile_rows(blk, one ? 0 : 8 * h, one ? 16 : 8 * h + 8, o0, O2, qx, K, g, nb, acc);
+                for (int q = 0; q < O2; q++) {
+                    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 32 * h + 16 * (o0 + q))));
+                    for (int b = 0; b < nb; b++) accf[b][q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][q]), d, accf[b][q]);
                 }
             }
-        }
-        for (int q = 0; q < 2; q++) {
-            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 576 + 16 * q)));
-            for (int b = 0; b < nb; b++) {
-                __m256 o = _mm256_loadu_ps(out[b] + 8 * q);
-                _mm256_storeu_ps(out[b] + 8 * q, _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[(size_t)b * G + g]), o));
+            if (one) continue;
+            for (int q = 0; q < O2; q++) {
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 576 + 16 * (o0 + q))));
+                for (int b = 0; b < nb; b++)
+                    accf[b][q] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[(size_t)b * G + g]), accf[b][q]);
             }
         }
+        for (int b = 0; b < nb; b++)
+            for (int q = 0; q < O2; q++) _mm256_storeu_ps(out[b] + 8 * (o0 + q), accf[b][q]);
     }
 #else
+    (void)one; /* (TILES_Q8's equal scales and zero mins give the same sums) */
     for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
     for (int g = 0; g < G; g++) {
         const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
@@ -837,9 +846,9 @@ static inline int tile_bytes(int format) {
 #define Q8_I8(col, G, part, K, nb, yb, N) q8_0_column_i8(col, G, part, K, nb, yb, N)
 #elif HAVE_INT8_Q4
 #define Q4_I8(col, G, part, K, nb, yb, N) ((void)0)
-#define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column(col, G, part, K, nb, yb, N)
+#define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column(col, G, part, K, nb, yb, N, 0)
 #define Q8G6_I8(col, G, part, K, nb, yb, N) q8g6_column_i8(col, G, part, K, nb, yb, N)
-#define Q8_I8(col, G, part, K, nb, yb, N) q8g_column(col, G, part, K, nb, yb, N)
+#define Q8_I8(col, G, part, K, nb, yb, N) q8g_column(col, G, part, K, nb, yb, N, 1)
 #else
 #define Q4_I8(col, G, part, K, nb, yb, N) ((void)0)
 #define Q8G_I8(col, G, part, K, nb, yb, N) ((void)0)
@@ -864,8 +873,10 @@ static inline int tile_bytes(int format) {
             Q8G6_I8(col, G, part, K, nb, yb, N);                    \
         else if ((int8) && (fmt) == TILES_Q8)                       \
             Q8_I8(col, G, part, K, nb, yb, N);                      \
-        else if ((fmt) == TILES_Q8G || (fmt) == TILES_Q8G6 || (fmt) == TILES_Q8) \
-            q8g_column(col, G, part, K, nb, yb, N);                 \
+        else if ((fmt) == TILES_Q8)                                 \
+            q8g_column(col, G, part, K, nb, yb, N, 1);              \
+        else if ((fmt) == TILES_Q8G || (fmt) == TILES_Q8G6)         \
+            q8g_column(col, G, part, K, nb, yb, N, 0);              \
         else if ((fmt) == TILES_F16)                                \
             f16_column(col, G, xb, K, nb, yb, N, 0);                \
         else if ((fmt) == TILES_BF16)                               \
