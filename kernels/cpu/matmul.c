@@ -834,56 +834,112 @@ static inline int tile_bytes(int format) {
                                                          : BLOCK_BYTES;
 }
 
+/* The columns [c0, c1) of one format, taken by one column function CALL(nb) for each pass of up to
+ * ROWS_PER_PASS rows (a constant nb per call: the accumulators stay in registers). One function per format
+ * and input kind: GCC allocates registers per function, and all of them in one function made AVX2's int8
+ * columns of 4-bit and 6-bit tiles a third slower. int8: the inputs are MM_INT8's (the 16-bit formats
+ * read the fp32 rows). */
+#define COLUMNS_FN(name, CALL)                                                                                  \
+    static __attribute__((noinline)) void name(const uint8_t *blocks, int bytes, int N, int K, const qx_t *qx,  \
+                                               const float *x, int B, float *y, int c0, int c1, int int8) {     \
+        const int G = K / GROUP;                                                                                \
+        for (int c = c0; c < c1; c++) {                                                                         \
+            const uint8_t *col = blocks + (size_t)c * G * bytes;                                                \
+            for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {                                                     \
+                const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;                                 \
+                qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,                \
+                             int8 ? qx->q8 + (size_t)b0 * K : NULL, int8 ? qx->dg + (size_t)b0 * G : NULL,      \
+                             int8 ? qx->s8 + (size_t)b0 * G * 2 : NULL, int8 ? qx->ce + (size_t)b0 * G * 2 : NULL, \
+                             int8 ? qx->o8 + (size_t)b0 * G : NULL};                                            \
+                float *yb = y + (size_t)b0 * N + c * TILE_N;                                                    \
+                const float *xb = x + (size_t)b0 * K;                                                           \
+                (void)part, (void)xb;                                                                           \
+                switch (nb) {                                                                                   \
+                    case 1: CALL(1); break;                                                                     \
+                    case 2: CALL(2); break;                                                                     \
+                    case 3: CALL(3); break;                                                                     \
+                    case 4: CALL(4); break;                                                                     \
+                    case 5: CALL(5); break;                                                                     \
+                    case 6: CALL(6); break;                                                                     \
+                    case 7: CALL(7); break;                                                                     \
+                    default: CALL(8); break;                                                                    \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+typedef void (*columns_fn)(const uint8_t *, int, int, int, const qx_t *, const float *, int, float *, int, int, int);
+
+#define CALL_Q4(n) q4_column(col, G, &part, K, n, yb, N, 0)
+#define CALL_Q5(n) q4_column(col, G, &part, K, n, yb, N, 1)
+#define CALL_Q8G(n) q8g_column(col, G, &part, K, n, yb, N, 0)
+#define CALL_Q8(n) q8g_column(col, G, &part, K, n, yb, N, 1)
+#define CALL_F16(n) f16_column(col, G, xb, K, n, yb, N, 0)
+#define CALL_BF16(n) f16_column(col, G, xb, K, n, yb, N, 1)
+COLUMNS_FN(columns_q4, CALL_Q4)
+COLUMNS_FN(columns_q5, CALL_Q5)
+COLUMNS_FN(columns_q8g, CALL_Q8G)
+COLUMNS_FN(columns_q8, CALL_Q8)
+COLUMNS_FN(columns_f16, CALL_F16)
+COLUMNS_FN(columns_bf16, CALL_BF16)
 #if HAVE_INT8
-#define Q5_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N, 1)
-#else /* (HAVE_INT8_Q4: matmul_int16 takes the 4-bit and 5-bit tiles' int8 columns itself) */
-#define Q5_I8(col, G, part, K, nb, yb, N) ((void)0)
-#endif
-#if HAVE_INT8
-#define Q4_I8(col, G, part, K, nb, yb, N) q4_column_i8(col, G, part, K, nb, yb, N, 0)
-#define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column_i8(col, G, part, K, nb, yb, N)
-#define Q8G6_I8(col, G, part, K, nb, yb, N) q8g_column_i8(col, G, part, K, nb, yb, N)
-#define Q8_I8(col, G, part, K, nb, yb, N) q8_0_column_i8(col, G, part, K, nb, yb, N)
+#define CALL_Q4_I8(n) q4_column_i8(col, G, &part, K, n, yb, N, 0)
+#define CALL_Q5_I8(n) q4_column_i8(col, G, &part, K, n, yb, N, 1)
+#define CALL_Q8G_I8(n) q8g_column_i8(col, G, &part, K, n, yb, N)
+#define CALL_Q8_I8(n) q8_0_column_i8(col, G, &part, K, n, yb, N)
+COLUMNS_FN(columns_q4_i8, CALL_Q4_I8)
+COLUMNS_FN(columns_q5_i8, CALL_Q5_I8)
+COLUMNS_FN(columns_q8g_i8, CALL_Q8G_I8)
+COLUMNS_FN(columns_q8_i8, CALL_Q8_I8)
 #elif HAVE_INT8_Q4
-#define Q4_I8(col, G, part, K, nb, yb, N) ((void)0)
-#define Q8G_I8(col, G, part, K, nb, yb, N) q8g_column(col, G, part, K, nb, yb, N, 0)
-#define Q8G6_I8(col, G, part, K, nb, yb, N) q8g6_column_i8(col, G, part, K, nb, yb, N)
-#define Q8_I8(col, G, part, K, nb, yb, N) q8g_column(col, G, part, K, nb, yb, N, 1)
-#else
-#define Q4_I8(col, G, part, K, nb, yb, N) ((void)0)
-#define Q8G_I8(col, G, part, K, nb, yb, N) ((void)0)
-#define Q8G6_I8(col, G, part, K, nb, yb, N) ((void)0)
-#define Q8_I8(col, G, part, K, nb, yb, N) ((void)0)
+#define CALL_Q8G6_I8(n) q8g6_column_i8(col, G, &part, K, n, yb, N)
+COLUMNS_FN(columns_q8g6_i8, CALL_Q8G6_I8)
 #endif
 
-/* A column of any format for a constant nb (the compiler keeps each row's accumulator in a register);
- * int8: the inputs are MM_INT8's (the 16-bit formats read the fp32 rows; with bf16 dot products they
- * take f16_column_bf's passes instead). */
-#define COLUMN(fmt, int8, col, G, part, xb, K, nb, yb, N)           \
-    do {                                                            \
-        if ((int8) && (fmt) == TILES_Q4)                            \
-            Q4_I8(col, G, part, K, nb, yb, N);                      \
-        else if ((int8) && (fmt) == TILES_Q5)                       \
-            Q5_I8(col, G, part, K, nb, yb, N);                      \
-        else if ((fmt) == TILES_Q5)                                 \
-            q4_column(col, G, part, K, nb, yb, N, 1);               \
-        else if ((int8) && (fmt) == TILES_Q8G)                      \
-            Q8G_I8(col, G, part, K, nb, yb, N);                     \
-        else if ((int8) && (fmt) == TILES_Q8G6)                     \
-            Q8G6_I8(col, G, part, K, nb, yb, N);                    \
-        else if ((int8) && (fmt) == TILES_Q8)                       \
-            Q8_I8(col, G, part, K, nb, yb, N);                      \
-        else if ((fmt) == TILES_Q8)                                 \
-            q8g_column(col, G, part, K, nb, yb, N, 1);              \
-        else if ((fmt) == TILES_Q8G || (fmt) == TILES_Q8G6)         \
-            q8g_column(col, G, part, K, nb, yb, N, 0);              \
-        else if ((fmt) == TILES_F16)                                \
-            f16_column(col, G, xb, K, nb, yb, N, 0);                \
-        else if ((fmt) == TILES_BF16)                               \
-            f16_column(col, G, xb, K, nb, yb, N, 1);                \
-        else                                                        \
-            q4_column(col, G, part, K, nb, yb, N, 0);               \
-    } while (0)
+/* The column function of `fmt` for int8 (MM_INT8) or int16 inputs; NULL where there is none (AVX2's 4-bit
+ * and 5-bit int8 columns: matmul_q4_i8). */
+static columns_fn columns_for(int fmt, int int8) {
+#if HAVE_INT8
+    if (int8)
+        return fmt == TILES_Q4 ? columns_q4_i8 : fmt == TILES_Q5 ? columns_q5_i8 : fmt == TILES_Q8 ? columns_q8_i8
+             : fmt == TILES_Q8G || fmt == TILES_Q8G6 ? columns_q8g_i8 : fmt == TILES_F16 ? columns_f16 : columns_bf16;
+#elif HAVE_INT8_Q4
+    if (int8 && fmt == TILES_Q8G6) return columns_q8g6_i8; /* (full-range int8 tiles: the int16 rows) */
+#endif
+    return fmt == TILES_Q4 ? columns_q4 : fmt == TILES_Q5 ? columns_q5 : fmt == TILES_Q8 ? columns_q8
+         : fmt == TILES_Q8G || fmt == TILES_Q8G6 ? columns_q8g : fmt == TILES_F16 ? columns_f16 : columns_bf16;
+}
+
+#if HAVE_INT8_Q4
+/* matmul_int16's columns [c0, c1) of 4-bit or 5-bit tiles with int8 inputs on AVX2: each column decoded
+ * once (decode_q4_i8), then multiplied by each pass of 8 rows (a function of its own, as COLUMNS_FN's). */
+static __attribute__((noinline)) void matmul_q4_i8(const layer_tiles *w, int N, int K, const qx_t *qx, int B,
+                                                   float *y, int c0, int c1, __m256i *wv) {
+    const int G = K / GROUP, fmt = w->format, bytes = tile_bytes(fmt);
+    for (int c = c0; c < c1; c++) {
+        const uint8_t *col = w->blocks + (size_t)c * G * bytes;
+        decode_q4_i8(col, G, fmt == TILES_Q5, wv);
+        for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {
+            const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
+            qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,
+                         qx->q8 + (size_t)b0 * K, qx->dg + (size_t)b0 * G, qx->s8 + (size_t)b0 * G * 2,
+                         qx->ce + (size_t)b0 * G * 2, qx->o8 + (size_t)b0 * G};
+            float *yb = y + (size_t)b0 * N + c * TILE_N;
+#define Q_CASE(n)                                                                                             \
+    case n:                                                                                                   \
+        if (fmt == TILES_Q5)                                                                                  \
+            q4_column_i8(col, G, &part, K, n, yb, N, 1, wv);                                                  \
+        else                                                                                                  \
+            q4_column_i8(col, G, &part, K, n, yb, N, 0, wv);                                                  \
+        break;
+            switch (nb) {
+                Q_CASE(1) Q_CASE(2) Q_CASE(3) Q_CASE(4) Q_CASE(5) Q_CASE(6) Q_CASE(7)
+                default: Q_CASE(8)
+            }
+#undef Q_CASE
+        }
+    }
+}
+#endif
 
 /* This thread's share of y[B, N] = x[B, K] W^T (x quantised by quantize_x as `mode`, MM_INT16 or
  * MM_INT8): columns of blocks split evenly. */
@@ -916,56 +972,13 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
 #endif
 #if HAVE_INT8_Q4
     __m256i *wv = int8 && (fmt == TILES_Q4 || fmt == TILES_Q5) ? decode_buffer(G) : NULL;
-    if (wv) { /* each column decoded once (decode_q4_i8), then multiplied by each pass of 8 rows */
-        for (int c = c0; c < c1; c++) {
-            const uint8_t *col = w->blocks + (size_t)c * G * bytes;
-            decode_q4_i8(col, G, fmt == TILES_Q5, wv);
-            for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {
-                const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
-                qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,
-                             qx->q8 + (size_t)b0 * K, qx->dg + (size_t)b0 * G, qx->s8 + (size_t)b0 * G * 2,
-                             qx->ce + (size_t)b0 * G * 2, qx->o8 + (size_t)b0 * G};
-                float *yb = y + (size_t)b0 * N + c * TILE_N;
-#define Q_CASE(n)                                                                                             \
-    case n:                                                                                                   \
-        if (fmt == TILES_Q5)                                                                                  \
-            q4_column_i8(col, G, &part, K, n, yb, N, 1, wv);                                                  \
-        else                                                                                                  \
-            q4_column_i8(col, G, &part, K, n, yb, N, 0, wv);                                                  \
-        break;
-                switch (nb) {
-                    Q_CASE(1) Q_CASE(2) Q_CASE(3) Q_CASE(4) Q_CASE(5) Q_CASE(6) Q_CASE(7)
-                    default: Q_CASE(8)
-                }
-#undef Q_CASE
-            }
-        }
+    if (wv) {
+        matmul_q4_i8(w, N, K, qx, B, y, c0, c1, wv);
         return;
     }
     if (int8 && (fmt == TILES_Q4 || fmt == TILES_Q5)) int8 = 0; /* (no buffer: the int16 rows, also prepared) */
 #endif
-    for (int c = c0; c < c1; c++) {
-        const uint8_t *col = w->blocks + (size_t)c * G * bytes;
-        for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {
-            const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
-            qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,
-                         int8 ? qx->q8 + (size_t)b0 * K : NULL, int8 ? qx->dg + (size_t)b0 * G : NULL,
-                         int8 ? qx->s8 + (size_t)b0 * G * 2 : NULL, int8 ? qx->ce + (size_t)b0 * G * 2 : NULL,
-                         int8 ? qx->o8 + (size_t)b0 * G : NULL};
-            float *yb = y + (size_t)b0 * N + c * TILE_N;
-            const float *xb = x + (size_t)b0 * K;
-            switch (nb) {
-                case 1: COLUMN(fmt, int8, col, G, &part, xb, K, 1, yb, N); break;
-                case 2: COLUMN(fmt, int8, col, G, &part, xb, K, 2, yb, N); break;
-                case 3: COLUMN(fmt, int8, col, G, &part, xb, K, 3, yb, N); break;
-                case 4: COLUMN(fmt, int8, col, G, &part, xb, K, 4, yb, N); break;
-                case 5: COLUMN(fmt, int8, col, G, &part, xb, K, 5, yb, N); break;
-                case 6: COLUMN(fmt, int8, col, G, &part, xb, K, 6, yb, N); break;
-                case 7: COLUMN(fmt, int8, col, G, &part, xb, K, 7, yb, N); break;
-                default: COLUMN(fmt, int8, col, G, &part, xb, K, 8, yb, N); break;
-            }
-        }
-    }
+    columns_for(fmt, int8)(w->blocks, bytes, N, K, qx, x, B, y, c0, c1, int8);
 }
 
 #if HAVE_AMX
