@@ -37,12 +37,13 @@ class LayerTiles:
     rows by 32 inputs with the codes in the order of an AMX bf16 tile (two input positions of all 16 rows
     per 32 codes). TILES_Q4: 256 bytes of 4-bit codes, then the 16 rows' fp16 scales d and mins m
     (w = code * d + m; GGML Q4_0, Q4_1, Q4_K; 0.625 bytes per weight, Q4_1's own). TILES_Q8G: 512 bytes
-    of int8 codes, the rows' fp16 d for inputs 0-15 and for 16-31, then their fp16 m (Q5_0, Q5_1, Q5_K,
-    Q6_K, Q8_0; 1.19 bytes per weight); TILES_Q8G6 the same with every code in [-32, 32] (the Q5 and Q6
-    types'). TILES_F16 / TILES_BF16: the weights as fp16 / bf16 in the codes' order (2 bytes). TILES_Q5:
-    TILES_Q4's nibbles, then each code's fifth bit (64 bytes), then d and m (Q5_0, Q5_1, Q5_K; 0.75 bytes)."""
+    of int8 codes, the rows' fp16 d for inputs 0-15 and for 16-31, then their fp16 m (Q6_K and others;
+    1.19 bytes per weight); TILES_Q8G6 the same with every code in [-32, 32] (the Q5 and Q6 types');
+    TILES_Q8: the codes and one fp16 d per row (Q8_0; 1.0625 bytes). TILES_F16 / TILES_BF16: the weights as
+    fp16 / bf16 in the codes' order (2 bytes). TILES_Q5: TILES_Q4's nibbles, then each code's fifth bit
+    (64 bytes), then d and m (Q5_0, Q5_1, Q5_K; 0.75 bytes)."""
 
-    blocks: torch.Tensor  # [N / 16, K / 32, 320, 384, 608 or 1024] uint8
+    blocks: torch.Tensor  # [N / 16, K / 32, 320, 384, 544, 608 or 1024] uint8
     shape: tuple[int, int]
     format: int = TILES_Q4
 
@@ -107,8 +108,8 @@ def pack_f16(weight: torch.Tensor) -> LayerTiles | None:
 def pack_q8g(codes: torch.Tensor, scale16: torch.Tensor, mn: torch.Tensor) -> LayerTiles | None:
     """The kernel's TILES_Q8G layout of int8 codes [N, K] with a scale per 16 inputs [N, K / 16] and a min
     per 32 [N, K / 32] (w = code * scale + min), both rounded to fp16; None when K is not a multiple of 32
-    or N not one of 16. TILES_Q8G6 where every code lies in [-32, 32]; else TILES_Q8 where each group's two
-    scales are equal and every min zero (Q8_0's)."""
+    or N not one of 16. TILES_Q8G6 where every code lies in [-32, 32]; else TILES_Q8 (the codes and one
+    scale per group: 544 bytes a block) where each group's two scales are equal and every min zero (Q8_0's)."""
     n, k = codes.shape
     if k % GROUP or n % TILE_N:
         return None
@@ -117,13 +118,13 @@ def pack_q8g(codes: torch.Tensor, scale16: torch.Tensor, mn: torch.Tensor) -> La
     q = codes.to(torch.int8).view(nb, TILE_N, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 512)
     d16 = scale16.to(torch.float16).contiguous()
     m16 = mn.to(torch.float16).contiguous()
-    if int(codes.abs().max()) <= Q8G6_MAX_CODE:
-        fmt = TILES_Q8G6
-    else:
-        halves = d16.view(n, g, 2)
-        fmt = TILES_Q8 if torch.equal(halves[..., 0], halves[..., 1]) and not m16.any() else TILES_Q8G
+    halves = d16.view(n, g, 2)
+    if int(codes.abs().max()) > Q8G6_MAX_CODE and torch.equal(halves[..., 0], halves[..., 1]) and not m16.any():
+        return LayerTiles(torch.cat([q.view(torch.uint8), _per_block(halves[..., 0].contiguous(), nb, g)], -1)
+                          .contiguous(), (n, k), TILES_Q8)
     return LayerTiles(torch.cat([q.view(torch.uint8), _per_block(d16, nb, g, 2), _per_block(m16, nb, g)], -1)
-                      .contiguous(), (n, k), fmt)
+                      .contiguous(), (n, k),
+                      TILES_Q8G6 if int(codes.abs().max()) <= Q8G6_MAX_CODE else TILES_Q8G)
 
 
 @dataclass

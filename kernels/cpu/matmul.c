@@ -385,6 +385,8 @@ static inline __attribute__((always_inline)) void q8_tile_rows(const uint8_t *bl
 }
 #endif
 
+#define Q8_BYTES(one) ((one) ? Q80_BLOCK_BYTES : Q8G_BLOCK_BYTES)
+
 /* One column of Q8G blocks (int8 codes, d per half group, m per group) for nb <= ROWS_PER_PASS input rows:
  * y[b, n0 + n]. Each half group's int32 sums (127 * 32767 * 16 < 2^31) take their own d; `one` (TILES_Q8:
  * one d per group, no min): the group's sums in one integer (127 * 32767 * 32 < 2^31), one d, no m. */
@@ -395,8 +397,8 @@ static inline __attribute__((always_inline)) void q8g_column(const uint8_t *col,
     __m512 accf[ROWS_PER_PASS];
     for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
-        prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
+        const uint8_t *blk = col + (size_t)g * Q8_BYTES(one);
+        prefetch_l2(blk + PREFETCH_AHEAD, Q8_BYTES(one));
         for (int h = 0; h < (one ? 1 : 2); h++) {
             __m512i acc[ROWS_PER_PASS];
             for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
@@ -416,8 +418,8 @@ static inline __attribute__((always_inline)) void q8g_column(const uint8_t *col,
         __m256 accf[ROWS_PER_PASS][2];
         for (int b = 0; b < nb; b++) accf[b][0] = accf[b][1] = _mm256_setzero_ps();
         for (int g = 0; g < G; g++) {
-            const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
-            if (o0 == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
+            const uint8_t *blk = col + (size_t)g * Q8_BYTES(one);
+            if (o0 == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q8_BYTES(one));
             for (int h = 0; h < (one ? 1 : 2); h++) {
                 __m256i acc[ROWS_PER_PASS][2];
                 for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
@@ -438,12 +440,12 @@ static inline __attribute__((always_inline)) void q8g_column(const uint8_t *col,
             for (int q = 0; q < O2; q++) _mm256_storeu_ps(out[b] + 8 * (o0 + q), accf[b][q]);
     }
 #else
-    (void)one; /* (TILES_Q8's equal scales and zero mins give the same sums) */
     for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
     for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
+        const uint8_t *blk = col + (size_t)g * Q8_BYTES(one);
         const int8_t *q = (const int8_t *)blk;
         const uint16_t *dw = (const uint16_t *)(blk + 512), *mw = (const uint16_t *)(blk + 576);
+        const int d1 = one ? 0 : 16; /* (TILES_Q8: one d, no m) */
         for (int b = 0; b < nb; b++) {
             const int16_t *xq = qx->q + (size_t)b * K + g * GROUP;
             int32_t s[2][TILE_N] = {{0}};
@@ -451,8 +453,8 @@ static inline __attribute__((always_inline)) void q8g_column(const uint8_t *col,
                 for (int i = 0; i < 32; i++) s[r / 8][i / 2] += (int32_t)q[32 * r + i] * xq[2 * r + i % 2];
             const float sx = qx->sx[(size_t)b * G + g];
             for (int n = 0; n < TILE_N; n++)
-                out[b][n] += (float)s[0][n] * fp16_to_f32(dw[n]) + (float)s[1][n] * fp16_to_f32(dw[16 + n]) +
-                             fp16_to_f32(mw[n]) * sx;
+                out[b][n] += (float)s[0][n] * fp16_to_f32(dw[n]) + (float)s[1][n] * fp16_to_f32(dw[d1 + n]) +
+                             (one ? 0.0f : fp16_to_f32(mw[n]) * sx);
         }
     }
 #endif
@@ -641,8 +643,8 @@ static inline __attribute__((always_inline)) void q8_0_column_i8(const uint8_t *
     __m512 accf[ROWS_PER_PASS];
     for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
-        prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
+        const uint8_t *blk = col + (size_t)g * Q80_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, Q80_BLOCK_BYTES);
         __m512i acc[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
         q8_tile_rows_i8(blk, 0, 16, qx, K, g, nb, acc);
@@ -828,7 +830,8 @@ static inline __attribute__((always_inline)) void f16_column_bf(const uint8_t *c
 #endif
 
 static inline int tile_bytes(int format) {
-    return format == TILES_Q8G || format == TILES_Q8G6 || format == TILES_Q8 ? Q8G_BLOCK_BYTES
+    return format == TILES_Q8G || format == TILES_Q8G6 ? Q8G_BLOCK_BYTES
+           : format == TILES_Q8 ? Q80_BLOCK_BYTES
            : format == TILES_F16 || format == TILES_BF16 ? F16_BLOCK_BYTES
            : format == TILES_Q5                          ? Q5_BLOCK_BYTES
                                                          : BLOCK_BYTES;
@@ -1026,14 +1029,15 @@ static inline void widen_q8_block(const uint8_t *blk, const float *scale, uint16
     }
 }
 
-/* A Q8G block -> a bf16 B tile: tile row r's lane 2n + j is q[n, 2r + j] * d[r / 8][n] + m[n]. */
-static inline void widen_q8g_block(const uint8_t *blk, uint16_t *tile) {
+/* A Q8G block -> a bf16 B tile: tile row r's lane 2n + j is q[n, 2r + j] * d[r / 8][n] + m[n] (one: a TILES_Q8
+ * block, q * d[n]). */
+static inline void widen_q8g_block(const uint8_t *blk, uint16_t *tile, int one) {
     const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i hi_rows = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 576)));
+    const __m512 m = one ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 576)));
     const __m512 m0 = _mm512_permutexvar_ps(lo_rows, m), m1 = _mm512_permutexvar_ps(hi_rows, m);
     for (int h = 0; h < 2; h++) {
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512 + 32 * h)));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512 + (one ? 0 : 32 * h))));
         const __m512 d0 = _mm512_permutexvar_ps(lo_rows, d), d1 = _mm512_permutexvar_ps(hi_rows, d);
         for (int r = 8 * h; r < 8 * h + 8; r++) {
             __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * r))));
@@ -1059,7 +1063,9 @@ static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *t
     if (w->row_scale)
         widen_q8_block(blk, w->row_scale + (size_t)c * TILE_N, tile);
     else if (w->block_bytes == Q8G_BLOCK_BYTES)
-        widen_q8g_block(blk, tile);
+        widen_q8g_block(blk, tile, 0);
+    else if (w->format == TILES_Q8)
+        widen_q8g_block(blk, tile, 1);
     else if (w->format == TILES_BF16)
         memcpy(tile, blk, F16_BLOCK_BYTES); /* already a bf16 B tile */
     else if (w->block_bytes == F16_BLOCK_BYTES)

@@ -17,9 +17,8 @@
  * 4-bit ones beside them), Q5_BLOCK_BYTES: TILES_Q4's low nibbles, then each code's fifth bit (8 bytes
  * per pair p of tile rows: bit 2n + j for input 4p + j of output row n, bit 32 + 2n + j for 4p + 2 + j),
  * then d and m. 0.75 bytes a weight where TILES_Q8G takes 1.19;
- * TILES_Q8: TILES_Q8G whose two half-group scales are equal and whose mins are zero (Q8_0's), read as
- * TILES_Q8G but by the AVX-512 VNNI int8 matmul, which sums a group's halves in one integer and needs
- * no min. */
+ * TILES_Q8: TILES_Q8G's codes whose two half-group scales are equal and whose mins are zero (Q8_0's),
+ * with one d per row and group and no m, Q80_BLOCK_BYTES: a group's halves summed in one integer. */
 enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3, TILES_Q8G6 = 4, TILES_Q5 = 5, TILES_Q8 = 6 };
 
 typedef struct {
@@ -39,6 +38,7 @@ typedef struct {
 
 #define Q8_BLOCK_BYTES 512
 #define Q8G_BLOCK_BYTES 608 /* 512 bytes of int8 codes as Q8_BLOCK_BYTES, d[2][16], m[16] (fp16) */
+#define Q80_BLOCK_BYTES 544 /* TILES_Q8: 512 bytes of int8 codes, d[16] (fp16): Q8_0's 1.0625 bytes a weight */
 #define F16_BLOCK_BYTES 1024 /* tile row r (inputs 2r, 2r + 1): lane 2n + j = W[n, 2r + j], fp16 or bf16 */
 
 typedef struct {

@@ -444,6 +444,22 @@ def test_pack_q8g_puts_each_weight_where_the_kernel_reads_it():
     assert pack_q8g(codes[:24], scale[:24], mn[:24]) is None  # rows off the 16-row blocks
 
 
+def test_pack_q8g_of_q8_0_weights_keeps_one_scale_per_group():
+    """Codes with equal half-group scales and no mins (Q8_0's) pack as TILES_Q8: the codes as TILES_Q8G's,
+    then one fp16 d per row, 544 bytes a block; a min or unequal halves keep TILES_Q8G."""
+    gen = torch.Generator().manual_seed(4)
+    (codes, scale, mn), _ = _q8_0(32, 64, gen)
+    t = pack_q8g(codes, scale, mn)
+    assert t is not None and t.format == TILES_Q8 and t.blocks.shape == (2, 2, 544)
+    blk = t.blocks[1, 1]  # rows 16-31, inputs 32-63
+    assert blk[:512].view(torch.int8).view(16, 32)[5, 2 * 3 + 1] == codes[16 + 3, 32 + 2 * 5 + 1]
+    assert blk[512:].view(torch.float16)[7].float() == scale[16 + 7, 2] == scale[16 + 7, 3]
+    assert pack_q8g(codes, scale, mn + 1e-3).format == TILES_Q8G
+    uneven = scale.clone()
+    uneven[0, 1] *= 2
+    assert pack_q8g(codes, uneven, mn).format == TILES_Q8G
+
+
 # SmolLM2's attention shape (head size 64, three query heads per kv head) and a two-per-kv-head one: the
 # vector paths' fixed (group, head size) kernels.
 TILE_CONFIGS = {
