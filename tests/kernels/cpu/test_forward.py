@@ -461,10 +461,13 @@ def test_pack_q8g_of_q8_0_weights_keeps_one_scale_per_group():
 
 
 # SmolLM2's attention shape (head size 64, three query heads per kv head) and a two-per-kv-head one: the
-# vector paths' fixed (group, head size) kernels.
+# vector paths' fixed (group, head size) kernels; head size 128 (Qwen 2.5 3B's, Llama 3.2 3B's) and 48 (an odd
+# number of 16s: the AVX-512 path's pair order ends with a 16 in the natural one) on its general kernel.
 TILE_CONFIGS = {
     "g3-d64": dict(hidden=192, heads=3, kv_heads=1, head_dim=64, inter=256, layers=2, bias=False),
     "g2-d64": dict(hidden=256, heads=4, kv_heads=2, head_dim=64, inter=256, layers=2, bias=True),
+    "g2-d128": dict(hidden=256, heads=2, kv_heads=1, head_dim=128, inter=256, layers=2, bias=False),
+    "g1-d48": dict(hidden=96, heads=2, kv_heads=2, head_dim=48, inter=160, layers=2, bias=True),
 }
 
 
