@@ -77,6 +77,21 @@ typedef struct {
 #define CODE_CENTRE(five) ((five) ? 16.0f : 8.0f)
 
 #if HAVE_INT8 || HAVE_INT8_Q4
+/* The buffer decode_q4_i8 fills (G * 512 bytes: a column's codes, either ISA's order): one per thread (the
+ * pool's threads live as long as the process). */
+static void *decode_buffer(int G) {
+    static _Thread_local void *buf;
+    static _Thread_local int groups;
+    if (G > groups) {
+        free(buf);
+        buf = aligned_alloc(64, (size_t)G * 512);
+        groups = buf ? G : 0;
+    }
+    return buf;
+}
+#endif
+
+#if HAVE_INT8 || HAVE_INT8_Q4
 /* Group i (of row b: b * G + g) of the int8 inputs: its scale, the offset's and the centring's sums. */
 static inline void set_int8_sums(qx_t *qx, int i, float dg, const int sum_q[2], float exact) {
     qx->dg[i] = dg;
@@ -549,22 +564,28 @@ static inline __attribute__((always_inline)) void f16_column(const uint8_t *col,
  * of tile rows (32 bytes: inputs 4p..4p+3 of the 16 output rows, two to a byte) becomes one vector of 16
  * lanes of 4 codes each, in input order: word n (bytes 2n, 2n + 1) widened to lane n, its high nibbles
  * moved up by 12 bits, every byte masked to its low nibble. */
+static inline __attribute__((always_inline)) __m512i q4_codes_i8(const uint8_t *blk, int p, int five) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + 32 * p)));
+    __m512i w = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi8(0x0f), 0xA8); /* (v | v << 12) & 0x0f.. */
+    if (five) /* byte 4n + j: the fifth bit of input 4p + j, row n (2n + j, or 32 + 2n + j - 2) */
+        w = _mm512_mask_add_epi8(w, fifth_bits_i8(fifth_bits(blk, p)), w, _mm512_set1_epi8(16));
+    return w;
+}
+
+/* (wv: the column's codes already decoded, wv[8 g + p] = q4_codes_i8 of group g, pair p: decode_q4_i8) */
 static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
-                                                               int nb, float *y, int ldy, int five) {
+                                                               int nb, float *y, int ldy, int five,
+                                                               const __m512i *wv) {
     __m512 accf[ROWS_PER_PASS];
     for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
-    const __m512i nibbles = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
     for (int g = 0; g < G; g++) {
         const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
-        prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
+        if (!wv) prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
         const int8_t *xg = qx->q8 + g * GROUP;
         __m512i acc[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
         for (int p = 0; p < 8; p++) {
-            const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + 32 * p)));
-            __m512i w = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nibbles, 0xA8); /* (v | v << 12) & 0x0f.. */
-            if (five) /* byte 4n + j: the fifth bit of input 4p + j, row n (2n + j, or 32 + 2n + j - 2) */
-                w = _mm512_mask_add_epi8(w, fifth_bits_i8(fifth_bits(blk, p)), w, sixteen);
+            const __m512i w = wv ? _mm512_load_si512(wv + 8 * (size_t)g + p) : q4_codes_i8(blk, p, five);
             for (int b = 0; b < nb; b++) {
                 int32_t xv;
                 memcpy(&xv, xg + (size_t)b * K + 4 * p, 4);
@@ -582,6 +603,16 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
         }
     }
     for (int b = 0; b < nb; b++) _mm512_storeu_ps(y + (size_t)b * ldy, accf[b]);
+}
+
+/* A column's 4-bit (five: 5-bit) codes as q4_column_i8 multiplies them, decoded once into a thread's
+ * buffer (L1/L2-resident) for every pass of 8 rows over the column. */
+static void decode_q4_i8(const uint8_t *col, int G, int five, __m512i *wv) {
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
+        prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
+        for (int p = 0; p < 8; p++) _mm512_store_si512(wv + 8 * (size_t)g + p, q4_codes_i8(blk, p, five));
+    }
 }
 
 /* Tile rows r and r + 1 of an int8 block (inputs 2r..2r+3) as 16 lanes of 4 unsigned bytes in input
@@ -700,18 +731,6 @@ static void decode_q4_i8(const uint8_t *col, int G, int five, __m256i *wv) {
                 _mm256_store_si256(wv + ((size_t)o * G + g) * 8 + p, w);
             }
         }
-}
-
-/* The buffer decode_q4_i8 fills: one per thread (the pool's threads live as long as the process). */
-static __m256i *decode_buffer(int G) {
-    static _Thread_local __m256i *buf;
-    static _Thread_local int groups;
-    if (G > groups) {
-        free(buf);
-        buf = aligned_alloc(32, (size_t)G * 16 * sizeof(__m256i));
-        groups = buf ? G : 0;
-    }
-    return buf;
 }
 
 /* One column of Q4 (five: Q5) blocks for nb <= ROWS_PER_PASS rows of int8 inputs (AVX2, MM_INT8), its
@@ -885,8 +904,8 @@ COLUMNS_FN(columns_q8, CALL_Q8)
 COLUMNS_FN(columns_f16, CALL_F16)
 COLUMNS_FN(columns_bf16, CALL_BF16)
 #if HAVE_INT8
-#define CALL_Q4_I8(n) q4_column_i8(col, G, &part, K, n, yb, N, 0)
-#define CALL_Q5_I8(n) q4_column_i8(col, G, &part, K, n, yb, N, 1)
+#define CALL_Q4_I8(n) q4_column_i8(col, G, &part, K, n, yb, N, 0, NULL)
+#define CALL_Q5_I8(n) q4_column_i8(col, G, &part, K, n, yb, N, 1, NULL)
 #define CALL_Q8G_I8(n) q8g_column_i8(col, G, &part, K, n, yb, N)
 #define CALL_Q8_I8(n) q8_0_column_i8(col, G, &part, K, n, yb, N)
 COLUMNS_FN(columns_q4_i8, CALL_Q4_I8)
@@ -912,11 +931,11 @@ static columns_fn columns_for(int fmt, int int8) {
          : fmt == TILES_Q8G || fmt == TILES_Q8G6 ? columns_q8g : fmt == TILES_F16 ? columns_f16 : columns_bf16;
 }
 
-#if HAVE_INT8_Q4
-/* matmul_int16's columns [c0, c1) of 4-bit or 5-bit tiles with int8 inputs on AVX2: each column decoded
- * once (decode_q4_i8), then multiplied by each pass of 8 rows (a function of its own, as COLUMNS_FN's). */
+#if HAVE_INT8 || HAVE_INT8_Q4
+/* matmul_int16's columns [c0, c1) of 4-bit or 5-bit tiles with int8 inputs: each column decoded once
+ * (decode_q4_i8, into wv), then multiplied by each pass of 8 rows (a function of its own, as COLUMNS_FN's). */
 static __attribute__((noinline)) void matmul_q4_i8(const layer_tiles *w, int N, int K, const qx_t *qx, int B,
-                                                   float *y, int c0, int c1, __m256i *wv) {
+                                                   float *y, int c0, int c1, void *wv) {
     const int G = K / GROUP, fmt = w->format, bytes = tile_bytes(fmt);
     for (int c = c0; c < c1; c++) {
         const uint8_t *col = w->blocks + (size_t)c * G * bytes;
@@ -973,12 +992,18 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
         return;
     }
 #endif
-#if HAVE_INT8_Q4
-    __m256i *wv = int8 && (fmt == TILES_Q4 || fmt == TILES_Q5) ? decode_buffer(G) : NULL;
+#if HAVE_INT8 || HAVE_INT8_Q4
+    /* AVX2 always: its int8 column reads only a decoded buffer. VNNI: 5-bit tiles from three passes of
+     * rows on (SmolLM2 Q4_K_M prefill matmuls 120-125 -> 106-114 ms); at two passes, and for 4-bit codes
+     * (three ops to decode), storing and reloading them cost as much as decoding them again. */
+    void *wv = int8 && (fmt == TILES_Q4 || fmt == TILES_Q5) &&
+               (HAVE_INT8_Q4 || (fmt == TILES_Q5 && B > 2 * ROWS_PER_PASS)) ? decode_buffer(G) : NULL;
     if (wv) {
         matmul_q4_i8(w, N, K, qx, B, y, c0, c1, wv);
         return;
     }
+#endif
+#if HAVE_INT8_Q4
     if (int8 && (fmt == TILES_Q4 || fmt == TILES_Q5)) int8 = 0; /* (no buffer: the int16 rows, also prepared) */
 #endif
     columns_for(fmt, int8)(w->blocks, bytes, N, K, qx, x, B, y, c0, c1, int8);
