@@ -68,7 +68,7 @@ static inline __attribute__((always_inline)) void q8_column_i8(const uint8_t *co
     for (int g = 0; g < G; g++) {
         const uint8_t *blk = col + (size_t)g * Q8_BLOCK_BYTES;
         prefetch_l2(blk + PREFETCH_AHEAD, Q8_BLOCK_BYTES);
-        q8_group_i8(blk, qx, K, G, g, nb, 0, accf);
+        q8_group_i8(blk, qx, K, G, g, nb, 0, accf, NULL);
     }
     for (int b = 0; b < nb; b++) _mm512_storeu_ps(out[b], accf[b]);
 }
@@ -136,7 +136,7 @@ static void head_int16(const head_ctx *c, int tid) {
             const int nb = c->B - b0 < ROWS_PER_PASS ? c->B - b0 : ROWS_PER_PASS;
             qx_t part = {c->qx.q + (size_t)b0 * K, c->qx.dx + b0, NULL, NULL,
                          int8 ? c->qx.q8 + (size_t)b0 * K : NULL, int8 ? c->qx.dg + (size_t)b0 * G : NULL,
-                         int8 ? c->qx.s8 + (size_t)b0 * G * 2 : NULL, NULL};
+                         int8 ? c->qx.s8 + (size_t)b0 * G * 2 : NULL, NULL, NULL};
             switch (nb) { /* a constant nb per call: the accumulators stay in registers */
                 case 1: Q8_COLUMN(int8, blocks, G, &part, K, 1, out); break;
                 case 2: Q8_COLUMN(int8, blocks, G, &part, K, 2, out); break;

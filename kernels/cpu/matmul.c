@@ -625,11 +625,13 @@ static inline __m512i q8_pair_u8(const uint8_t *blk, int r) {
 }
 
 /* acc[b] += the int32 dot products of tile rows [r0, r1) (r0, r1 even) of an int8 block with nb rows'
- * int8 inputs, each still holding 128 * the sum of its inputs (the weights' offset). */
+ * int8 inputs, each still holding 128 * the sum of its inputs (the weights' offset). wv: the block's pairs
+ * already as q8_pair_u8 gives them (decode_q8_i8), or NULL. */
 static inline __attribute__((always_inline)) void q8_tile_rows_i8(const uint8_t *blk, int r0, int r1, const qx_t *qx,
-                                                                  int K, int g, int nb, __m512i *acc) {
+                                                                  int K, int g, int nb, __m512i *acc,
+                                                                  const __m512i *wv) {
     for (int r = r0; r < r1; r += 2) {
-        const __m512i w = q8_pair_u8(blk, r);
+        const __m512i w = wv ? _mm512_load_si512(wv + r / 2) : q8_pair_u8(blk, r);
         for (int b = 0; b < nb; b++) {
             int32_t xv;
             memcpy(&xv, qx->q8 + (size_t)b * K + g * GROUP + 2 * r, 4);
@@ -642,11 +644,11 @@ static inline __attribute__((always_inline)) void q8_tile_rows_i8(const uint8_t 
  * the weights' offset, times the group's input scale dg and (`d`: a Q8G block's) each half's weight scales;
  * the output layer's blocks (no `d`) take theirs per row after. */
 static inline __attribute__((always_inline)) void q8_group_i8(const uint8_t *blk, const qx_t *qx, int K, int G, int g,
-                                                              int nb, int d, __m512 *accf) {
+                                                              int nb, int d, __m512 *accf, const __m512i *wv) {
     __m512i acc[ROWS_PER_PASS];
     if (!d) { /* one scale for the group: both halves in one sum */
         for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
-        q8_tile_rows_i8(blk, 0, 16, qx, K, g, nb, acc);
+        q8_tile_rows_i8(blk, 0, 16, qx, K, g, nb, acc, wv);
         for (int b = 0; b < nb; b++) {
             const size_t i = (size_t)b * G + g;
             const __m512i s = _mm512_sub_epi32(acc[b], _mm512_set1_epi32(qx->s8[2 * i] + qx->s8[2 * i + 1]));
@@ -657,7 +659,7 @@ static inline __attribute__((always_inline)) void q8_group_i8(const uint8_t *blk
     __m512 t[ROWS_PER_PASS];
     for (int h = 0; h < 2; h++) {
         for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
-        q8_tile_rows_i8(blk, 8 * h, 8 * h + 8, qx, K, g, nb, acc);
+        q8_tile_rows_i8(blk, 8 * h, 8 * h + 8, qx, K, g, nb, acc, wv);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512 + 32 * h)));
         for (int b = 0; b < nb; b++) {
             const __m512 s = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[b], _mm512_set1_epi32(qx->s8[2 * ((size_t)b * G + g) + h])));
@@ -670,15 +672,15 @@ static inline __attribute__((always_inline)) void q8_group_i8(const uint8_t *blk
 /* One column of TILES_Q8 blocks (Q8G's with one d per group and no min) for nb <= ROWS_PER_PASS rows of
  * int8 inputs: y[b, n0 + n] = d (dg sum (q + 128) x8 + o8), both halves in one integer sum. */
 static inline __attribute__((always_inline)) void q8_0_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
-                                                                 int nb, float *y, int ldy) {
+                                                                 int nb, float *y, int ldy, const __m512i *wv) {
     __m512 accf[ROWS_PER_PASS];
     for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
         const uint8_t *blk = col + (size_t)g * Q80_BLOCK_BYTES;
-        prefetch_l2(blk + PREFETCH_AHEAD, Q80_BLOCK_BYTES);
+        if (!wv) prefetch_l2(blk + PREFETCH_AHEAD, Q80_BLOCK_BYTES);
         __m512i acc[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
-        q8_tile_rows_i8(blk, 0, 16, qx, K, g, nb, acc);
+        q8_tile_rows_i8(blk, 0, 16, qx, K, g, nb, acc, wv ? wv + 8 * (size_t)g : NULL);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512)));
         for (int b = 0; b < nb; b++) {
             const size_t i = (size_t)b * G + g;
@@ -691,17 +693,27 @@ static inline __attribute__((always_inline)) void q8_0_column_i8(const uint8_t *
 
 /* One column of Q8G blocks for nb <= ROWS_PER_PASS rows of int8 inputs: y[b, n0 + n]. */
 static inline __attribute__((always_inline)) void q8g_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
-                                                                int nb, float *y, int ldy) {
+                                                                int nb, float *y, int ldy, const __m512i *wv) {
     __m512 accf[ROWS_PER_PASS];
     for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
         const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
-        prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
-        q8_group_i8(blk, qx, K, G, g, nb, 1, accf);
+        if (!wv) prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
+        q8_group_i8(blk, qx, K, G, g, nb, 1, accf, wv ? wv + 8 * (size_t)g : NULL);
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 576)));
         for (int b = 0; b < nb; b++) accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(qx->sx[(size_t)b * G + g]), accf[b]);
     }
     for (int b = 0; b < nb; b++) _mm512_storeu_ps(y + (size_t)b * ldy, accf[b]);
+}
+
+/* A column of int8 tiles' pairs of tile rows as q8_tile_rows_i8 multiplies them (q8_pair_u8), once for
+ * every pass of rows: wv[8 g + r / 2]. */
+static void decode_q8_i8(const uint8_t *col, int G, int bytes, __m512i *wv) {
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * bytes;
+        prefetch_l2(blk + PREFETCH_AHEAD, bytes);
+        for (int i = 0; i < 8; i++) _mm512_store_si512(wv + 8 * (size_t)g + i, q8_pair_u8(blk, 2 * i));
+    }
 }
 #endif
 
@@ -906,8 +918,8 @@ COLUMNS_FN(columns_bf16, CALL_BF16)
 #if HAVE_INT8
 #define CALL_Q4_I8(n) q4_column_i8(col, G, &part, K, n, yb, N, 0, NULL)
 #define CALL_Q5_I8(n) q4_column_i8(col, G, &part, K, n, yb, N, 1, NULL)
-#define CALL_Q8G_I8(n) q8g_column_i8(col, G, &part, K, n, yb, N)
-#define CALL_Q8_I8(n) q8_0_column_i8(col, G, &part, K, n, yb, N)
+#define CALL_Q8G_I8(n) q8g_column_i8(col, G, &part, K, n, yb, N, NULL)
+#define CALL_Q8_I8(n) q8_0_column_i8(col, G, &part, K, n, yb, N, NULL)
 COLUMNS_FN(columns_q4_i8, CALL_Q4_I8)
 COLUMNS_FN(columns_q5_i8, CALL_Q5_I8)
 COLUMNS_FN(columns_q8g_i8, CALL_Q8G_I8)
@@ -932,34 +944,61 @@ static columns_fn columns_for(int fmt, int int8) {
 }
 
 #if HAVE_INT8 || HAVE_INT8_Q4
-/* matmul_int16's columns [c0, c1) of 4-bit or 5-bit tiles with int8 inputs: each column decoded once
- * (decode_q4_i8, into wv), then multiplied by each pass of 8 rows (a function of its own, as COLUMNS_FN's). */
-static __attribute__((noinline)) void matmul_q4_i8(const layer_tiles *w, int N, int K, const qx_t *qx, int B,
-                                                   float *y, int c0, int c1, void *wv) {
-    const int G = K / GROUP, fmt = w->format, bytes = tile_bytes(fmt);
-    for (int c = c0; c < c1; c++) {
-        const uint8_t *col = w->blocks + (size_t)c * G * bytes;
-        decode_q4_i8(col, G, fmt == TILES_Q5, wv);
-        for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {
-            const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;
-            qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,
-                         qx->q8 + (size_t)b0 * K, qx->dg + (size_t)b0 * G, qx->s8 + (size_t)b0 * G * 2,
-                         qx->ce + (size_t)b0 * G * 2, qx->o8 + (size_t)b0 * G};
-            float *yb = y + (size_t)b0 * N + c * TILE_N;
-#define Q_CASE(n)                                                                                             \
-    case n:                                                                                                   \
-        if (fmt == TILES_Q5)                                                                                  \
-            q4_column_i8(col, G, &part, K, n, yb, N, 1, wv);                                                  \
-        else                                                                                                  \
-            q4_column_i8(col, G, &part, K, n, yb, N, 0, wv);                                                  \
-        break;
-            switch (nb) {
-                Q_CASE(1) Q_CASE(2) Q_CASE(3) Q_CASE(4) Q_CASE(5) Q_CASE(6) Q_CASE(7)
-                default: Q_CASE(8)
-            }
-#undef Q_CASE
-        }
+/* matmul_int16's columns [c0, c1) with int8 inputs, each column decoded once (DECODE, into the thread's
+ * buffer wv) and then multiplied by each pass of 8 rows (CALL(nb)); one function per format, as COLUMNS_FN. */
+#define DECODED_FN(name, DECODE, CALL)                                                                        \
+    static __attribute__((noinline)) void name(const layer_tiles *w, int N, int K, const qx_t *qx, int B,     \
+                                               float *y, int c0, int c1, void *wv) {                          \
+        const int G = K / GROUP, bytes = tile_bytes(w->format);                                               \
+        for (int c = c0; c < c1; c++) {                                                                       \
+            const uint8_t *col = w->blocks + (size_t)c * G * bytes;                                           \
+            DECODE;                                                                                           \
+            for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {                                                   \
+                const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;                               \
+                qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,              \
+                             qx->q8 + (size_t)b0 * K, qx->dg + (size_t)b0 * G, qx->s8 + (size_t)b0 * G * 2,  \
+                             qx->ce + (size_t)b0 * G * 2, qx->o8 + (size_t)b0 * G};                          \
+                float *yb = y + (size_t)b0 * N + c * TILE_N;                                                  \
+                switch (nb) {                                                                                 \
+                    case 1: CALL(1); break;                                                                   \
+                    case 2: CALL(2); break;                                                                   \
+                    case 3: CALL(3); break;                                                                   \
+                    case 4: CALL(4); break;                                                                   \
+                    case 5: CALL(5); break;                                                                   \
+                    case 6: CALL(6); break;                                                                   \
+                    case 7: CALL(7); break;                                                                   \
+                    default: CALL(8); break;                                                                  \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
     }
+typedef void (*decoded_fn)(const layer_tiles *, int, int, const qx_t *, int, float *, int, int, void *);
+#define DEC_CALL_Q4(n) q4_column_i8(col, G, &part, K, n, yb, N, 0, wv)
+#define DEC_CALL_Q5(n) q4_column_i8(col, G, &part, K, n, yb, N, 1, wv)
+#if HAVE_INT8_Q4 /* (VNNI decodes 4-bit codes again per pass: decoded_for) */
+DECODED_FN(decoded_q4_i8, decode_q4_i8(col, G, 0, wv), DEC_CALL_Q4)
+#endif
+DECODED_FN(decoded_q5_i8, decode_q4_i8(col, G, 1, wv), DEC_CALL_Q5)
+#if HAVE_INT8
+#define DEC_CALL_Q8(n) q8_0_column_i8(col, G, &part, K, n, yb, N, wv)
+#define DEC_CALL_Q8G(n) q8g_column_i8(col, G, &part, K, n, yb, N, wv)
+DECODED_FN(decoded_q8_i8, decode_q8_i8(col, G, bytes, wv), DEC_CALL_Q8)
+DECODED_FN(decoded_q8g_i8, decode_q8_i8(col, G, bytes, wv), DEC_CALL_Q8G)
+#endif
+
+/* The decoded-column matmul for int8 inputs and this many rows, or NULL for the direct columns. AVX2: its
+ * 4-bit and 5-bit int8 columns read only a decoded buffer. VNNI: from three passes of rows on, for the
+ * 5-bit and int8 tiles (SmolLM2 Q4_K_M prefill matmuls 120-125 -> 106-114 ms); at two passes, and for
+ * 4-bit codes (three ops to decode), storing and reloading them cost as much as decoding them again. */
+static decoded_fn decoded_for(int fmt, int B) {
+#if HAVE_INT8
+    if (B <= 2 * ROWS_PER_PASS) return NULL;
+    return fmt == TILES_Q5 ? decoded_q5_i8 : fmt == TILES_Q8 ? decoded_q8_i8
+         : fmt == TILES_Q8G || fmt == TILES_Q8G6 ? decoded_q8g_i8 : NULL;
+#else
+    (void)B;
+    return fmt == TILES_Q4 ? decoded_q4_i8 : fmt == TILES_Q5 ? decoded_q5_i8 : NULL;
+#endif
 }
 #endif
 
@@ -971,6 +1010,7 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
     const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
     const int fmt = w->format, bytes = tile_bytes(fmt);
     int int8 = (HAVE_INT8 || HAVE_INT8_Q4) && mode == MM_INT8;
+    (void)G; /* (the plain build's columns_for takes K) */
 #if HAVE_BF16DOT
     if (int8 && (fmt == TILES_F16 || fmt == TILES_BF16)) {
         const int bf16 = fmt == TILES_BF16;
@@ -993,13 +1033,10 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
     }
 #endif
 #if HAVE_INT8 || HAVE_INT8_Q4
-    /* AVX2 always: its int8 column reads only a decoded buffer. VNNI: 5-bit tiles from three passes of
-     * rows on (SmolLM2 Q4_K_M prefill matmuls 120-125 -> 106-114 ms); at two passes, and for 4-bit codes
-     * (three ops to decode), storing and reloading them cost as much as decoding them again. */
-    void *wv = int8 && (fmt == TILES_Q4 || fmt == TILES_Q5) &&
-               (HAVE_INT8_Q4 || (fmt == TILES_Q5 && B > 2 * ROWS_PER_PASS)) ? decode_buffer(G) : NULL;
+    const decoded_fn dfn = int8 ? decoded_for(fmt, B) : NULL;
+    void *wv = dfn ? decode_buffer(G) : NULL;
     if (wv) {
-        matmul_q4_i8(w, N, K, qx, B, y, c0, c1, wv);
+        dfn(w, N, K, qx, B, y, c0, c1, wv);
         return;
     }
 #endif
