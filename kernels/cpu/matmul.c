@@ -77,15 +77,16 @@ typedef struct {
 #define CODE_CENTRE(five) ((five) ? 16.0f : 8.0f)
 
 #if HAVE_INT8 || HAVE_INT8_Q4
-/* The buffer decode_q4_i8 fills (G * 512 bytes: a column's codes, either ISA's order): one per thread (the
- * pool's threads live as long as the process). */
-static void *decode_buffer(int G) {
+/* The buffer a decoded column fills (G * 512 bytes: a column's int8 codes, either ISA's order; 1024: its
+ * bf16 weights): one per thread (the pool's threads live as long as the process). */
+static void *decode_buffer(int G, int bytes_per_group) {
     static _Thread_local void *buf;
-    static _Thread_local int groups;
-    if (G > groups) {
+    static _Thread_local size_t size;
+    const size_t want = (size_t)G * bytes_per_group;
+    if (want > size) {
         free(buf);
-        buf = aligned_alloc(64, (size_t)G * 512);
-        groups = buf ? G : 0;
+        buf = aligned_alloc(64, want);
+        size = buf ? want : 0;
     }
     return buf;
 }
@@ -1013,9 +1014,23 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
     (void)G; /* (the plain build's columns_for takes K) */
 #if HAVE_BF16DOT
     if (int8 && (fmt == TILES_F16 || fmt == TILES_BF16)) {
-        const int bf16 = fmt == TILES_BF16;
+        /* F16 from three passes of rows on: each column rounded to bf16 once, into the thread's buffer */
+        uint8_t *wb = fmt == TILES_F16 && B > 2 * BF_ROWS_PER_PASS ? decode_buffer(G, F16_BLOCK_BYTES) : NULL;
+        const int bf16 = fmt == TILES_BF16 || wb;
         for (int c = c0; c < c1; c++) {
             const uint8_t *col = w->blocks + (size_t)c * G * bytes;
+            if (wb) {
+                for (int g = 0; g < G; g++) {
+                    const uint8_t *blk = col + (size_t)g * F16_BLOCK_BYTES;
+                    prefetch_l2(blk + PREFETCH_AHEAD, F16_BLOCK_BYTES);
+                    for (int r = 0; r < 16; r++)
+                        _mm512_store_si512(wb + (size_t)g * F16_BLOCK_BYTES + 64 * r,
+                                           (__m512i)_mm512_cvtne2ps_pbh(
+                                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 64 * r + 32))),
+                                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 64 * r)))));
+                }
+                col = wb;
+            }
             for (int b0 = 0; b0 < B; b0 += BF_ROWS_PER_PASS) {
                 const int nb = B - b0 < BF_ROWS_PER_PASS ? B - b0 : BF_ROWS_PER_PASS;
                 const uint16_t *xb = qx->bf + (size_t)b0 * K;
@@ -1034,7 +1049,7 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
 #endif
 #if HAVE_INT8 || HAVE_INT8_Q4
     const decoded_fn dfn = int8 ? decoded_for(fmt, B) : NULL;
-    void *wv = dfn ? decode_buffer(G) : NULL;
+    void *wv = dfn ? decode_buffer(G, 512) : NULL;
     if (wv) {
         dfn(w, N, K, qx, B, y, c0, c1, wv);
         return;
