@@ -874,32 +874,35 @@ static inline int tile_bytes(int format) {
  * and input kind: GCC allocates registers per function, and all of them in one function made AVX2's int8
  * columns of 4-bit and 6-bit tiles a third slower. int8: the inputs are MM_INT8's (the 16-bit formats
  * read the fp32 rows). */
+/* Column col's passes of up to ROWS_PER_PASS rows, CALL(nb) for each (int8: the MM_INT8 inputs are set in
+ * `part`); COLUMNS_FN's and DECODED_FN's body. */
+#define ROW_PASSES(CALL, int8)                                                                              \
+    for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {                                                         \
+        const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;                                     \
+        qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,                    \
+                     (int8) ? qx->q8 + (size_t)b0 * K : NULL, (int8) ? qx->dg + (size_t)b0 * G : NULL,      \
+                     (int8) ? qx->s8 + (size_t)b0 * G * 2 : NULL, (int8) ? qx->ce + (size_t)b0 * G * 2 : NULL, \
+                     (int8) ? qx->o8 + (size_t)b0 * G : NULL};                                            \
+        float *yb = y + (size_t)b0 * N + c * TILE_N;                                                        \
+        (void)part;                                                                                         \
+        switch (nb) {                                                                                       \
+            case 1: CALL(1); break;                                                                         \
+            case 2: CALL(2); break;                                                                         \
+            case 3: CALL(3); break;                                                                         \
+            case 4: CALL(4); break;                                                                         \
+            case 5: CALL(5); break;                                                                         \
+            case 6: CALL(6); break;                                                                         \
+            case 7: CALL(7); break;                                                                         \
+            default: CALL(8); break;                                                                        \
+        }                                                                                                   \
+    }
 #define COLUMNS_FN(name, CALL)                                                                                  \
     static __attribute__((noinline)) void name(const uint8_t *blocks, int bytes, int N, int K, const qx_t *qx,  \
                                                const float *x, int B, float *y, int c0, int c1, int int8) {     \
         const int G = K / GROUP;                                                                                \
         for (int c = c0; c < c1; c++) {                                                                         \
             const uint8_t *col = blocks + (size_t)c * G * bytes;                                                \
-            for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {                                                     \
-                const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;                                 \
-                qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,                \
-                             int8 ? qx->q8 + (size_t)b0 * K : NULL, int8 ? qx->dg + (size_t)b0 * G : NULL,      \
-                             int8 ? qx->s8 + (size_t)b0 * G * 2 : NULL, int8 ? qx->ce + (size_t)b0 * G * 2 : NULL, \
-                             int8 ? qx->o8 + (size_t)b0 * G : NULL};                                            \
-                float *yb = y + (size_t)b0 * N + c * TILE_N;                                                    \
-                const float *xb = x + (size_t)b0 * K;                                                           \
-                (void)part, (void)xb;                                                                           \
-                switch (nb) {                                                                                   \
-                    case 1: CALL(1); break;                                                                     \
-                    case 2: CALL(2); break;                                                                     \
-                    case 3: CALL(3); break;                                                                     \
-                    case 4: CALL(4); break;                                                                     \
-                    case 5: CALL(5); break;                                                                     \
-                    case 6: CALL(6); break;                                                                     \
-                    case 7: CALL(7); break;                                                                     \
-                    default: CALL(8); break;                                                                    \
-                }                                                                                               \
-            }                                                                                                   \
+            ROW_PASSES(CALL, int8)                                                                              \
         }                                                                                                       \
     }
 typedef void (*columns_fn)(const uint8_t *, int, int, int, const qx_t *, const float *, int, float *, int, int, int);
@@ -908,8 +911,8 @@ typedef void (*columns_fn)(const uint8_t *, int, int, int, const qx_t *, const f
 #define CALL_Q5(n) q4_column(col, G, &part, K, n, yb, N, 1)
 #define CALL_Q8G(n) q8g_column(col, G, &part, K, n, yb, N, 0)
 #define CALL_Q8(n) q8g_column(col, G, &part, K, n, yb, N, 1)
-#define CALL_F16(n) f16_column(col, G, xb, K, n, yb, N, 0)
-#define CALL_BF16(n) f16_column(col, G, xb, K, n, yb, N, 1)
+#define CALL_F16(n) f16_column(col, G, x + (size_t)b0 * K, K, n, yb, N, 0)
+#define CALL_BF16(n) f16_column(col, G, x + (size_t)b0 * K, K, n, yb, N, 1)
 COLUMNS_FN(columns_q4, CALL_Q4)
 COLUMNS_FN(columns_q5, CALL_Q5)
 COLUMNS_FN(columns_q8g, CALL_Q8G)
@@ -954,23 +957,7 @@ static columns_fn columns_for(int fmt, int int8) {
         for (int c = c0; c < c1; c++) {                                                                       \
             const uint8_t *col = w->blocks + (size_t)c * G * bytes;                                           \
             DECODE;                                                                                           \
-            for (int b0 = 0; b0 < B; b0 += ROWS_PER_PASS) {                                                   \
-                const int nb = B - b0 < ROWS_PER_PASS ? B - b0 : ROWS_PER_PASS;                               \
-                qx_t part = {qx->q + (size_t)b0 * K, qx->dx + b0, qx->sx + (size_t)b0 * G, NULL,              \
-                             qx->q8 + (size_t)b0 * K, qx->dg + (size_t)b0 * G, qx->s8 + (size_t)b0 * G * 2,  \
-                             qx->ce + (size_t)b0 * G * 2, qx->o8 + (size_t)b0 * G};                          \
-                float *yb = y + (size_t)b0 * N + c * TILE_N;                                                  \
-                switch (nb) {                                                                                 \
-                    case 1: CALL(1); break;                                                                   \
-                    case 2: CALL(2); break;                                                                   \
-                    case 3: CALL(3); break;                                                                   \
-                    case 4: CALL(4); break;                                                                   \
-                    case 5: CALL(5); break;                                                                   \
-                    case 6: CALL(6); break;                                                                   \
-                    case 7: CALL(7); break;                                                                   \
-                    default: CALL(8); break;                                                                  \
-                }                                                                                             \
-            }                                                                                                 \
+            ROW_PASSES(CALL, 1)                                                                               \
         }                                                                                                     \
     }
 typedef void (*decoded_fn)(const layer_tiles *, int, int, const qx_t *, int, float *, int, int, void *);
