@@ -933,8 +933,8 @@ COLUMNS_FN(columns_q8_i8, CALL_Q8_I8)
 COLUMNS_FN(columns_q8g6_i8, CALL_Q8G6_I8)
 #endif
 
-/* The column function of `fmt` for int8 (MM_INT8) or int16 inputs; NULL where there is none (AVX2's 4-bit
- * and 5-bit int8 columns: matmul_q4_i8). */
+/* The column function of `fmt` for int8 (MM_INT8) or int16 inputs (AVX2's 4-bit and 5-bit int8 columns
+ * are decoded_for's only). */
 static columns_fn columns_for(int fmt, int int8) {
 #if HAVE_INT8
     if (int8)
