@@ -31,10 +31,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None, help="a GGUF file (default: the packaged model)")
     ap.add_argument("--output-layer-bits", type=int, choices=(4, 8), default=None)
     ap.add_argument("--wide-min-rows", type=int, default=None, help="0: int16 matmuls only (default: measured)")
+    ap.add_argument("--amx-min-rows", type=int, default=None,
+                    help="CPUs with AMX: steps of at least this many rows on AMX tiles (0: never; default: measured)")
     a = ap.parse_args(argv)
     print(f"machine: {machine()}")
     native = LLMEngine(EngineConfig(model=a.model, kv_cache_tokens=4096, max_running_requests=4,
-                                    output_layer_bits=a.output_layer_bits, wide_min_rows=a.wide_min_rows))
+                                    output_layer_bits=a.output_layer_bits, wide_min_rows=a.wide_min_rows,
+                                    amx_min_rows=a.amx_min_rows))
     print(f"native: {native.runner.describe_weights()}")
     model = native.runner.model
     exact_logits = model.logits

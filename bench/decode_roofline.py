@@ -129,12 +129,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None, help="a GGUF file or model folder (default: the packaged model)")
     ap.add_argument("--wide-min-rows", type=int, default=None,
                     help="native steps of at least this many rows take the wide matmul (0: never; default: measured)")
+    ap.add_argument("--amx-min-rows", type=int, default=None,
+                    help="CPUs with AMX: steps of at least this many rows on AMX tiles (0: never; default: measured)")
     ap.add_argument("--output-layer-bits", type=int, choices=(4, 8), default=None,
                     help="the native output layer's candidate copy (default: by its size)")
     a = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=a.model, max_running_requests=64, kv_cache_tokens=65536,
                                     enable_prefix_caching=False, weight_dtype=a.weight_dtype,
-                                    output_layer_bits=a.output_layer_bits, wide_min_rows=a.wide_min_rows))
+                                    output_layer_bits=a.output_layer_bits, wide_min_rows=a.wide_min_rows,
+                                    amx_min_rows=a.amx_min_rows))
     runner = engine.runner
     bw = read_bandwidth()
     print(f"machine: {machine()}; torch threads {torch.get_num_threads()}")
@@ -142,8 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights {runner.describe_weights()}; "
           f"KV cache {str(runner.kv_dtype).removeprefix('torch.')}")
     if m.native is not None:
-        amx = (f"{m.native.wide} matmuls from {m.kernels.wide_min_rows} rows" if m.kernels.wide_min_rows else
-               "no wide matmuls")
+        k = m.kernels
+        amx = "; ".join(([f"{m.native.wide} matmuls from {k.wide_min_rows} rows"] if k.wide_min_rows else []) +
+                        ([f"AMX from {k.amx_min_rows} rows"] if k.amx_min_rows else [])) or "no wide matmuls"
         print(f"native CPU forward step ({m.native.isa}, {m.kernels.threads} threads) for every step; {amx}; "
               f"its layer weights {m.native.nbytes() / 2**20:.0f} MiB")
     if m.layer_plan is not None and m.head_plan is not None:

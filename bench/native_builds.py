@@ -1,6 +1,6 @@
 """The native step's matmul paths side by side on one model, in one process: a decode step of each batch size
-through the first layers with int16 matmuls (wide_min_rows=0), with the wide matmul (AMX, or int8 with bf16
-dot products on F16/BF16 tiles where the CPU has AVX-512 BF16), and with the wide matmul of the same sources
+through the first layers with int16 matmuls (wide_min_rows=0), with the int8 matmul (with bf16 dot products
+on F16/BF16 tiles where the CPU has AVX-512 BF16), on AMX tiles where the CPU has them, and with the int8 matmul of the same sources
 built without AVX-512 BF16 (`-mno-avx512bf16`: int8 with fp32 FMAs on the 16-bit tiles, as on a CPU with
 VNNI and no BF16). Same weights, same KV cache, same threads; times are medians of `--steps` steps and the
 ratios are against the int16 matmuls.
@@ -23,14 +23,14 @@ from engine import EngineConfig, LLMEngine
 from kernels.cpu import build as cpu_build
 
 
-def step_ms(engine: LLMEngine, batch: int, context: int, wide: int, steps: int) -> float:
+def step_ms(engine: LLMEngine, batch: int, context: int, wide: tuple[int, int], steps: int) -> float:
     runner = engine.runner
     step = runner._synthetic_decode(batch, context)
-    runner.model.hidden(*step, wide_min_rows=wide)  # warm
+    runner.model.hidden(*step, wide_rows=wide)  # warm
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        runner.model.hidden(*step, wide_min_rows=wide)
+        runner.model.hidden(*step, wide_rows=wide)
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3
 
@@ -54,11 +54,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("no native CPU step for this model here")
     print(f"native step {native.isa}, wide matmul {native.wide or 'none'}, tiles {native.tile_formats()}, "
           f"{engine.runner.kernels.threads} threads, context {a.context}")
-    variants = {"int16": (native._fn, 0), f"wide ({native.wide})": (native._fn, 1)}
+    variants: dict[str, tuple[ctypes._CFuncPtr, tuple[int, int]]] = {"int16": (native._fn, (0, 0))}
+    if native.wide:
+        variants[f"wide ({native.wide})"] = (native._fn, (1, 0))
+    if native.amx:
+        variants["AMX (bf16 tiles)"] = (native._fn, (0, 1))
     if native.wide == "int8+bf16":
         other = cpu_build.compile_library(("-march=native", "-mno-avx512bf16"))
         other.sluice_wide_matmul.restype = ctypes.c_char_p
-        variants[f"wide ({other.sluice_wide_matmul().decode()}, -mno-avx512bf16)"] = (other.sluice_forward, 1)
+        variants[f"wide ({other.sluice_wide_matmul().decode()}, -mno-avx512bf16)"] = (other.sluice_forward, (1, 0))
     print(f"{'batch':>5}  " + "  ".join(f"{k:>34}" for k in variants))
     for b in map(int, a.batches.split(",")):
         row = {}

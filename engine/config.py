@@ -34,11 +34,15 @@ class EngineConfig:
     # call over the file's blocks repacked in tile order (kernels/cpu/forward.c, built at first use with
     # the machine's C compiler); the layers then hold no dense copy. false: the torch path (int4 + bf16).
     native_cpu_step: bool = True
-    # Native step: steps of at least this many tokens take the wide matmul (on CPUs with AMX, bf16 tiles;
-    # else, with AVX-512 VNNI, int8 activations with a scale per 16, and bf16 dot products on F16/BF16
-    # tiles where the CPU has AVX-512 BF16), smaller ones int16 dot products.
-    # None: measured at start; 0: never (then every step computes each row alike, whatever the batch).
+    # Native step: steps of at least this many tokens take int8 dot products (AVX-512 VNNI: int8 activations
+    # with a scale per 32, and bf16 dot products on F16/BF16 tiles where the CPU has AVX-512 BF16; AVX2:
+    # the 4-6 bit tiles), smaller ones int16 dot products.
+    # None: measured at start; 0: never (then every step computes each row alike, whatever the batch, and
+    # no step takes AMX either unless amx_min_rows is set).
     wide_min_rows: int | None = None
+    # Native step, CPUs with AMX: steps of at least this many tokens multiply on AMX bf16 tiles (above
+    # int8's range). None: measured at start (with wide_min_rows); 0: never.
+    amx_min_rows: int | None = None
     # Native step: the output layer's copy for its candidate pass (each row's best 16 are then recomputed
     # from the file's weights), 8 or 4 bits; None: 4 from 2^26 weights on (a 128k-152k vocabulary), else 8.
     output_layer_bits: int | None = None
@@ -107,7 +111,7 @@ class EngineConfig:
         if self.weight_dtype not in ("auto", "float32", "bfloat16", "float16", "int4"):
             raise EngineConfigError(
                 f"weight_dtype must be auto, float32, bfloat16, float16 or int4, got {self.weight_dtype!r}")
-        for name in ("int4_max_batch", "wide_min_rows"):
+        for name in ("int4_max_batch", "wide_min_rows", "amx_min_rows"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise EngineConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.output_layer_bits not in (None, 4, 8):

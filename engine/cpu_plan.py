@@ -44,12 +44,14 @@ class CpuKernels:
     `native`: kernels/cpu runs the forward step (where the model's weights allow it), its int8 output
     layer and sampling; only where `SLUICE_KERNELS` allows native code and it built here
     (kernels.dispatch.native_cpu_allowed). `threads`: what every native call uses, and the most a torch
-    step's plan takes. `wide_min_rows`: native steps of at least this many rows take the wide matmul (AMX
-    tiles, or int8 dot products; 0: never); configured or timed by the runner at start, before the first step."""
+    step's plan takes. `wide_min_rows`: native steps of at least this many rows take int8 dot products, and
+    of at least `amx_min_rows` AMX tiles (0: never); configured or timed by the runner at start, before the
+    first step."""
 
     native: bool = False
     threads: int = 1
     wide_min_rows: int = 0
+    amx_min_rows: int = 0
     # The CPU multiplies bf16 in hardware (AVX512-BF16, AMX); without it oneDNN emulates a bf16 matmul
     # ~5x slower than float32, so the deterministic path multiplies bf16 weights in float32 instead.
     bf16_units: bool = False
@@ -185,23 +187,41 @@ def measure_plan(run: Callable[[int, bool], Callable[[], object]], max_threads: 
     return Plan(tuple(kept_rows), tuple(kept), above), times
 
 
-def wide_min_rows(time_step: Callable[[int, bool], float], rows: Sequence[int] = ROW_CANDIDATES) -> tuple[
-        int, dict[int, tuple[float, float]]]:
-    """The smallest step (rows) from which the native step's wide matmul (AMX tiles, or int8 dot products)
-    beats its int16 one at every larger size measured: `time_step(rows, wide)` times one step either way.
-    Stops once the wide one has won twice in a row. Returns that row count (0: it never won) and the
-    times {rows: (wide, int16)} for the log."""
-    first, wins = 0, 0
-    times: dict[int, tuple[float, float]] = {}
+WIDE_MODES = ("int16", "int8", "amx")  # the native step's matmuls, as `wide_thresholds` names them
+
+
+def wide_thresholds(time_step: Callable[[int, str], float], modes: Sequence[str],
+                    rows: Sequence[int] = ROW_CANDIDATES) -> tuple[int, int, dict[int, dict[str, float]]]:
+    """From how many rows the native step's int8 matmul, and from how many its AMX one, beat the others at
+    every larger size measured: `time_step(rows, mode)` times one step with `mode` (of WIDE_MODES; `modes`:
+    those this build and CPU have, "int16" always). A size's winner is the fastest mode there (best of
+    two). Stops once the last mode of `modes` (AMX where there is one, else int8) has won twice in a row.
+    Returns (int8 from, AMX from; 0: never) and the times {rows: {mode: seconds}} for the log.
+
+    Why three ways: int8 dot products cost per row, AMX a widening of every weight block per 32 rows and
+    little per row, so on a CPU with both int8 wins the middle sizes and AMX the large ones."""
+    assert modes and modes[0] == "int16"
+    times: dict[int, dict[str, float]] = {}
+    best: list[tuple[int, str]] = []
     with torch.inference_mode():
+        for mode in modes:  # warm: the first step of each mode pays for cold caches and page faults
+            time_step(rows[0], mode)
         for m in rows:
-            wide = min(time_step(m, True) for _ in range(2))
-            int16 = min(time_step(m, False) for _ in range(2))
-            times[m] = (wide, int16)
-            if wide < int16:
-                first, wins = first or m, wins + 1
-                if wins >= 2:
-                    break
-            else:
-                first, wins = 0, 0
-    return first, times
+            times[m] = {mode: min(time_step(m, mode) for _ in range(2)) for mode in modes}
+            best.append((m, min(times[m], key=times[m].__getitem__)))
+            if len(modes) > 1 and [b for _, b in best[-2:]] == [modes[-1]] * 2:
+                break
+
+    def from_rows(wins: Callable[[str], bool]) -> int:
+        """The smallest size from which every measured size's winner passes `wins` (0: the last fails)."""
+        first = 0
+        for m, b in best:
+            first = (first or m) if wins(b) else 0
+        return first
+
+    amx = from_rows(lambda b: b == "amx")
+    int8 = from_rows(lambda b: b != "int16")
+    # int8 from where it stops losing to int16, unless it never wins at all (then AMX takes those sizes)
+    if not any(b == "int8" for m, b in best if m >= int8):
+        int8 = 0
+    return int8, amx, times

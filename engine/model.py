@@ -318,7 +318,8 @@ class LlamaModel(nn.Module):
             return cpu_kernels.head_logits(h, self.head_tiles, self.kernels.threads, exact=dense,
                                            exact_rows=None if rows is None else rows.rows,
                                            refine=REFINE_TOP_4BIT if isinstance(self.head_tiles, cpu_kernels.LayerTiles)
-                                           else REFINE_TOP, wide_min_rows=self.kernels.wide_min_rows)
+                                           else REFINE_TOP, wide_min_rows=self.kernels.wide_min_rows,
+                                           amx_min_rows=self.kernels.amx_min_rows)
         assert self.lm_head_fast is not None and self.lm_head is not None
         logits = self.lm_head_fast(h, self._use(self.head_plan, h.shape[0])).float()
         return self._refine(h, logits, self.lm_head.weight)
@@ -344,10 +345,10 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def hidden(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                meta: AttentionMetadata, logits_indices: torch.Tensor, num_layers: int | None = None,
-               wide_min_rows: int | None = None) -> torch.Tensor:
+               wide_rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The final normalised hidden states at `logits_indices` ([n, hidden]): what `logits` multiplies.
-        `num_layers`: only the first layers; `wide_min_rows`: the native step's wide-matmul threshold for
-        this call (both for timing at start)."""
+        `num_layers`: only the first layers; `wide_rows`: the native step's (int8, AMX) matmul thresholds for
+        this call, rather than the kernels' (both for timing at start)."""
         a = self.args
         rows = token_ids.shape[0]
         if self.native is not None:
@@ -355,8 +356,9 @@ class LlamaModel(nn.Module):
             row_seq = torch.repeat_interleave(torch.arange(len(meta.query_lens_host), dtype=torch.int32),
                                               torch.tensor(meta.query_lens_host), output_size=rows)
             x = self.native.run(self.embed[token_ids], positions, meta.slot_mapping, meta.block_tables, row_seq,
-                                kv_cache, self.kernels.threads,
-                                self.kernels.wide_min_rows if wide_min_rows is None else wide_min_rows, num_layers)
+                                kv_cache, self.kernels.threads, *(wide_rows or (self.kernels.wide_min_rows,
+                                                                              self.kernels.amx_min_rows)),
+                                num_layers=num_layers)
             return rms_norm(x[logits_indices], self.norm, a.rms_norm_eps)
         packed = self._use(self.layer_plan, rows)
         x = self.embed[token_ids]

@@ -17,7 +17,7 @@ import kernels.cpu as cpu_kernels
 from kernels import AttentionMetadata
 
 from .config import EngineConfig
-from .cpu_plan import ROW_CANDIDATES, CpuKernels, Plan, wide_min_rows
+from .cpu_plan import ROW_CANDIDATES, CpuKernels, Plan, wide_thresholds
 from .cuda_graphs import DecodeGraphs
 from .gguf_blocks import DECODERS
 from .guide import Guides
@@ -224,44 +224,60 @@ class ModelRunner:
                 "head": self.describe_weights(), **measured}
 
     def _plan_native(self) -> None:
-        """From how many rows the native step takes its wide matmul (AMX tiles, or without AMX int8 dot
-        products): configured, or timed against its int16 matmul on the first layers with a synthetic
-        context, at the kernels' thread count."""
+        """From how many rows the native step takes its int8 matmul, and from how many its AMX one (CPUs
+        with AMX): configured, or timed against its int16 matmul on the first layers with a synthetic
+        context, at the kernels' thread count. A configured wide_min_rows of 0 means int16 for every step
+        (rows computed alike whatever the batch), so no AMX either unless amx_min_rows is set."""
         model, cfg, kernels = self.model, self.config, self.kernels
         native = model.native
         assert native is not None
+        modes = ["int16"] + (["int8"] if native.wide else []) + (["amx"] if native.amx else [])
         kept = False
-        if not native.wide:
-            kernels.wide_min_rows = 0
-        elif cfg.wide_min_rows is not None:
-            kernels.wide_min_rows = cfg.wide_min_rows
+        configured = cfg.wide_min_rows is not None and (cfg.amx_min_rows is not None or not native.amx
+                                                        or cfg.wide_min_rows == 0)
+        if len(modes) == 1:
+            kernels.wide_min_rows = kernels.amx_min_rows = 0
+        elif configured:
+            kernels.wide_min_rows = (cfg.wide_min_rows or 0) if native.wide else 0
+            kernels.amx_min_rows = (cfg.amx_min_rows or 0) if native.amx else 0
         else:
             blocks = -(-NATIVE_TIMING_CONTEXT // self.block_size)
             rows = [r for r in ROW_CANDIDATES if r <= cfg.max_running_requests and r * blocks <= self.num_blocks]
+            thresholds = {"int16": (0, 0), "int8": (1, 0), "amx": (0, 1)}
 
-            def time_step(b: int, wide: bool) -> float:
+            def time_step(b: int, mode: str) -> float:
                 step = self._synthetic_decode(b, NATIVE_TIMING_CONTEXT)
                 t = time.perf_counter()
-                self.model.hidden(*step, num_layers=NATIVE_TIMING_LAYERS, wide_min_rows=1 if wide else 0)
+                self.model.hidden(*step, num_layers=NATIVE_TIMING_LAYERS, wide_rows=thresholds[mode])
                 return time.perf_counter() - t
 
-            def measure() -> int:
-                first, times = wide_min_rows(time_step, rows)
-                log.debug("native CPU step, %s vs int16 matmuls (first %d layers, ms): %s", native.wide,
-                          NATIVE_TIMING_LAYERS,
-                          {r: (round(a * 1e3, 2), round(i * 1e3, 2)) for r, (a, i) in times.items()})
-                return first
+            measured = [m for m in modes if m != "amx" or cfg.amx_min_rows is None]
 
-            kernels.wide_min_rows, kept = self.tuning.remember(
-                "wide-rows", self._tuning_key(rows=rows, context=NATIVE_TIMING_CONTEXT, layers=NATIVE_TIMING_LAYERS),
-                measure, int, int)
-        wide = native.wide
-        said = (f"{wide} matmuls from {kernels.wide_min_rows} rows" if kernels.wide_min_rows else
-                "no AMX or int8 matmul in this build" if not wide else f"{wide} matmuls off")
-        if wide and cfg.wide_min_rows is None and kept:
-            said += KEPT
+            def measure() -> tuple[int, int]:
+                int8, amx, times = wide_thresholds(time_step, measured, rows)
+                log.debug("native CPU step, matmul times (first %d layers, ms): %s", NATIVE_TIMING_LAYERS,
+                          {r: {k: round(v * 1e3, 2) for k, v in t.items()} for r, t in times.items()})
+                return int8, amx
+
+            (kernels.wide_min_rows, kernels.amx_min_rows), kept = self.tuning.remember(
+                "wide-rows", self._tuning_key(rows=rows, context=NATIVE_TIMING_CONTEXT, layers=NATIVE_TIMING_LAYERS,
+                                              modes=measured), measure, list, lambda v: (int(v[0]), int(v[1])))
+            # a configured value wins over the measured one for its own mode
+            if cfg.wide_min_rows is not None:
+                kernels.wide_min_rows = cfg.wide_min_rows if native.wide else 0
+            if cfg.amx_min_rows is not None:
+                kernels.amx_min_rows = cfg.amx_min_rows if native.amx else 0
+        said = []
+        if kernels.wide_min_rows:
+            said.append(f"{native.wide} matmuls from {kernels.wide_min_rows} rows")
+        if kernels.amx_min_rows:
+            said.append(f"AMX bf16 tiles from {kernels.amx_min_rows} rows")
+        text = ("; ".join(said) if said else "no AMX or int8 matmul in this build" if len(modes) == 1 else
+                "int16 matmuls for every step")
+        if len(modes) > 1 and not configured and kept:
+            text += KEPT
         log.info("native CPU forward step (kernels/cpu, %s, %d threads) for every step; %s; its layer weights "
-                 "%d MiB", native.isa, kernels.threads, said, native.nbytes() // 2**20)
+                 "%d MiB", native.isa, kernels.threads, text, native.nbytes() // 2**20)
 
     def _synthetic_decode(self, rows: int, context: int) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -316,7 +332,7 @@ class ModelRunner:
             return time.perf_counter() - t
 
         plans = {"layers": self.model.layer_plan.describe() if self.model.layer_plan else None,
-                 "wide_min_rows": self.kernels.wide_min_rows}
+                 "wide_min_rows": self.kernels.wide_min_rows, "amx_min_rows": self.kernels.amx_min_rows}
         cost, kept = self.tuning.remember(
             "step-cost", self._tuning_key(chunk=chunk, deep=deep, repeats=STEP_COST_REPEATS, **plans),
             lambda: StepCost.measure(timed, chunk, deep, STEP_COST_REPEATS), dataclasses.asdict,

@@ -185,10 +185,10 @@ class ForwardStep:
         self._fn = lib.sluice_forward
         self.isa: str = lib.sluice_forward_isa().decode()  # avx512-vnni, avx512, avx2 or scalar
         self.library: str = Path(lib._name).name  # the build (its name hashes its sources and flags)
-        self.amx: bool = bool(lib.sluice_amx_available())  # the AMX matmul for steps of many rows
-        # the matmul for steps of many rows: "amx" (bf16 tiles), "int8" (AVX-512 VNNI, no AMX),
-        # "int8+bf16" (with AVX-512 BF16: the F16/BF16 tiles in bf16 dot products), "int8 4-6 bit" (AVX2
-        # without AVX-512: int8 inputs for the 4-bit and TILES_Q8G6 tiles, int16 ones for the others) or "" (none)
+        self.amx: bool = bool(lib.sluice_amx_available())  # the AMX matmul (bf16 tiles) for steps of many rows
+        # the int8 matmul for steps of several rows: "int8" (AVX-512 VNNI), "int8+bf16" (with AVX-512 BF16:
+        # the F16/BF16 tiles in bf16 dot products), "int8 4-6 bit" (AVX2 without AVX-512: int8 inputs for
+        # the 4-bit and TILES_Q8G6 tiles, int16 ones for the others) or "" (none)
         self.wide: str = lib.sluice_wide_matmul().decode()
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), block_size, eps)
         self._layers = layers  # keeps the tensors that the structs point to alive
@@ -212,13 +212,14 @@ class ForwardStep:
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
             row_seq: torch.Tensor, kv_cache: torch.Tensor, threads: int, wide_min_rows: int = 0,
-            num_layers: int | None = None) -> torch.Tensor:
+            amx_min_rows: int = 0, num_layers: int | None = None) -> torch.Tensor:
         """x [T, hidden] fp32 embeddings -> the residual streams after the last layer (x, updated in
         place). Row t is the token at positions[t] of the sequence whose block table is
         block_tables[row_seq[t]] ([S, n] int32); it attends to that sequence's positions 0..positions[t]
         (its own key included: every row's K/V are written first). kv_cache [layers, 2, slots,
-        kv_heads, head_dim] bf16. `wide_min_rows`: steps of at least that many rows take the wide matmul
-        (`wide`: AMX tiles, or int8 dot products; 0: never). `num_layers`: only the first layers (timing)."""
+        kv_heads, head_dim] bf16. Steps of at least `amx_min_rows` rows multiply on AMX tiles (`amx`), else of
+        at least `wide_min_rows` in int8 dot products (`wide`); 0: never. `num_layers`: only the first
+        layers (timing)."""
         assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.hidden
         assert kv_cache.dtype == torch.bfloat16 and kv_cache.is_contiguous()
         t = x.shape[0]
@@ -237,7 +238,7 @@ class ForwardStep:
                       ctypes.c_void_p(rows.data_ptr()), ctypes.c_void_p(kv_cache.data_ptr()),
                       ctypes.c_int64(kv_cache.stride(0)), ctypes.c_int64(kv_cache.stride(1)),
                       ctypes.c_void_p(self.cos.data_ptr()), ctypes.c_void_p(self.sin.data_ptr()),
-                      ctypes.c_int(threads), ctypes.c_int(wide_min_rows))
+                      ctypes.c_int(threads), ctypes.c_int(wide_min_rows), ctypes.c_int(amx_min_rows))
         _check(rc, "native CPU forward step")
         return x
 
@@ -351,10 +352,11 @@ def gguf_rows_product(x: torch.Tensor, rows: GGUFRows, threads: int, lib: ctypes
 
 def head_logits(x: torch.Tensor, head: Q8Tiles | LayerTiles, threads: int, exact: torch.Tensor | None = None,
                 refine: int = 0, wide_min_rows: int = 0, lib: ctypes.CDLL | None = None,
+                amx_min_rows: int = 0,
                 exact_rows: GGUFRows | None = None) -> torch.Tensor:
     """x [B, K] fp32 times the output layer `head`, natively: int8 rows (`Q8Tiles`) or a layer's tiles (a
-    4-bit copy, for a large vocabulary), in int16 activations' integer dot products, or from `wide_min_rows`
-    rows on in the wide matmul (AMX bf16 tiles, or int8 activations). With `exact` ([V, K] fp32), each row's
+    4-bit copy, for a large vocabulary), in int16 activations' integer dot products, from `wide_min_rows`
+    rows on in int8 ones, from `amx_min_rows` on AMX bf16 tiles (0: never). With `exact` ([V, K] fp32), each row's
     `refine` largest outputs are recomputed against it at full precision; `exact_rows` instead: the same
     weights as the file's rows (engine/token_rows.py), decoded as they are needed. Returns [B, V] fp32."""
     lib = _library(lib, "native CPU kernels")
@@ -377,7 +379,7 @@ def head_logits(x: torch.Tensor, head: Q8Tiles | LayerTiles, threads: int, exact
                                 exact_rows.pointer() if use_rows and exact_rows is not None else ctypes.c_void_p(None),
                                 ctypes.c_int(exact_rows.type if use_rows and exact_rows is not None else 0),
                                 ctypes.c_int(refine if has_exact else 0), ctypes.c_int(threads),
-                                ctypes.c_int(wide_min_rows))
+                                ctypes.c_int(wide_min_rows), ctypes.c_int(amx_min_rows))
     _check(rc, "native output layer")
     return out
 

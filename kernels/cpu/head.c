@@ -225,12 +225,12 @@ static void run_head(void *arg, int tid) {
  * whose int8 copy would read as many bytes as the layers); V a multiple of 16 and K of 32. `exact`
  * [V, K] fp32 (or NULL): each row's `refine` largest outputs are then recomputed against it at full
  * precision; or, with `exact` NULL, against the rows of `exact_rows` (gguf_rows.c: V rows of GGML type
- * `exact_type`, NULL for none), the file's own. Steps of at least wide_min_rows rows take the wide matmul
- * (wide_mode: AMX tiles, or int8 inputs; 0: never). Returns 0, -1 when out of memory, -2 for shapes or a
+ * `exact_type`, NULL for none), the file's own. Steps of at least amx_min_rows rows multiply on AMX
+ * tiles, else of at least wide_min_rows in int8 (wide_mode; 0: never). Returns 0, -1 when out of memory, -2 for shapes or a
  * format it does not take. */
 int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int format, int V,
                        float *out, const float *exact, const uint8_t *exact_rows, int exact_type, int refine,
-                       int nthreads, int wide_min_rows) {
+                       int nthreads, int wide_min_rows, int amx_min_rows) {
     const size_t exact_row_bytes = exact_rows ? gguf_row_bytes(exact_type, K) : 0;
     if (B < 0 || K % GROUP || V % TILE_N || refine > MAX_REFINE || refine > V || (exact_rows && !exact_row_bytes) ||
         (!scale && (format < TILES_Q4 || format > TILES_Q8)))
@@ -238,7 +238,7 @@ int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, cons
     if (B == 0) return 0; /* a step that samples nothing (a prefill chunk) */
     pthread_mutex_lock(&step_lock);
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
-    const int mode = wide_mode(B, wide_min_rows), amx = mode == MM_AMX;
+    const int mode = wide_mode(B, wide_min_rows, amx_min_rows), amx = mode == MM_AMX;
     const size_t R = (size_t)(B + 31) / 32 * 32, per_thread = (size_t)(K / GROUP) * 1024;
     const size_t rows_scratch = exact || !exact_rows ? 0 : (size_t)nthreads * K;
     const size_t floats = R * (1 + 7 * (K / GROUP)) + R * K / 2 + R * K / 2 + (size_t)nthreads * B * MAX_REFINE +

@@ -56,13 +56,13 @@ typedef struct {
 int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,
                    const int64_t *slots, const int32_t *tables, int table_stride, const int32_t *row_seq,
                    uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
-                   int nthreads, int wide_min_rows);
+                   int nthreads, int wide_min_rows, int amx_min_rows);
 int sluice_amx_available(void);
 /* The output layer's logits from int8 blocks (scale set) or a layer's tiles of `format`, each row's best
  * `refine` candidates made exact (head.c). */
 int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int format, int V,
                        float *out, const float *exact, const uint8_t *exact_rows, int exact_type, int refine,
-                       int nthreads, int wide_min_rows);
+                       int nthreads, int wide_min_rows, int amx_min_rows);
 /* Rows of a GGUF matrix decoded from its blocks, and x W^T at full precision from them (gguf_rows.c). */
 int64_t sluice_gguf_row_bytes(int type, int K);
 int sluice_gguf_rows(const uint8_t *data, int type, int K, int V, const int64_t *ids, int n, float *out, int nthreads);

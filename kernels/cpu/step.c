@@ -149,7 +149,7 @@ static void run_step(void *arg, int tid) {
 static int forward_locked(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,
                           const int64_t *slots, const int32_t *tables, int table_stride, const int32_t *row_seq,
                           uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
-                          int nthreads, int wide_min_rows) {
+                          int nthreads, int wide_min_rows, int amx_min_rows) {
     const int H = dm->hidden, I = dm->inter, q_n = dm->heads * dm->head_dim;
     const int qkv_n = q_n + 2 * dm->kv_heads * dm->head_dim;
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
@@ -164,7 +164,7 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
                                      &scores_per_thread);
     scores_per_thread += 16 * (size_t)dm->head_dim + 16; /* + a block of widened keys */
     scores_per_thread = (scores_per_thread + 15) / 16 * 16;
-    const int mode = wide_mode(B, wide_min_rows), amx = mode == MM_AMX;
+    const int mode = wide_mode(B, wide_min_rows, amx_min_rows), amx = mode == MM_AMX;
     const int R = (B + 31) / 32 * 32; /* rows of the row buffers */
     const int kmax = H > q_n ? (H > I ? H : I) : (q_n > I ? q_n : I), gmax = kmax / GROUP;
     const size_t per_thread = (size_t)gmax * 1024; /* bf16 elements: a widened column pair of the widest K */
@@ -209,13 +209,13 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
  * positions, slots: each token's position and cache slot; row_seq[b]: the row of `tables`
  * [sequences, table_stride] (block tables) of its sequence. A row attends to positions 0..positions[b]
  * of its sequence. kv: the bf16 cache [layers, 2, slots, kv_heads, head_dim] with its layer and K-to-V
- * strides in elements. cos/sin [max_pos, head_dim / 2]. wide_min_rows: steps of at least this many
- * rows take the wide matmul (wide_mode: AMX tiles, or int8 dot products; 0: never).
+ * strides in elements. cos/sin [max_pos, head_dim / 2]. Steps of at least amx_min_rows rows multiply on AMX
+ * tiles, else of at least wide_min_rows rows in int8 dot products (wide_mode; 0: never).
  * Returns 0, -1 when out of memory, -2 for shapes this kernel does not take. */
 int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,
                    const int64_t *slots, const int32_t *tables, int table_stride, const int32_t *row_seq,
                    uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
-                   int nthreads, int wide_min_rows) {
+                   int nthreads, int wide_min_rows, int amx_min_rows) {
     const int q_n = dm->heads * dm->head_dim, qkv_n = q_n + 2 * dm->kv_heads * dm->head_dim;
     if (dm->head_dim > 256 || dm->head_dim % 16 || dm->heads % dm->kv_heads || dm->heads > 256 ||
         dm->hidden % GROUP || dm->inter % GROUP || q_n % GROUP || qkv_n % TILE_N || dm->hidden % TILE_N)
@@ -223,7 +223,7 @@ int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x,
     if (B <= 0) return 0;
     pthread_mutex_lock(&step_lock);
     int rc = forward_locked(dm, layers, B, x, positions, slots, tables, table_stride, row_seq, kv, layer_stride,
-                            kv_stride, cos, sin, nthreads, wide_min_rows);
+                            kv_stride, cos, sin, nthreads, wide_min_rows, amx_min_rows);
     pthread_mutex_unlock(&step_lock);
     return rc;
 }

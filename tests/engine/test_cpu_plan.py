@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from engine.cpu_plan import Choice, CpuKernels, Plan, measure_plan, thread_candidates, wide_min_rows
+from engine.cpu_plan import Choice, CpuKernels, Plan, measure_plan, thread_candidates, wide_thresholds
 
 
 def test_plan_looks_up_the_smallest_bucket_that_holds_the_step():
@@ -76,21 +76,41 @@ def test_losers_are_not_timed_again_at_larger_sizes():
     assert {threads for _, _, threads in calls} == {2}
 
 
-def test_amx_runs_from_the_first_size_from_which_it_keeps_winning():
-    # AMX costs a fixed widening of the weights per step and little per row; int16 costs per row
-    def time_step(rows: int, amx: bool) -> float:
-        calls.append((rows, amx))
-        return 10.0 + rows * 0.1 if amx else rows * 1.0
+def test_a_wide_matmul_runs_from_the_first_size_from_which_it_keeps_winning():
+    # a wide matmul costs a fixed widening of the weights per step and little per row; int16 costs per row
+    def time_step(rows: int, mode: str) -> float:
+        calls.append((rows, mode))
+        return 10.0 + rows * 0.1 if mode == "int8" else rows * 1.0
 
-    calls: list[tuple[int, bool]] = []
-    first, times = wide_min_rows(time_step, (1, 2, 4, 8, 16, 32, 64))
-    assert first == 16  # 8: 10.8 > 8; 16: 11.6 < 16
-    assert set(times) == {1, 2, 4, 8, 16, 32}  # stops once AMX has won twice in a row
-    assert (64, True) not in calls
-    # a win that does not last is not taken: only sizes from which AMX keeps winning
+    calls: list[tuple[int, str]] = []
+    int8, amx, times = wide_thresholds(time_step, ("int16", "int8"), (1, 2, 4, 8, 16, 32, 64))
+    assert (int8, amx) == (16, 0)  # 8: 10.8 > 8; 16: 11.6 < 16
+    assert set(times) == {1, 2, 4, 8, 16, 32}  # stops once the last mode has won twice in a row
+    assert (64, "int8") not in calls
+    # a win that does not last is not taken: only sizes from which it keeps winning
     noisy = {1: (1.0, 2.0), 2: (3.0, 2.0), 4: (1.0, 4.0), 8: (1.0, 8.0)}
-    assert wide_min_rows(lambda rows, amx: noisy[rows][0 if amx else 1], (1, 2, 4, 8))[0] == 4
-    assert wide_min_rows(lambda rows, amx: 2.0 if amx else 1.0, (1, 2, 4))[0] == 0  # never wins
+    assert wide_thresholds(lambda rows, mode: noisy[rows][mode == "int16"], ("int16", "int8"), (1, 2, 4, 8))[0] == 4
+    never = wide_thresholds(lambda rows, mode: 2.0 if mode == "int8" else 1.0, ("int16", "int8"), (1, 2, 4))
+    assert never[:2] == (0, 0)
+
+
+def test_int8_takes_the_middle_sizes_and_amx_the_large_ones():
+    """Measured shape on a 2-core Xeon (SmolLM2, ms): int8 costs per row, AMX a widening per step."""
+    cost = {"int16": lambda r: 0.9 * r, "int8": lambda r: 0.7 * r + 1.0, "amx": lambda r: 0.35 * r + 6.0}
+    int8, amx, times = wide_thresholds(lambda rows, mode: cost[mode](rows), ("int16", "int8", "amx"),
+                                       (1, 2, 4, 8, 16, 32, 64))
+    # 4 rows: int16 3.6 < int8 3.8; 8: int8 6.6 < int16 7.2 < AMX 8.8; 16: AMX 11.6 < int8 12.2
+    winners = {r: min(t, key=t.__getitem__) for r, t in times.items()}
+    assert winners == {1: "int16", 2: "int16", 4: "int16", 8: "int8", 16: "amx", 32: "amx"}
+    assert (int8, amx) == (8, 16)
+    # AMX alone past int16, never int8: no int8 range
+    assert wide_thresholds(lambda rows, mode: cost[mode](rows) + (5.0 if mode == "int8" else 0.0),
+                           ("int16", "int8", "amx"), (1, 2, 4, 8, 16, 32, 64))[:2] == (0, 16)
+    # int8 everywhere from 2 rows, AMX never: int8 from 2, no AMX (and every size measured)
+    int8, amx, times = wide_thresholds(lambda rows, mode: {"int16": 1.0 * rows, "int8": 0.5 * rows + 0.6,
+                                                           "amx": 10.0 * rows}[mode], ("int16", "int8", "amx"),
+                                       (1, 2, 4, 8))
+    assert (int8, amx) == (2, 0) and set(times) == {1, 2, 4, 8}
 
 
 def test_the_kernel_choice_is_made_once_from_the_device_and_sluice_kernels(monkeypatch):

@@ -105,7 +105,7 @@ def test_native_int16_step_gives_the_same_tokens_however_requests_are_batched(co
     engine = configured(enable_prefix_caching=False, chunked_prefill_size=0, max_num_batched_tokens=4096)
     if engine.runner.model.native is None:
         pytest.skip("no C compiler for the native CPU step")
-    assert engine.runner.kernels.wide_min_rows == 0
+    assert (engine.runner.kernels.wide_min_rows, engine.runner.kernels.amx_min_rows) == (0, 0)
 
     reqs = requests(engine, "alone", n=6)
     alone = [outputs(engine, [r])[0] for r in reqs]
@@ -121,9 +121,9 @@ def test_native_int16_step_gives_the_same_tokens_however_requests_are_batched(co
 
 
 def test_native_step_serves_a_prompt_longer_than_a_chunk(engine):
-    """The serving default (native step, AMX from its measured row count): a 700-token prompt runs as
-    prefill chunks of 256 (steps that sample nothing), then decodes; the answer is the int16 path's (the
-    shared engine's)."""
+    """The serving default (native step, int8 or AMX matmuls from their measured row counts): a 700-token
+    prompt runs as prefill chunks of 256 (steps that sample nothing), then decodes; the answer is the int16
+    path's (the shared engine's)."""
     from engine import EngineConfig, LLMEngine
 
     if engine.runner.model.native is None:
@@ -131,18 +131,18 @@ def test_native_step_serves_a_prompt_longer_than_a_chunk(engine):
     int16 = engine
     text = " ".join(f"item {i} is {i * 7 % 13}." for i in range(120))
     outs: list[list[int]] = []
-    measured_rows = None  # the AMX threshold the default measured
+    measured_rows = None  # the int8 and AMX thresholds the default measured
     for amx in (None, 0):
-        if amx == 0 and measured_rows == 0:
-            outs.append(outs[0])  # no AMX here: the measured default is the int16 path already
+        if amx == 0 and measured_rows == (0, 0):
+            outs.append(outs[0])  # no wide matmul here: the measured default is the int16 path already
             break
         engine = LLMEngine(EngineConfig(kv_cache_tokens=4096, max_model_len=2048)) if amx is None else int16
         if amx is None:
-            measured_rows = engine.runner.kernels.wide_min_rows
+            measured_rows = (engine.runner.kernels.wide_min_rows, engine.runner.kernels.amx_min_rows)
         ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text + " Which item is 5?"}])
         assert len(ids) > 2 * engine.config.chunked_prefill_size
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         res = engine.generate([EngineRequest("long", ids, params)])
         assert res["long"][-1].error is None and res["long"][-1].finish_reason == "length"
         outs.append([t for o in res["long"] for t in o.token_ids])
-    assert len(outs[0]) == 6 and outs[0][:2] == outs[1][:2]  # bf16 tiles vs int16: the same first tokens
+    assert len(outs[0]) == 6 and outs[0][:2] == outs[1][:2]  # wide matmuls vs int16: the same first tokens

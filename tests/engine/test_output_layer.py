@@ -106,15 +106,18 @@ def test_native_int8_output_layer_refines_the_top_candidates(rows):
     steps = groups.abs().amax(-1, keepdim=True) / 127
     x8 = (torch.round(groups / steps) * steps).view(rows, -1)  # int8 in 32s
     w8_ref = (w8.q.double() * w8.scales.double()[:, None]).T
-    # 0: int16 activations; 1: every row count on the wide matmul (AMX: activations and weights in bf16)
-    for amx in [0, 1] if wide else [0]:
-        int8 = amx and wide in ("int8", "int8+bf16")  # (AVX2's "int8 4-6 bit": int16 inputs for int8 rows)
-        tol = 1e-4 if not amx or wide.startswith("int8") else 2e-2
+    # (int8, AMX) thresholds: int16 activations; every row count on the int8 matmul; every row count on AMX
+    # (activations and weights in bf16)
+    modes = [(0, 0)] + ([(1, 0)] if wide else []) + ([(0, 1)] if lib.sluice_amx_available() else [])
+    for wide_rows, amx in modes:
+        int8 = wide_rows and wide in ("int8", "int8+bf16")  # (AVX2's "int8 4-6 bit": int16 inputs for int8 rows)
+        tol = 2e-2 if amx else 1e-4
         for threads in (1, 2):
-            plain = cpu_kernels.head_logits(x, head, threads, wide_min_rows=amx)
+            plain = cpu_kernels.head_logits(x, head, threads, wide_min_rows=wide_rows, amx_min_rows=amx)
             torch.testing.assert_close(plain.double(), x8 @ w8_ref if int8 else int8_ref,
                                        rtol=tol, atol=tol)
-            refined = cpu_kernels.head_logits(x, head, threads, exact=weight, refine=REFINE_TOP, wide_min_rows=amx)
+            refined = cpu_kernels.head_logits(x, head, threads, exact=weight, refine=REFINE_TOP,
+                                              wide_min_rows=wide_rows, amx_min_rows=amx)
             top = plain.topk(REFINE_TOP, dim=-1).indices
             torch.testing.assert_close(refined.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
             rest = torch.ones_like(plain, dtype=torch.bool).scatter_(1, top, False)

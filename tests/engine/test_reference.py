@@ -231,13 +231,15 @@ def test_torch_int4_weights_stay_close_to_the_reference(prompt_ids, ref_logits, 
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for the native CPU step")
-@pytest.mark.parametrize("wide_min_rows", [0, 1], ids=["int16", "wide"])
-def test_native_cpu_step_stays_close_to_the_reference(hf_model, prompt_ids, ref_logits, ref_greedy, wide_min_rows):
+@pytest.mark.parametrize("wide_min_rows, amx_min_rows", [(0, 0), (1, 0), (0, 1)], ids=["int16", "int8", "amx"])
+def test_native_cpu_step_stays_close_to_the_reference(hf_model, prompt_ids, ref_logits, ref_greedy, wide_min_rows,
+                                                      amx_min_rows):
     """The CPU serving default: every step through the native forward step (kernels/cpu) over the GGUF's
     own Q4_1 blocks, with no dense copy of the layers. Its two matmuls each run the whole test:
-    int16-quantised activations (wide_min_rows=0) and its wide matmul for every step (wide_min_rows=1; the
-    serving default takes it only from the measured row count up): bf16 tiles on CPUs with AMX, int8
-    activations in groups of 16 without (AVX-512 VNNI; AVX2: for the 4-bit tiles). Tolerance:
+    int16-quantised activations (wide_min_rows=0), its int8 matmul for every step (wide_min_rows=1; the
+    serving default takes it only from the measured row count up: int8 activations in groups of 32,
+    AVX-512 VNNI; AVX2: for the 4-bit tiles) and, on CPUs with AMX, its bf16 tiles for every step
+    (amx_min_rows=1). Tolerance:
     as for bf16 weights (mean KL < 0.01, top-1 agreement >= 95%) on the prompt's logits, and the greedy
     decode gives the reference's tokens, every step (the prefill too) through the native step. The wide
     matmul's int8 inputs move logits by 0.2-0.3 on average (against its int16 one; AVX-512 VNNI and AVX2
@@ -245,19 +247,22 @@ def test_native_cpu_step_stays_close_to_the_reference(hf_model, prompt_ids, ref_
     either way there, and a free-running decode then leaves the reference's path: the wide matmul's
     tokens are checked along the reference's path instead, wherever the reference leads by a whole
     logit."""
-    fast = LLMEngine(EngineConfig(kv_cache_tokens=8192, device="cpu", dtype="float32", wide_min_rows=wide_min_rows))
+    fast = LLMEngine(EngineConfig(kv_cache_tokens=8192, device="cpu", dtype="float32", wide_min_rows=wide_min_rows,
+                                  amx_min_rows=amx_min_rows))
     model = fast.runner.model
     assert model.native is not None and not model.layers  # no torch copy of the layers at all
     if wide_min_rows and not model.native.wide:
-        pytest.skip("this build has no AMX or int8 matmul")
-    assert model.kernels.wide_min_rows == wide_min_rows
+        pytest.skip("this build has no int8 matmul")
+    if amx_min_rows and not model.native.amx:
+        pytest.skip("no AMX here")
+    assert (model.kernels.wide_min_rows, model.kernels.amx_min_rows) == (wide_min_rows, amx_min_rows)
     calls = []
     run = model.native.run
     model.native.run = lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k)  # type: ignore[method-assign]
     _assert_close_to_reference(fast.prompt_logits(prompt_ids).cpu(), ref_logits)
     assert calls == [len(prompt_ids)]
     calls.clear()
-    if wide_min_rows:
+    if wide_min_rows or amx_min_rows:
         path = prompt_ids + ref_greedy
         with torch.no_grad():
             ref = hf_model(torch.tensor([path])).logits[0, len(prompt_ids) - 1:-1]

@@ -93,7 +93,9 @@ def test_a_second_engine_start_times_nothing_and_keeps_the_first_starts_results(
     second = LLMEngine(cfg)
     assert len(measured) == 1
     assert second.step_cost == first.step_cost and second.step_cost != StepCost()
-    assert second.runner.kernels.wide_min_rows == first.runner.kernels.wide_min_rows
+    kernels = second.runner.kernels
+    assert (kernels.wide_min_rows, kernels.amx_min_rows) == (first.runner.kernels.wide_min_rows,
+                                                             first.runner.kernels.amx_min_rows)
     # What the timed steps depend on (the block size, the native build, ...) is part of the key.
     key = second.runner._tuning_key(chunk=64)
     assert key is not None and key["block_size"] == 16 and key["native"] == (

@@ -15,14 +15,14 @@ def test_engine_options_from_the_settings_and_the_environment_reach_the_config(m
 
 @pytest.mark.parametrize("source", ["section", "environment"])
 def test_an_unknown_engine_option_is_refused_by_name_not_dropped(monkeypatch, source):
-    """A renamed or misspelled option (amx_min_rows became wide_min_rows) must not leave the engine on its
+    """A renamed or misspelled option (wide_rows, say, for wide_min_rows) must not leave the engine on its
     default without a word."""
     if source == "environment":
-        monkeypatch.setenv("SLUICE_ENGINE__AMX_MIN_ROWS", "0")
+        monkeypatch.setenv("SLUICE_ENGINE__WIDE_ROWS", "0")
         settings = load_settings(None)
     else:
-        settings = load_settings(None, engine={"amx_min_rows": 0, "kv_cache_tokens": 4096})
-    with pytest.raises(EngineConfigError, match="amx_min_rows"):
+        settings = load_settings(None, engine={"wide_rows": 0, "kv_cache_tokens": 4096})
+    with pytest.raises(EngineConfigError, match="wide_rows"):
         _engine_config(settings)
 
 

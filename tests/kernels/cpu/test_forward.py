@@ -265,15 +265,16 @@ def _step(rows: int, gen: torch.Generator, block_size: int, blocks_per_seq: int)
     return positions, slots, tables, row_seq, num_blocks
 
 
-def _matmul_modes(lib) -> list[tuple[int, str]]:
-    """(wide_min_rows, the reference's matmuls) to run: 0 (the int16 matmul, against exact products), and
-    1 (every step on the build's wide matmul: AMX's bf16 tiles, or int8 dot products, with bf16 ones on the
+def _matmul_modes(lib) -> list[tuple[tuple[int, int], str]]:
+    """((wide_min_rows, amx_min_rows), the reference's matmuls) to run: (0, 0) (the int16 matmul, against
+    exact products); (1, 0) (every step on the build's int8 matmul: int8 dot products, with bf16 ones on the
     16-bit tiles where the build has them: "int8+bf16", or on the 4-bit tiles and the int8 ones with small
-    codes only: AVX2's "int8 4-6 bit")
-    where it has one."""
+    codes only: AVX2's "int8 4-6 bit") where it has one; and (0, 1) (every step on AMX's bf16 tiles) where
+    the build and the CPU have AMX."""
     lib.sluice_wide_matmul.restype = ctypes.c_char_p
     wide = lib.sluice_wide_matmul().decode()
-    return [(0, "exact")] + ([(1, "bf16" if wide == "amx" else wide)] if wide else [])
+    return ([((0, 0), "exact")] + ([((1, 0), wide)] if wide else []) +
+            ([((0, 1), "bf16")] if lib.sluice_amx_available() else []))
 
 
 def _assert_step_close(got: torch.Tensor, want: torch.Tensor, matmuls: str, where: tuple,
@@ -307,15 +308,16 @@ def test_forward_step_matches_a_float64_reference(build, config, rows):
     kv = (torch.randn(len(model.layers), 2, num_blocks * block_size, d["kv_heads"], d["head_dim"], generator=gen)
           .to(torch.bfloat16))  # earlier context already in the cache
     x = torch.randn(rows, d["hidden"], generator=gen)
-    for amx, matmuls in _matmul_modes(lib):
+    for (wide, amx), matmuls in _matmul_modes(lib):
         # int16 activations keep ~15 bits: against exact matmuls; the AMX path multiplies bf16 activations
         # by bf16 weights: against a reference that rounds both the same way
         kv_ref = kv.clone()
         want = model.reference(x, positions, slots, tables, row_seq, kv_ref, block_size, matmuls)
         for threads in (1, 2):
             kv_ours = kv.clone()
-            got = step.run(x.clone(), positions, slots, tables, row_seq, kv_ours, threads, wide_min_rows=amx)
-            _assert_step_close(got, want, matmuls, (step.isa, amx, threads))
+            got = step.run(x.clone(), positions, slots, tables, row_seq, kv_ours, threads, wide_min_rows=wide,
+                           amx_min_rows=amx)
+            _assert_step_close(got, want, matmuls, (step.isa, wide, amx, threads))
             # The new K/V landed in their slots (bf16; a last-bit difference from rounding allowed) ...
             torch.testing.assert_close(kv_ours.float(), kv_ref.float(), rtol=1e-2, atol=1e-2)
             # ... and nothing else in the cache changed.
@@ -336,10 +338,11 @@ def assert_step_matches_reference(model: TinyModel, lib, rows: int, seed: int, w
     kv = torch.randn(len(model.layers), 2, num_blocks * 4, d["kv_heads"], d["head_dim"], generator=gen).to(
         torch.bfloat16)
     x = torch.randn(rows, d["hidden"], generator=gen)
-    for amx, matmuls in _matmul_modes(lib)[:None if wide else 1]:
+    for (int8, amx), matmuls in _matmul_modes(lib)[:None if wide else 1]:
         want = model.reference(x, positions, slots, tables, row_seq, kv.clone(), 4, matmuls)
-        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, wide_min_rows=amx)
-        _assert_step_close(got, want, matmuls, (step.isa, amx), int8_max)
+        got = step.run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, wide_min_rows=int8,
+                       amx_min_rows=amx)
+        _assert_step_close(got, want, matmuls, (step.isa, int8, amx), int8_max)
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
@@ -745,21 +748,19 @@ def test_a_4bit_output_layer_matches_the_float64_reference_and_refines_exactly(b
     assert (dense - exact.double()).abs().max() <= d.double().max() * 0.51 + 1e-3  # 4-bit steps of each group
     x = torch.randn(rows, k, generator=gen)
     ref = x.double() @ dense.T
-    lib.sluice_wide_matmul.restype = ctypes.c_char_p
-    wide = lib.sluice_wide_matmul().decode()
-    for wide_rows in [0, 1] if wide else [0]:
-        want = _int8_groups(x.double()) @ (dense - mins).T + x.double() @ mins.T if wide_rows else ref
+    for (int8, amx), _ in _matmul_modes(lib):
+        want = _int8_groups(x.double()) @ (dense - mins).T + x.double() @ mins.T if int8 else ref
         for threads in (1, 2):
-            plain = cpu_kernels.head_logits(x, head, threads, wide_min_rows=wide_rows, lib=lib)
-            if wide_rows and not wide.startswith("int8"):  # AMX: x and the widened weights in bf16
+            plain = cpu_kernels.head_logits(x, head, threads, wide_min_rows=int8, amx_min_rows=amx, lib=lib)
+            if amx:  # AMX: x and the widened weights in bf16
                 torch.testing.assert_close(plain.double(), ref, rtol=2e-2, atol=2e-2)
-            elif wide_rows:  # x rounded in fp32 there: an input on a rounding boundary may go the other way
+            elif int8:  # x rounded in fp32 there: an input on a rounding boundary may go the other way
                 err = (plain.double() - want).abs()
                 assert err.median() < 1e-5 and err.max() < 2e-3, (err.median(), err.max())
             else:  # x in int16 steps of max |x| / 32767: ~3e-5 on these outputs (codes up to 15 times d)
                 torch.testing.assert_close(plain.double(), want, rtol=1e-4, atol=3e-4)
-            refined = cpu_kernels.head_logits(x, head, threads, exact=exact, refine=16, wide_min_rows=wide_rows,
-                                              lib=lib)
+            refined = cpu_kernels.head_logits(x, head, threads, exact=exact, refine=16, wide_min_rows=int8,
+                                              amx_min_rows=amx, lib=lib)
             top = plain.topk(16, dim=-1).indices
             torch.testing.assert_close(refined.gather(1, top).double(), (x.double() @ exact.double().T).gather(1, top),
                                        rtol=1e-5, atol=1e-5)
