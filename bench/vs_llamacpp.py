@@ -4,7 +4,8 @@ Streamed greedy chat (temperature 0, `max_tokens` 96 by default) through the Ope
 1, 4, 16 and 64. Both servers run at once but are loaded in turn, in alternating rounds (A B, then B A,
 ...), so slow drift of a shared machine hits both; each round sends new prompts (the same ones to
 both servers). llama-server gets `-t 2 -np <concurrency>`, `--no-repack` on AMX CPUs only (its
-repacked AMX path crashes at load there; elsewhere it keeps its repacked weights, as its users get it),
+repacked AMX path crashes at load there; elsewhere it keeps its repacked weights, as its users get it;
+`--llama-repack on` keeps them for a build without AMX code, e.g. an AVX2-only one run on an AMX CPU),
 and `-c` = slots x context per slot; it is restarted per concurrency. It runs with llama.cpp's own
 OpenMP default (threads spin between graph nodes; Sluice's `OMP_WAIT_POLICY` and `GOMP_SPINCOUNT` are
 removed from its environment), which is what its users get; `--llama-omp default,PASSIVE` adds a row
@@ -68,12 +69,14 @@ def peak_rss_mb(pid: int) -> tuple[float, float]:
 
 @contextlib.contextmanager
 def llama_server(binary: Path, slots: int, ctx_per_slot: int, threads: int = 2,
-                 omp_wait_policy: str | None = None, model: Path | None = None) -> Iterator[tuple[str, int]]:
+                 omp_wait_policy: str | None = None, model: Path | None = None,
+                 repack: bool | None = None) -> Iterator[tuple[str, int]]:
     """omp_wait_policy None: llama.cpp's own default (its OpenMP threads spin between graph nodes),
-    what a user who starts llama-server gets."""
+    what a user who starts llama-server gets. repack None: off on AMX CPUs only (has_amx)."""
+    repack = not has_amx() if repack is None else repack
     port = free_port()
     cmd = [str(binary), "-m", str(model or default_model_path()), "--alias", MODEL, "-t", str(threads), "-np", str(slots),
-           "-c", str(slots * ctx_per_slot), *(["--no-repack"] if has_amx() else []), "--host", "127.0.0.1",
+           "-c", str(slots * ctx_per_slot), *([] if repack else ["--no-repack"]), "--host", "127.0.0.1",
            "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if omp_wait_policy:
@@ -116,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="llama-server variants by OMP_WAIT_POLICY, comma-separated: default (unset: llama.cpp's "
                          "own spinning threads, what its users get), PASSIVE, ACTIVE")
     ap.add_argument("--llama-server", default=str(ROOT / "bench" / ".llama-server" / "build" / "bin" / "llama-server"))
+    ap.add_argument("--llama-repack", choices=("auto", "on", "off"), default="auto",
+                    help="llama-server's repacked weights: auto (off on AMX CPUs, where its repacked AMX path "
+                         "crashes; on elsewhere), on (e.g. an AVX2-only build on an AMX CPU), off")
     ap.add_argument("--llamacpp-env", default=str(ROOT / "bench" / ".venv-llamacpp"))
     ap.add_argument("--model", default=None,
                     help="a GGUF file both servers load (default: the packaged SmolLM2 Q4_1; e.g. one requantised "
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                     name = llama_names[policy]
                     url, pids[name] = stack.enter_context(llama_server(
                         binary, c, a.ctx_per_slot, omp_wait_policy=None if policy == "default" else policy,
-                        model=model))
+                        model=model, repack=None if a.llama_repack == "auto" else a.llama_repack == "on"))
                     asyncio.run(run_load(url, MODEL, mixed_workload(2, 8, 8, seed=-1), 2))
                     servers.append((name, url))
                 servers.append(("sluice", sluice_url))

@@ -186,6 +186,18 @@ static void quantize_x(const float *x, int K, qx_t *qx, int b0, int b1, int mode
             qx->sx[(size_t)b * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi)) * id;
             _mm256_storeu_si256((__m256i *)(dst + g * GROUP), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, idv))));
             _mm256_storeu_si256((__m256i *)(dst + g * GROUP + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, idv))));
+#elif defined(__AVX2__) && defined(__FMA__)
+            /* (the scalar loop below compiles to one vcvtss2si per input: 1.5-2 ms of a 16-row AVX2 step) */
+            const __m256 idv = _mm256_set1_ps(id);
+            __m256 sum = _mm256_setzero_ps();
+            for (int h = 0; h < 2; h++) {
+                const __m256 a = _mm256_loadu_ps(p + 16 * h), c = _mm256_loadu_ps(p + 16 * h + 8);
+                sum = _mm256_add_ps(sum, _mm256_add_ps(a, c));
+                const __m256i q = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a, idv)),
+                                                     _mm256_cvtps_epi32(_mm256_mul_ps(c, idv)));
+                _mm256_storeu_si256((__m256i *)(dst + g * GROUP + 16 * h), _mm256_permute4x64_epi64(q, 0xD8));
+            }
+            qx->sx[(size_t)b * G + g] = hsum8(sum) * id;
 #else
             float sum = 0;
             for (int j = 0; j < GROUP; j++) {

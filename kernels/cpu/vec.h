@@ -118,6 +118,11 @@ static inline float abs_max(const float *x, int n) { /* n: a multiple of 16 */
     __m512 m = _mm512_setzero_ps();
     for (int i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
     return _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    return hmax8(m);
 #else
     float m = 0;
     for (int i = 0; i < n; i++) m = fabsf(x[i]) > m ? fabsf(x[i]) : m;
