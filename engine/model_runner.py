@@ -241,12 +241,16 @@ class ModelRunner:
             kernels.wide_min_rows = (cfg.wide_min_rows or 0) if native.wide else 0
             kernels.amx_min_rows = (cfg.amx_min_rows or 0) if native.amx else 0
         else:
-            blocks = -(-NATIVE_TIMING_CONTEXT // self.block_size)
-            rows = [r for r in ROW_CANDIDATES if r <= cfg.max_running_requests and r * blocks <= self.num_blocks]
+            # Every size a step can have, not only up to max_running_requests: a prefill chunk has up to
+            # max_num_batched_tokens rows whatever the batch. A pool too small for that many sequences at the
+            # timing context times them at a shorter one (attention costs the same in every mode).
+            contexts = {r: min(NATIVE_TIMING_CONTEXT, self.num_blocks // r * self.block_size) for r in ROW_CANDIDATES
+                        if r <= cfg.max_num_batched_tokens}
+            rows = [r for r, ctx in contexts.items() if ctx >= self.block_size]
             thresholds = {"int16": (0, 0), "int8": (1, 0), "amx": (0, 1)}
 
             def time_step(b: int, mode: str) -> float:
-                step = self._synthetic_decode(b, NATIVE_TIMING_CONTEXT)
+                step = self._synthetic_decode(b, contexts[b])
                 t = time.perf_counter()
                 self.model.hidden(*step, num_layers=NATIVE_TIMING_LAYERS, wide_rows=thresholds[mode])
                 return time.perf_counter() - t
@@ -259,9 +263,10 @@ class ModelRunner:
                           {r: {k: round(v * 1e3, 2) for k, v in t.items()} for r, t in times.items()})
                 return int8, amx
 
+            key = self._tuning_key(rows=rows, context=[contexts[r] for r in rows], layers=NATIVE_TIMING_LAYERS,
+                                   modes=measured)
             (kernels.wide_min_rows, kernels.amx_min_rows), kept = self.tuning.remember(
-                "wide-rows", self._tuning_key(rows=rows, context=NATIVE_TIMING_CONTEXT, layers=NATIVE_TIMING_LAYERS,
-                                              modes=measured), measure, list, lambda v: (int(v[0]), int(v[1])))
+                "wide-rows", key, measure, list, lambda v: (int(v[0]), int(v[1])))
             # a configured value wins over the measured one for its own mode
             if cfg.wide_min_rows is not None:
                 kernels.wide_min_rows = cfg.wide_min_rows if native.wide else 0
