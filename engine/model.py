@@ -352,14 +352,17 @@ class LlamaModel(nn.Module):
         a = self.args
         rows = token_ids.shape[0]
         if self.native is not None:
-            # Row -> its sequence's block table: the metadata lists each sequence's rows together.
-            row_seq = torch.repeat_interleave(torch.arange(len(meta.query_lens_host), dtype=torch.int32),
-                                              torch.tensor(meta.query_lens_host), output_size=rows)
+            # Row -> its sequence's block table: the metadata lists each sequence's rows together (a step
+            # of decodes only: row i is sequence i).
+            seqs = len(meta.query_lens_host)
+            row_seq = (torch.arange(seqs, dtype=torch.int32) if seqs == rows else
+                       torch.repeat_interleave(torch.arange(seqs, dtype=torch.int32),
+                                               torch.tensor(meta.query_lens_host), output_size=rows))
             x = self.native.run(self.embed[token_ids], positions, meta.slot_mapping, meta.block_tables, row_seq,
                                 kv_cache, self.kernels.threads, *(wide_rows or (self.kernels.wide_min_rows,
                                                                               self.kernels.amx_min_rows)),
                                 num_layers=num_layers)
-            return rms_norm(x[logits_indices], self.norm, a.rms_norm_eps)
+            return cpu_kernels.rms_norm_rows(x, logits_indices, self.norm, a.rms_norm_eps)
         packed = self._use(self.layer_plan, rows)
         x = self.embed[token_ids]
         residual = None

@@ -243,6 +243,25 @@ class ForwardStep:
         return x
 
 
+def rms_norm_rows(x: torch.Tensor, rows: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                  lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """rms_norm(x[rows]) * weight ([len(rows), H] fp32; rows None: every row of x), natively: the native
+    step's final norm of the rows that sample in one call (torch's takes five ops and an index)."""
+    lib = _library(lib, "native CPU kernels")
+    assert x.dtype == torch.float32 and x.is_contiguous()
+    weight = weight.float().contiguous()  # (itself where it is already)
+    idx = None if rows is None else rows.to(torch.int64).contiguous()
+    n = x.shape[0] if idx is None else idx.shape[0]
+    assert weight.shape == (x.shape[1],)
+    out = torch.empty(n, x.shape[1])
+    rc = lib.sluice_rms_norm(ctypes.c_void_p(x.data_ptr()), ctypes.c_int(x.shape[0]),
+                             ctypes.c_void_p(None if idx is None else idx.data_ptr()), ctypes.c_int(n),
+                             ctypes.c_int(x.shape[1]), ctypes.c_void_p(weight.data_ptr()),
+                             ctypes.c_float(eps), ctypes.c_void_p(out.data_ptr()))
+    _check(rc, "native RMS norm")  # (-2: a row outside x, or a width not a multiple of 16)
+    return out
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, block_size: int, threads: int,
                      lib: ctypes.CDLL | None = None) -> torch.Tensor:

@@ -58,6 +58,9 @@ int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x,
                    uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
                    int nthreads, int wide_min_rows, int amx_min_rows);
 int sluice_amx_available(void);
+/* out[r] = the RMS norm of row rows[r] of x [*, H] times w (rows NULL: row r), for r < n (step.c). */
+int sluice_rms_norm(const float *x, int nx, const int64_t *rows, int n, int H, const float *w, float eps,
+                    float *out);
 /* The output layer's logits from int8 blocks (scale set) or a layer's tiles of `format`, each row's best
  * `refine` candidates made exact (head.c). */
 int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int format, int V,

@@ -228,6 +228,19 @@ int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x,
     return rc;
 }
 
+/* out[r] = rms_norm(x[rows[r]]) * w for r < n (rows NULL: the first n rows) of x [nx, H]: the model's
+ * final norm of the rows that sample, the step's own arithmetic, one call where torch takes five ops and
+ * an index. -2 for a row outside x (nothing written) or H not a multiple of 16. */
+int sluice_rms_norm(const float *x, int nx, const int64_t *rows, int n, int H, const float *w, float eps,
+                    float *out) {
+    if (H % 16 || (!rows && n > nx)) return -2;
+    for (int r = 0; rows && r < n; r++)
+        if (rows[r] < 0 || rows[r] >= nx) return -2;
+    for (int r = 0; r < n; r++)
+        rms_norm_rows(x + (size_t)(rows ? rows[r] : r) * H, w, out + (size_t)r * H, 1, H, eps);
+    return 0;
+}
+
 /* Whether this build has the AMX path and the OS lets this process use it. */
 int sluice_amx_available(void) { return amx_usable(); }
 

@@ -419,6 +419,25 @@ def test_bf16_tiles_beside_the_others_match_the_float64_reference(build, rows):
     assert_step_matches_reference(model, lib, rows, seed=300 + rows)
 
 
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_final_rms_norm_of_the_sampling_rows_matches_float64(build):
+    """The native step's final norm (sluice_rms_norm): the rows asked for, in their order, each normalised
+    against a float64 reference; a row outside x is refused, not read."""
+    lib = _library(build)
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(7, 96, generator=gen) * 3, torch.rand(96, generator=gen) + 0.5
+    want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    rows = torch.tensor([6, 0, 3, 3])
+    torch.testing.assert_close(cpu_kernels.rms_norm_rows(x, rows, w, 1e-5, lib=lib).double(), want[rows],
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_kernels.rms_norm_rows(x, None, w, 1e-5, lib=lib).double(), want,
+                               rtol=1e-5, atol=1e-5)
+    assert cpu_kernels.rms_norm_rows(x, torch.tensor([], dtype=torch.int64), w, 1e-5, lib=lib).shape == (0, 96)
+    for bad in ([7], [-1], [2, 9]):
+        with pytest.raises(RuntimeError, match="bad shapes"):
+            cpu_kernels.rms_norm_rows(x, torch.tensor(bad), w, 1e-5, lib=lib)
+
+
 def test_pack_f16_puts_each_weight_where_the_kernel_reads_it():
     w = torch.randn(32, 64).half()
     t = pack_f16(w)
