@@ -1,10 +1,11 @@
 """The CPU step plan: per step size, packed or dense weights and a thread count, chosen by timing."""
 
 import json
-import time
 
+import pytest
 import torch
 
+from engine import cpu_plan
 from engine.cpu_plan import Choice, CpuKernels, Plan, measure_plan, thread_candidates, wide_thresholds
 
 
@@ -26,21 +27,39 @@ def test_thread_candidates_are_one_powers_of_two_and_all_at_most_four():
     assert thread_candidates(16) == [1, 2, 4, 16]
 
 
-def _fake(cost: dict[tuple[bool, int], float], calls: list[tuple[int, bool, int]]):
+class _Clock:
+    """A virtual perf_counter: the fake steps advance it by their cost, so the plan does not depend on how
+    a loaded machine (a CI run beside) wakes sleeping threads (1 ms margins flipped there)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    c = _Clock()
+    monkeypatch.setattr(cpu_plan, "time", c)
+    return c
+
+
+def _fake(cost: dict[tuple[bool, int], float], calls: list[tuple[int, bool, int]], clock: _Clock):
     """run(rows, packed) whose duration depends on (packed, threads) and on the row count."""
     def run(rows: int, packed: bool):
         def fn() -> None:
             threads = torch.get_num_threads()
             calls.append((rows, packed, threads))
-            time.sleep(cost[(packed, threads)] * (1 if packed else 4 / min(rows, 4)) / 1000)
+            clock.now += cost[(packed, threads)] * (1 if packed else 4 / min(rows, 4)) / 1000
         return fn
     return run
 
 
-def test_measure_plan_keeps_the_fastest_choice_and_stops_when_dense_wins_twice():
+def test_measure_plan_keeps_the_fastest_choice_and_stops_when_dense_wins_twice(clock):
     calls: list[tuple[int, bool, int]] = []
     # packed: 3 ms on one thread, 9 on two; dense on two threads: 8 / rows ms (at least 2).
-    run = _fake({(True, 1): 3.0, (True, 2): 9.0, (False, 1): 40.0, (False, 2): 2.0}, calls)
+    run = _fake({(True, 1): 3.0, (True, 2): 9.0, (False, 1): 40.0, (False, 2): 2.0}, calls, clock)
     previous = torch.get_num_threads()
     plan, times = measure_plan(run, max_threads=2, can_pack=True, rows=(1, 2, 4, 8, 16, 32))
     assert torch.get_num_threads() == previous  # the caller's setting is restored
@@ -51,9 +70,9 @@ def test_measure_plan_keeps_the_fastest_choice_and_stops_when_dense_wins_twice()
     assert {c[1:] for c in calls} == {(True, 1), (True, 2), (False, 1), (False, 2)}  # threads really applied
 
 
-def test_configured_packed_rows_are_kept_and_only_threads_measured():
+def test_configured_packed_rows_are_kept_and_only_threads_measured(clock):
     calls: list[tuple[int, bool, int]] = []
-    run = _fake({(True, 1): 1.0, (True, 2): 3.0, (False, 1): 40.0, (False, 2): 0.1}, calls)
+    run = _fake({(True, 1): 1.0, (True, 2): 3.0, (False, 1): 40.0, (False, 2): 0.1}, calls, clock)
     plan, _ = measure_plan(run, max_threads=2, can_pack=True, forced_packed_rows=3, rows=(1, 2, 4, 8))
     assert plan.for_rows(3) == Choice(True, 1)  # 3 is a bucket edge although it is not a candidate
     assert plan.for_rows(4).packed is False
@@ -62,10 +81,10 @@ def test_configured_packed_rows_are_kept_and_only_threads_measured():
     assert plan.for_rows(100_000).packed  # packed beyond the measured sizes too
 
 
-def test_losers_are_not_timed_again_at_larger_sizes():
+def test_losers_are_not_timed_again_at_larger_sizes(clock):
     calls: list[tuple[int, bool, int]] = []
     # packed loses from 4 rows on; one thread never wins.
-    run = _fake({(True, 1): 9.0, (True, 2): 3.0, (False, 1): 12.0, (False, 2): 2.0}, calls)
+    run = _fake({(True, 1): 9.0, (True, 2): 3.0, (False, 1): 12.0, (False, 2): 2.0}, calls, clock)
     plan, _ = measure_plan(run, max_threads=2, can_pack=True, rows=(1, 2, 4, 8, 16))
     assert plan.for_rows(2) == Choice(True, 2) and plan.for_rows(4) == Choice(False, 2)
     assert all(threads == 2 for rows, packed, threads in calls if rows > 1 and packed)  # won at 1 row
