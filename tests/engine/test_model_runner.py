@@ -133,3 +133,39 @@ def test_a_4bit_output_layer_keeps_the_float_references_greedy_tokens(caplog):
                                   wide_min_rows=0, output_layer_bits=8))
     assert isinstance(int8.runner.model.head_tiles, cpu_kernels.Q8Tiles)
     assert _greedy(native, "List three fruits.", 64) == _greedy(int8, "List three fruits.", 64)
+
+
+def test_the_int8_and_amx_row_thresholds_are_configured_or_measured_at_every_chunk_size(monkeypatch, tmp_path):
+    """wide_min_rows = 0 keeps every step on int16 (no AMX either, unless amx_min_rows says so); configured
+    thresholds are taken as they are (AMX only where the CPU has it); measured ones time int16, int8 and
+    (with AMX) bf16 tiles at every step size up to max_num_batched_tokens, not only up to
+    max_running_requests: a prefill chunk has that many rows whatever the batch."""
+    import engine.model_runner as model_runner
+
+    monkeypatch.setenv("SLUICE_TUNING_CACHE", str(tmp_path))
+    seen: list[tuple[list[str], list[int]]] = []
+    real = model_runner.wide_thresholds
+    monkeypatch.setattr(model_runner, "wide_thresholds",
+                        lambda time_step, modes, rows: seen.append((list(modes), list(rows))) or
+                        real(time_step, modes, rows))
+
+    def kernels(**cfg):
+        e = LLMEngine(EngineConfig(kv_cache_tokens=2048, max_running_requests=2, **cfg))
+        return e.runner.model.native, (e.runner.kernels.wide_min_rows, e.runner.kernels.amx_min_rows)
+
+    native, rows = kernels(wide_min_rows=0)
+    if native is None:
+        pytest.skip("no native CPU step on this machine (no C compiler)")
+    assert rows == (0, 0) and not seen
+    amx = 7 if native.amx else 0
+    assert kernels(wide_min_rows=3, amx_min_rows=7)[1] == (3 if native.wide else 0, amx)
+    assert kernels(wide_min_rows=0, amx_min_rows=7)[1] == (0, amx) and not seen
+    if not native.wide:
+        return
+    _, (int8, amx_rows) = kernels(max_num_batched_tokens=64, chunked_prefill_size=64)
+    modes, timed = seen[-1]
+    assert modes == ["int16", "int8"] + (["amx"] if native.amx else [])
+    assert max(timed) > 2 and set(timed) <= {1, 2, 4, 8, 16, 32, 64}  # beyond max_running_requests
+    assert amx_rows == 0 or native.amx
+    _, (int8, amx_rows) = kernels(amx_min_rows=0)  # AMX off: only int16 and int8 timed
+    assert seen[-1][0] == ["int16", "int8"] and amx_rows == 0
