@@ -200,7 +200,7 @@ def wide_thresholds(time_step: Callable[[int, str], float], modes: Sequence[str]
 
     Why three ways: int8 dot products cost per row, AMX a widening of every weight block per 32 rows and
     little per row, so on a CPU with both int8 wins the middle sizes and AMX the large ones."""
-    assert modes and modes[0] == "int16"
+    assert modes and modes[0] == "int16" and set(modes) <= set(WIDE_MODES)
     times: dict[int, dict[str, float]] = {}
     best: list[tuple[int, str]] = []
     with torch.inference_mode():

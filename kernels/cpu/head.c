@@ -226,8 +226,8 @@ static void run_head(void *arg, int tid) {
  * [V, K] fp32 (or NULL): each row's `refine` largest outputs are then recomputed against it at full
  * precision; or, with `exact` NULL, against the rows of `exact_rows` (gguf_rows.c: V rows of GGML type
  * `exact_type`, NULL for none), the file's own. Steps of at least amx_min_rows rows multiply on AMX
- * tiles, else of at least wide_min_rows in int8 (wide_mode; 0: never). Returns 0, -1 when out of memory, -2 for shapes or a
- * format it does not take. */
+ * tiles, else of at least wide_min_rows in int8 (wide_mode; 0: never). Returns 0, -1 when out of memory,
+ * -2 for shapes or a format it does not take. */
 int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, const float *scale, int format, int V,
                        float *out, const float *exact, const uint8_t *exact_rows, int exact_type, int refine,
                        int nthreads, int wide_min_rows, int amx_min_rows) {
