@@ -6,14 +6,12 @@ call it from one thread.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import gc
 import logging
 import os
 import random
 import time
 
+from . import memory
 from .block_manager import BlockManager
 from .config import EngineConfig, EngineConfigError, output_room
 from .guide import CompileTicket, GuideLimits, Guides, GuideStats
@@ -33,20 +31,13 @@ SLOW_STEP_S = float(os.environ.get("SLUICE_SLOW_STEP_S", "1.0"))
 COMPILE_POLL_S = 0.005  # how long an otherwise idle step waits for a grammar to finish compiling
 
 
-def release_freed_memory() -> None:
-    """Hands memory Python and torch have freed back to the OS (glibc keeps freed heap pages otherwise,
-    so the process would go on holding the loader's temporary copies)."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         config.validate_basic()
         t0 = time.perf_counter()
-        loaded = load_model(config.model)
+        with memory.loading():  # the file's parsing and the torch path's copies: mapped, unmapped when freed
+            loaded = load_model(config.model)
         self.model_name = config.served_model_name or loaded.name
         self.tokenizer = Tokenizer(loaded)
         self.eos_token_ids = loaded.eos_token_ids
@@ -65,7 +56,7 @@ class LLMEngine:
         self.max_token_id = min(vocab, self.tokenizer.vocab_size) - 1  # ids a request may name
         self.runner = ModelRunner(config, loaded, self.guides)
         del loaded
-        release_freed_memory()  # the loader's float32 copies of the weights (~0.5 GB for the default model)
+        memory.release_freed_memory()  # the loader's float32 copies (~0.5 GB for the default model)
         self.capacity_tokens = self.runner.num_blocks * config.block_size
         self.max_input_len = validate_limits(config, self.max_model_len, self.capacity_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -16,6 +16,7 @@ import torch
 import kernels.cpu as cpu_kernels
 from kernels import AttentionMetadata
 
+from . import memory
 from .config import EngineConfig
 from .cpu_plan import ROW_CANDIDATES, CpuKernels, Plan, wide_thresholds
 from .cuda_graphs import DecodeGraphs
@@ -146,11 +147,13 @@ class ModelRunner:
                      and (self.int4 or bool(loaded.group_blocks)))
         native = (self.kernels.native and blocks_ok and self.kv_dtype == torch.bfloat16
                   and self.dtype == torch.float32 and config.native_cpu_step)
-        self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, self.weight_dtype,
-                                deterministic=config.deterministic, q4_blocks=loaded.q4_blocks if self.int4 else None,
-                                native_block_size=config.block_size if native else 0, kernels=self.kernels,
-                                group_blocks=loaded.group_blocks if native else None,
-                                head_bits=config.output_layer_bits)
+        with memory.loading():  # the repacking's temporaries: mapped, unmapped when freed (not held at the peak)
+            self.model = LlamaModel(args, loaded.weights, self.dtype, self.device, self.weight_dtype,
+                                    deterministic=config.deterministic,
+                                    q4_blocks=loaded.q4_blocks if self.int4 else None,
+                                    native_block_size=config.block_size if native else 0, kernels=self.kernels,
+                                    group_blocks=loaded.group_blocks if native else None,
+                                    head_bits=config.output_layer_bits)
         self.int4_max_rows = 0  # steps of up to this many tokens read the 4-bit weights
         if self.kernels.native and config.native_cpu_step and self.model.native is None:
             log.info("native CPU forward step not used: %s; every step takes the torch path, weights %s",

@@ -93,7 +93,7 @@ def q4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 HEAD_4BIT_MIN_WEIGHTS = 1 << 26
 
 
-def native_head(weight: torch.Tensor | TokenRows, chunk_rows: int = 4096,
+def native_head(weight: torch.Tensor | TokenRows, chunk_rows: int = 1024,
                 bits: int | None = None) -> cpu_kernels.Q8Tiles | cpu_kernels.LayerTiles | None:
     """The output layer's copy for the native kernel's candidate pass, in its tiles: int8 (as `Int8Weight`,
     bf16-rounded scales), or with `bits` 4 (None: 4 from HEAD_4BIT_MIN_WEIGHTS weights on) 4-bit codes with
