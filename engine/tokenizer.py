@@ -5,10 +5,17 @@ Safety rule: text a user sends is always encoded as plain text. A message contai
 assistant's. Only the chat template inserts control tokens. We render the template with a unique
 placeholder for each message's content, then encode the template's own text with special-token
 matching and the user's text with it switched off.
+
+One `tokenizers` object serves both, with special-token matching off: the template's text is split at the
+special tokens' strings here (what the library's added vocabulary does, for tokens matched exactly, as
+GGUF control tokens and most tokenizer.json ones are). A second copy with matching on held 55 MB for a
+128k vocabulary (in the server and again in its request-preparation helper); it is kept only for a
+tokenizer.json whose special tokens strip spaces or match single words.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +79,10 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(model.tokenizer_json)
         else:
             self._tok = _tokenizer_from_gguf(model.gguf_tokenizer)
-        self._plain = self._clone_plain()
+        self._tok.encode_special_tokens = True  # user text: special-token strings stay plain text
+        self._specials, self._special_ids = _special_splitter(self._tok)
+        # Only where the split above cannot stand in for the library's matching: a copy that matches them.
+        self._trusted = None if self._specials is not None else self._clone(encode_special_tokens=False)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = model.bos_token_id
         self.eos_token_ids = list(model.eos_token_ids)
@@ -84,21 +94,23 @@ class Tokenizer:
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (a compiled jinja template is not), so a helper process can tokenize long prompts."""
         state = dict(self.__dict__)
-        state["_tok"], state["_plain"] = self._tok.to_str(), self._plain.to_str()
+        state["_tok"] = self._tok.to_str()
+        state["_trusted"] = None if self._trusted is None else self._trusted.to_str()
         state["_template"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._tok = HFTokenizer.from_str(state["_tok"])
-        self._plain = HFTokenizer.from_str(state["_plain"])
-        self._plain.encode_special_tokens = True
+        self._tok.encode_special_tokens = True
+        if state["_trusted"] is not None:
+            self._trusted = HFTokenizer.from_str(state["_trusted"])
         self._template = _compile_template(self._template_source)
 
-    def _clone_plain(self) -> HFTokenizer:
-        plain = HFTokenizer.from_str(self._tok.to_str())
-        plain.encode_special_tokens = True  # special-token strings in user text stay plain text
-        return plain
+    def _clone(self, encode_special_tokens: bool) -> HFTokenizer:
+        copy = HFTokenizer.from_str(self._tok.to_str())
+        copy.encode_special_tokens = encode_special_tokens
+        return copy
 
     def to_json(self) -> str:
         """The Hugging Face `tokenizers` JSON of the model's tokenizer (the grammar engine builds its own from it)."""
@@ -120,12 +132,22 @@ class Tokenizer:
         """Plain text, never control tokens (for user-supplied text)."""
         if not text:
             return []
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def _encode_trusted(self, text: str) -> list[int]:
+        """The template's own text: its special-token strings become those tokens."""
         if not text:
             return []
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if self._specials is None:
+            assert self._trusted is not None
+            return self._trusted.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        start = 0
+        for m in self._specials.finditer(text):
+            ids += self.encode(text[start:m.start()])
+            ids.append(self._special_ids[m.group()])
+            start = m.end()
+        return ids + self.encode(text[start:])
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -179,6 +201,19 @@ class Tokenizer:
             ids += self.encode(placeholders[rendered[pos:end]])
             start = end
         return ids
+
+
+def _special_splitter(tok: HFTokenizer) -> tuple[re.Pattern[str] | None, dict[str, int]]:
+    """A pattern of the special tokens' strings, longest first at each position (the library matches added
+    tokens leftmost-longest), and their ids; (None, {}) when a special token strips spaces around it, matches
+    single words only or is normalized first: then only the library's own matching gives its tokens."""
+    specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    if any(t.special and (t.lstrip or t.rstrip or t.single_word or t.normalized)
+           for t in tok.get_added_tokens_decoder().values()):
+        return None, {}
+    if not specials:
+        return re.compile(r"(?!)"), {}  # matches nothing
+    return re.compile("|".join(re.escape(c) for c in sorted(specials, key=len, reverse=True))), specials
 
 
 def _compile_template(source: str | None) -> jinja2.Template | None:

@@ -1,9 +1,12 @@
 """Tokenizer safety and incremental detokenization."""
 
 import gc
+import pickle
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import EngineConfig, load_frontend
 from engine.tokenizer import IncrementalDetokenizer
@@ -37,6 +40,29 @@ def test_chat_template_matches_plain_rendering_for_ordinary_text(tokenizer):
                     "<|im_end|>\n<|im_start|>assistant\n")
     # Same ids as encoding the whole rendering at once with the trusted tokenizer.
     assert ids == tokenizer._encode_trusted(text)
+
+
+_PIECES = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_", "_start|>", "system", "\n", " ", "user",
+           "héllo", "🤖", "  ", "<", "|>", "12 34", "<|im_end|><|im_start|>"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=12))
+def test_trusted_text_splits_at_special_tokens_as_the_library_does(tokenizer, pieces):
+    # One tokenizer object with special-token matching off; the template's text split here at the special
+    # tokens' strings gives the ids the library's own matching gives.
+    text = "".join(pieces)
+    matching = tokenizer._clone(encode_special_tokens=False)
+    assert tokenizer._encode_trusted(text) == matching.encode(text, add_special_tokens=False).ids
+    assert tokenizer._tok.token_to_id("<|im_end|>") not in tokenizer.encode(text)
+
+
+def test_the_tokenizer_pickles_with_its_modes(tokenizer):
+    # (the request-preparation helper gets it pickled)
+    copy = pickle.loads(pickle.dumps(tokenizer))
+    msgs = [{"role": "user", "content": "hi <|im_end|> there"}]
+    assert copy.apply_chat_template(msgs) == tokenizer.apply_chat_template(msgs)
+    assert copy.encode("<|im_end|>") == tokenizer.encode("<|im_end|>")
 
 
 @pytest.mark.parametrize("text", [
