@@ -27,8 +27,7 @@ BLOCK_BYTES = 320  # a TILES_Q4 block: 256 bytes of codes, 16 fp16 scales d, 16 
 
 
 
-# sluice_forward.h's formats
-TILES_Q4, TILES_Q8G, TILES_F16, TILES_BF16, TILES_Q8G6, TILES_Q5, TILES_Q8, TILES_Q6 = 0, 1, 2, 3, 4, 5, 6, 7
+TILES_Q4, TILES_Q8G, TILES_F16, TILES_BF16, TILES_Q8G6, TILES_Q5, TILES_Q8 = 0, 1, 2, 3, 4, 5, 6  # sluice_forward.h's
 Q8G6_MAX_CODE = 32  # TILES_Q8G6: TILES_Q8G with every code in [-32, 32] (AVX2's int8 matmul reads it)
 
 
@@ -42,10 +41,9 @@ class LayerTiles:
     1.19 bytes per weight); TILES_Q8G6 the same with every code in [-32, 32] (the Q5 and Q6 types');
     TILES_Q8: the codes and one fp16 d per row (Q8_0; 1.0625 bytes). TILES_F16 / TILES_BF16: the weights as
     fp16 / bf16 in the codes' order (2 bytes). TILES_Q5: TILES_Q4's nibbles, then each code's fifth bit
-    (64 bytes), then d and m (Q5_0, Q5_1, Q5_K; 0.75 bytes). TILES_Q6: TILES_Q8G6's codes in [-32, 31] in 6
-    bits (`pack_q6`; Q6_K's, and 4- and 5-bit ones beside them; 0.94 bytes)."""
+    (64 bytes), then d and m (Q5_0, Q5_1, Q5_K; 0.75 bytes)."""
 
-    blocks: torch.Tensor  # [N / 16, K / 32, 320, 384, 480, 544, 608 or 1024] uint8
+    blocks: torch.Tensor  # [N / 16, K / 32, 320, 384, 544, 608 or 1024] uint8
     shape: tuple[int, int]
     format: int = TILES_Q4
 
@@ -110,9 +108,8 @@ def pack_f16(weight: torch.Tensor) -> LayerTiles | None:
 def pack_q8g(codes: torch.Tensor, scale16: torch.Tensor, mn: torch.Tensor) -> LayerTiles | None:
     """The kernel's TILES_Q8G layout of int8 codes [N, K] with a scale per 16 inputs [N, K / 16] and a min
     per 32 [N, K / 32] (w = code * scale + min), both rounded to fp16; None when K is not a multiple of 32
-    or N not one of 16. TILES_Q8G6 where every code lies in [-32, 32], TILES_Q6 (`pack_q6`) where in [-32, 31];
-    else TILES_Q8 (the codes and one scale per group: 544 bytes a block) where each group's two scales are
-    equal and every min zero (Q8_0's)."""
+    or N not one of 16. TILES_Q8G6 where every code lies in [-32, 32]; else TILES_Q8 (the codes and one
+    scale per group: 544 bytes a block) where each group's two scales are equal and every min zero (Q8_0's)."""
     n, k = codes.shape
     if k % GROUP or n % TILE_N:
         return None
@@ -125,26 +122,9 @@ def pack_q8g(codes: torch.Tensor, scale16: torch.Tensor, mn: torch.Tensor) -> La
     if int(codes.abs().max()) > Q8G6_MAX_CODE and torch.equal(halves[..., 0], halves[..., 1]) and not m16.any():
         return LayerTiles(torch.cat([q.view(torch.uint8), _per_block(halves[..., 0].contiguous(), nb, g)], -1)
                           .contiguous(), (n, k), TILES_Q8)
-    tiles = LayerTiles(torch.cat([q.view(torch.uint8), _per_block(d16, nb, g, 2), _per_block(m16, nb, g)], -1)
-                       .contiguous(), (n, k),
-                       TILES_Q8G6 if int(codes.abs().max()) <= Q8G6_MAX_CODE else TILES_Q8G)
-    if tiles.format == TILES_Q8G6 and int(codes.max()) < Q8G6_MAX_CODE:  # (Q6_K's codes, and 4-5 bit ones)
-        return pack_q6(tiles)
-    return tiles
-
-
-def pack_q6(tiles: LayerTiles) -> LayerTiles:
-    """TILES_Q8G6 blocks whose codes lie in [-32, 31] as TILES_Q6 (sluice_forward.h): u = code + 32 in 6 bits,
-    its low nibbles two to a byte (u[i] and u[i + 256]), its top bit pairs four to a byte (u[i], u[i + 128],
-    u[i + 256], u[i + 384]), then the same d and m: 480 bytes a block where TILES_Q8G6 takes 608."""
-    assert tiles.format == TILES_Q8G6
-    b = tiles.blocks
-    u = (b[..., :512].view(torch.int8).to(torch.int16) + 32).to(torch.uint8)
-    assert int(u.max()) < 64, "codes beyond [-32, 31]"
-    nib = (u[..., :256] & 0x0F) | ((u[..., 256:] & 0x0F) << 4)
-    top = u >> 4  # 0..3
-    pairs = top[..., :128] | (top[..., 128:256] << 2) | (top[..., 256:384] << 4) | (top[..., 384:] << 6)
-    return LayerTiles(torch.cat([nib, pairs, b[..., 512:]], -1).contiguous(), tiles.shape, TILES_Q6)
+    return LayerTiles(torch.cat([q.view(torch.uint8), _per_block(d16, nb, g, 2), _per_block(m16, nb, g)], -1)
+                      .contiguous(), (n, k),
+                      TILES_Q8G6 if int(codes.abs().max()) <= Q8G6_MAX_CODE else TILES_Q8G)
 
 
 @dataclass
@@ -220,9 +200,9 @@ class ForwardStep:
         return sum(lw.nbytes() for lw in self._layers)
 
     def tile_formats(self) -> dict[str, int]:
-        """How many of the layers' matrices each tile format holds ("4-bit", "6-bit", "int8 group", ...)."""
-        names = {TILES_Q4: "4-bit", TILES_Q5: "5-bit", TILES_Q6: "6-bit", TILES_Q8G: "int8 group",
-                 TILES_Q8G6: "int8 group", TILES_Q8: "int8 group",
+        """How many of the layers' matrices each tile format holds ("4-bit", "int8 group", "fp16", "bf16")."""
+        names = {TILES_Q4: "4-bit", TILES_Q5: "5-bit", TILES_Q8G: "int8 group", TILES_Q8G6: "int8 group",
+                 TILES_Q8: "int8 group",
                  TILES_F16: "fp16", TILES_BF16: "bf16"}
         out: dict[str, int] = {}
         for lw in self._layers:

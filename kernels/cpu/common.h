@@ -22,7 +22,6 @@
 #define TILE_N 16 /* output rows of W per block */
 #define BLOCK_BYTES 320 /* one block: 256 bytes of codes, 16 fp16 scales, 16 fp16 mins */
 #define Q5_BLOCK_BYTES 384 /* TILES_Q5: 256 bytes of low nibbles as BLOCK_BYTES, 64 of fifth bits, d, m */
-#define Q6_BLOCK_BYTES 480 /* TILES_Q6: 256 bytes of low nibbles, 128 of top bits, TILES_Q8G's d and m */
 
 /* A 4-bit matrix W [N, K] (GGML Q4_1 values: w = q * d + m per group of 32 inputs, q in 0..15) in
  * blocks of 16 output rows by one group: [N / 16, K / 32] blocks of BLOCK_BYTES, block (nb, g) holding

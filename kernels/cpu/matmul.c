@@ -92,69 +92,6 @@ static void *decode_buffer(int G, int bytes_per_group) {
 }
 #endif
 
-/* ---- TILES_Q6: 6-bit codes, expanded to TILES_Q8G6 blocks where they are read ---- */
-
-/* One TILES_Q6 block (sluice_forward.h) -> its TILES_Q8G6 block at dst (Q8G_BLOCK_BYTES). Code i of quarter q
- * (positions 128 q + i) is the low nibble (q < 2) or high nibble (q >= 2) of nibble byte (128 q + i) % 256
- * with bit pair q of top byte i above it, less 32. (epi16 shifts: the bits they carry across bytes are
- * masked off.) */
-static inline void expand_q6_block(const uint8_t *src, uint8_t *dst) {
-    const uint8_t *nib = src, *top = src + 256;
-#if defined(__AVX512BW__)
-    const __m512i low = _mm512_set1_epi8(0x0f), bits = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
-    for (int k = 0; k < 2; k++) {
-        const __m512i h = _mm512_loadu_si512(top + 64 * k);
-        const __m512i n0 = _mm512_loadu_si512(nib + 64 * k), n1 = _mm512_loadu_si512(nib + 128 + 64 * k);
-        const __m512i q0 = _mm512_or_si512(_mm512_and_si512(n0, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), bits));
-        const __m512i q1 = _mm512_or_si512(_mm512_and_si512(n1, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), bits));
-        const __m512i q2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n0, 4), low), _mm512_and_si512(h, bits));
-        const __m512i q3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n1, 4), low),
-                                           _mm512_and_si512(_mm512_srli_epi16(h, 2), bits));
-        _mm512_storeu_si512(dst + 64 * k, _mm512_sub_epi8(q0, off));
-        _mm512_storeu_si512(dst + 128 + 64 * k, _mm512_sub_epi8(q1, off));
-        _mm512_storeu_si512(dst + 256 + 64 * k, _mm512_sub_epi8(q2, off));
-        _mm512_storeu_si512(dst + 384 + 64 * k, _mm512_sub_epi8(q3, off));
-    }
-#elif defined(__AVX2__)
-    const __m256i low = _mm256_set1_epi8(0x0f), bits = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
-    for (int k = 0; k < 4; k++) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)(top + 32 * k));
-        const __m256i n0 = _mm256_loadu_si256((const __m256i *)(nib + 32 * k));
-        const __m256i n1 = _mm256_loadu_si256((const __m256i *)(nib + 128 + 32 * k));
-        const __m256i q0 = _mm256_or_si256(_mm256_and_si256(n0, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), bits));
-        const __m256i q1 = _mm256_or_si256(_mm256_and_si256(n1, low), _mm256_and_si256(_mm256_slli_epi16(h, 2), bits));
-        const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n0, 4), low), _mm256_and_si256(h, bits));
-        const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n1, 4), low),
-                                           _mm256_and_si256(_mm256_srli_epi16(h, 2), bits));
-        _mm256_storeu_si256((__m256i *)(dst + 32 * k), _mm256_sub_epi8(q0, off));
-        _mm256_storeu_si256((__m256i *)(dst + 128 + 32 * k), _mm256_sub_epi8(q1, off));
-        _mm256_storeu_si256((__m256i *)(dst + 256 + 32 * k), _mm256_sub_epi8(q2, off));
-        _mm256_storeu_si256((__m256i *)(dst + 384 + 32 * k), _mm256_sub_epi8(q3, off));
-    }
-#else
-    for (int q = 0; q < 4; q++)
-        for (int i = 0; i < 128; i++) {
-            const uint8_t n = nib[(128 * q + i) % 256];
-            const int u = ((q < 2 ? n : n >> 4) & 0x0f) | (((top[i] >> (2 * q)) & 3) << 4);
-            dst[128 * q + i] = (uint8_t)(int8_t)(u - 32);
-        }
-#endif
-    memcpy(dst + 512, src + 384, Q8G_BLOCK_BYTES - 512); /* d and m */
-}
-
-/* The TILES_Q8G6 blocks of one column (G of them) expand into: one per thread, as decode_buffer. */
-static uint8_t *expand_buffer(int G) {
-    static _Thread_local uint8_t *buf;
-    static _Thread_local size_t size;
-    const size_t want = (size_t)G * Q8G_BLOCK_BYTES;
-    if (want > size) {
-        free(buf);
-        buf = aligned_alloc(64, want);
-        size = buf ? want : 0;
-    }
-    return buf;
-}
-
 #if HAVE_INT8 || HAVE_INT8_Q4
 /* Group i (of row b: b * G + g) of the int8 inputs: its scale, the offset's and the centring's sums. */
 static inline void set_int8_sums(qx_t *qx, int i, float dg, const int sum_q[2], float exact) {
@@ -945,7 +882,6 @@ static inline int tile_bytes(int format) {
            : format == TILES_Q8 ? Q80_BLOCK_BYTES
            : format == TILES_F16 || format == TILES_BF16 ? F16_BLOCK_BYTES
            : format == TILES_Q5                          ? Q5_BLOCK_BYTES
-           : format == TILES_Q6                          ? Q6_BLOCK_BYTES
                                                          : BLOCK_BYTES;
 }
 
@@ -1070,11 +1006,12 @@ static decoded_fn decoded_for(int fmt, int B) {
 }
 #endif
 
-/* Columns [c0, c1) of y[B, N] = x[B, K] W^T (x quantised by quantize_x as `mode`, MM_INT16 or MM_INT8;
- * any format but TILES_Q6). */
-static void matmul_columns(const layer_tiles *w, int N, int K, const qx_t *qx, const float *x, int B, float *y,
-                           int c0, int c1, int mode) {
-    const int G = K / GROUP;
+/* This thread's share of y[B, N] = x[B, K] W^T (x quantised by quantize_x as `mode`, MM_INT16 or
+ * MM_INT8): columns of blocks split evenly. */
+static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, const float *x, int B, float *y, int tid,
+                         int nt, int mode) {
+    const int G = K / GROUP, NB = N / TILE_N, per = (NB + nt - 1) / nt;
+    const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
     const int fmt = w->format, bytes = tile_bytes(fmt);
     int int8 = (HAVE_INT8 || HAVE_INT8_Q4) && mode == MM_INT8;
     (void)G; /* (the plain build's columns_for takes K) */
@@ -1125,29 +1062,6 @@ static void matmul_columns(const layer_tiles *w, int N, int K, const qx_t *qx, c
     if (int8 && (fmt == TILES_Q4 || fmt == TILES_Q5)) int8 = 0; /* (no buffer: the int16 rows, also prepared) */
 #endif
     columns_for(fmt, int8)(w->blocks, bytes, N, K, qx, x, B, y, c0, c1, int8);
-}
-
-/* This thread's share of y[B, N] = x[B, K] W^T (x quantised by quantize_x as `mode`, MM_INT16 or
- * MM_INT8): columns of blocks split evenly. TILES_Q6: each column expanded to TILES_Q8G6 (into the thread's
- * buffer, L2-resident) and multiplied as one. */
-static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, const float *x, int B, float *y, int tid,
-                         int nt, int mode) {
-    const int G = K / GROUP, NB = N / TILE_N, per = (NB + nt - 1) / nt;
-    const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
-    if (w->format != TILES_Q6) {
-        matmul_columns(w, N, K, qx, x, B, y, c0, c1, mode);
-        return;
-    }
-    uint8_t *buf = expand_buffer(G);
-    const layer_tiles col = {buf, TILES_Q8G6};
-    for (int c = c0; c < c1; c++) {
-        const uint8_t *src = w->blocks + (size_t)c * G * Q6_BLOCK_BYTES;
-        for (int g = 0; g < G; g++) {
-            prefetch_l2(src + (size_t)g * Q6_BLOCK_BYTES + PREFETCH_AHEAD, Q6_BLOCK_BYTES);
-            expand_q6_block(src + (size_t)g * Q6_BLOCK_BYTES, buf + (size_t)g * Q8G_BLOCK_BYTES);
-        }
-        matmul_columns(&col, N, K, qx, x, B, y + (size_t)c * TILE_N, 0, 1, mode);
-    }
 }
 
 #if HAVE_AMX
@@ -1226,11 +1140,7 @@ static inline void widen_f16_block(const uint8_t *blk, uint16_t *tile) {
 static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *tile) {
     const uint8_t *blk = w->blocks + ((size_t)c * G + g) * w->block_bytes;
     prefetch_l2(blk + PREFETCH_AHEAD, w->block_bytes); /* as the int16 path: widening does not wait on memory */
-    if (w->format == TILES_Q6 && !w->row_scale) {
-        uint8_t q8g[Q8G_BLOCK_BYTES] __attribute__((aligned(64)));
-        expand_q6_block(blk, q8g);
-        widen_q8g_block(q8g, tile, 0);
-    } else if (w->row_scale)
+    if (w->row_scale)
         widen_q8_block(blk, w->row_scale + (size_t)c * TILE_N, tile);
     else if (w->block_bytes == Q8G_BLOCK_BYTES)
         widen_q8g_block(blk, tile, 0);

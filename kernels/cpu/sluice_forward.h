@@ -4,7 +4,7 @@
 
 #include <stdint.h>
 
-/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of eight formats:
+/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of seven formats:
  * TILES_Q4: 4-bit codes with fp16 d and m per row and group (GGML Q4_0, Q4_1, Q4_K values), BLOCK_BYTES;
  * TILES_Q8G: int8 codes with fp16 d per row and half group (16 inputs) and fp16 m per row and group
  * (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 values), Q8G_BLOCK_BYTES;
@@ -18,15 +18,8 @@
  * per pair p of tile rows: bit 2n + j for input 4p + j of output row n, bit 32 + 2n + j for 4p + 2 + j),
  * then d and m. 0.75 bytes a weight where TILES_Q8G takes 1.19;
  * TILES_Q8: TILES_Q8G's codes whose two half-group scales are equal and whose mins are zero (Q8_0's),
- * with one d per row and group and no m, Q80_BLOCK_BYTES: a group's halves summed in one integer;
- * TILES_Q6: TILES_Q8G6's block with codes in [-32, 31] held in 6 bits (Q6_K's, and Q4_K/Q5_K beside it),
- * Q6_BLOCK_BYTES: u = code + 32; 256 bytes of low nibbles (byte i: u[i] & 15, then u[i + 256] & 15 in
- * its high nibble, i indexing the 512 codes as TILES_Q8G lays them out), 128 of top bits (byte i:
- * bits 4-5 of u[i], u[i + 128], u[i + 256], u[i + 384] in its bit pairs 0-1, 2-3, 4-5, 6-7), then
- * TILES_Q8G's d and m as they are: 0.94 bytes a weight. Expanded to TILES_Q8G6 a column at a time
- * (into a thread's buffer, read there by TILES_Q8G6's matmuls), or a block at a time for AMX. */
-enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3, TILES_Q8G6 = 4, TILES_Q5 = 5, TILES_Q8 = 6,
-       TILES_Q6 = 7 };
+ * with one d per row and group and no m, Q80_BLOCK_BYTES: a group's halves summed in one integer. */
+enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3, TILES_Q8G6 = 4, TILES_Q5 = 5, TILES_Q8 = 6 };
 
 typedef struct {
     const uint8_t *blocks;

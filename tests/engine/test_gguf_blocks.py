@@ -15,7 +15,7 @@ import torch
 
 from engine.gguf_blocks import DECODERS, dequantize, group_blocks, half_weights
 from engine.weights import _five_bit, pack_native
-from kernels.cpu import TILES_Q4, TILES_Q5, TILES_Q6, TILES_Q8, TILES_Q8G, LayerBlocks
+from kernels.cpu import TILES_Q4, TILES_Q5, TILES_Q8, TILES_Q8G, TILES_Q8G6, LayerBlocks
 from kernels.cpu import build as cpu_build
 from tests.kernels.cpu.test_forward import TinyModel, _library, assert_step_matches_reference
 
@@ -133,10 +133,10 @@ def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
 @pytest.mark.parametrize("rows", [1, 9, 40])
 def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(build, rows):
     model, formats = _fixture_model()
-    # layer 0 mixes Q4_K/Q5_K/Q6_K, Q8_0, Q5_0/Q5_1 and Q6_K: 6-bit tiles (codes in [-32, 31]) but for Q8_0's
-    # (Q8 tiles: one scale per group, no min), and 5-bit ones for Q5_0/Q5_1; layer 1 is all Q4_K
+    # layer 0 mixes Q4_K/Q5_K/Q6_K, Q8_0, Q5_0/Q5_1 and Q6_K: int8 group tiles, with codes in [-32, 32]
+    # but for Q8_0's (Q8 tiles: one scale per group, no min), and 5-bit ones for Q5_0/Q5_1; layer 1 is all Q4_K
     assert {k: v for k, v in formats.items() if k.startswith("0.")} == {
-        "0.qkv": TILES_Q6, "0.o": TILES_Q8, "0.gate_up": TILES_Q5, "0.down": TILES_Q6}
+        "0.qkv": TILES_Q8G6, "0.o": TILES_Q8, "0.gate_up": TILES_Q5, "0.down": TILES_Q8G6}
     assert {k: v for k, v in formats.items() if k.startswith("1.")} == dict.fromkeys(
         ("1.qkv", "1.o", "1.gate_up", "1.down"), TILES_Q4)
     # AVX2's wide matmul gives the Q8_0 matrix int16 inputs and the others int8 ones: an int16 input that

@@ -22,7 +22,6 @@ from kernels.cpu import (
     TILES_BF16,
     TILES_F16,
     TILES_Q5,
-    TILES_Q6,
     TILES_Q8,
     TILES_Q8G,
     TILES_Q8G6,
@@ -96,14 +95,6 @@ def _q8g6(n: int, k: int, gen: torch.Generator):
     return _q8g(n, k, gen, max_code=32)
 
 
-def _q6(n: int, k: int, gen: torch.Generator):
-    """_q8g with codes in [-32, 31] (Q6_K's): TILES_Q6."""
-    (codes, scale, mn), dense = _q8g(n, k, gen, max_code=32)
-    over = codes == 32
-    codes[over] = 31
-    return (codes, scale, mn), dense - (over.double() * scale.double().repeat_interleave(16, 1))
-
-
 def _f16(n: int, k: int, gen: torch.Generator):
     """fp16 weights (an F16 file's); and their float64 value."""
     w = (torch.randn(n, k, generator=gen) * 0.05).half()
@@ -140,10 +131,10 @@ class TinyModel:
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int,
                  bias: bool, seed: int = 0, q8g: tuple[str, ...] = (), f16: tuple[str, ...] = (),
                  bf16: tuple[str, ...] = (), q8g6: tuple[str, ...] = (), q5: tuple[str, ...] = (),
-                 q8: tuple[str, ...] = (), q6: tuple[str, ...] = ()):
+                 q8: tuple[str, ...] = ()):
         """`q8g`, `f16`, `bf16`, `q8g6`, `q5`, `q8`: the matrices (qkv, o, gate_up, down) held as Q8G (codes
         over the int8 range), F16, BF16, Q8G6 (Q8G with codes in [-32, 32]), Q5 or Q8 (Q8_0's) tiles, the
-        others as Q4; `q6`: codes in [-32, 31], which pack_q8g holds in 6 bits (TILES_Q6)."""
+        others as Q4."""
         gen = torch.Generator().manual_seed(seed)
         self.dims = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, eps=1e-5)
         qkv_n = (heads + 2 * kv_heads) * head_dim
@@ -153,8 +144,7 @@ class TinyModel:
         self.q8g = [set(q8g) | set(q8) for _ in range(layers)]  # each layer's full-range int8-group matrices
         self.mins = []  # each layer's {matrix: the part of its weights that is the groups' mins (m), float64}
         for _ in range(layers):
-            mats = {name: (_q8g if name in q8g else _q8g6 if name in q8g6 else _q6 if name in q6 else
-                           _q8_0 if name in q8 else
+            mats = {name: (_q8g if name in q8g else _q8g6 if name in q8g6 else _q8_0 if name in q8 else
                            _f16 if name in f16 else
                            _bf16w if name in bf16 else _q5 if name in q5 else _q4)(n, k, gen)
                     for name, (n, k) in {
@@ -165,11 +155,11 @@ class TinyModel:
             self.layers.append(({k: v[1] for k, v in mats.items()}, norms, b))
             # (4-bit and 5-bit codes: the kernel's int8 matmul centres them on 8 or 16, which moves that
             # many scales of each group into the part taken with the exact inputs)
-            centre = {k: 16 if k in q5 else 0 if k in q8g + q8g6 + q6 + q8 else 8 for k in mats}
+            centre = {k: 16 if k in q5 else 0 if k in q8g + q8g6 + q8 else 8 for k in mats}
             self.mins.append({k: (v[0][2].double() + centre[k] * v[0][1].double() if centre[k] else
                                   v[0][2].double()).repeat_interleave(32, 1)
                               for k, v in mats.items() if k not in self.sixteen_bit})
-            packed = {k: (pack_q8g if k in q8g + q8g6 + q6 + q8 else pack_q5 if k in q5 else pack_f16 if k in f16 + bf16
+            packed = {k: (pack_q8g if k in q8g + q8g6 + q8 else pack_q5 if k in q5 else pack_f16 if k in f16 + bf16
                           else pack_q4_1)(*v[0]) for k, v in mats.items()}
             self.blocks.append(LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], qkv_bias=b, **packed))  # type: ignore[arg-type]
         pos = torch.arange(512, dtype=torch.float64)
@@ -383,20 +373,6 @@ def test_small_code_int8_tiles_match_the_float64_reference(build, q8g6, q8g, row
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
-@pytest.mark.parametrize("q6, q8g", [(("qkv", "o", "gate_up", "down"), ()), (("o", "down"), ("qkv",))])
-@pytest.mark.parametrize("rows", [1, 40])
-def test_six_bit_tiles_match_the_float64_reference(build, q6, q8g, rows):
-    """Codes in [-32, 31] (Q6_K's) in 6-bit tiles, expanded to TILES_Q8G6 a column (AMX: a block) at a
-    time, alone and beside full-range Q8G and Q4 tiles."""
-    lib = _library(build)
-    model = TinyModel(**CONFIGS["odd-groups"], q8g=q8g, q6=q6)
-    layer = model.blocks[0]
-    assert {m: getattr(layer, m).format for m in q6 + q8g} == {**dict.fromkeys(q6, TILES_Q6),
-                                                               **dict.fromkeys(q8g, TILES_Q8G)}
-    assert_step_matches_reference(model, lib, rows, seed=300 + rows)
-
-
-@pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("q8, q8g", [(("qkv", "o", "gate_up", "down"), ()), (("qkv", "down"), ("o",))])
 @pytest.mark.parametrize("rows", [1, 9, 40])
 def test_q8_0_tiles_match_the_float64_reference(build, q8, q8g, rows):
@@ -488,36 +464,6 @@ def test_pack_q8g_puts_each_weight_where_the_kernel_reads_it():
     assert d[1, 7].float() == scale[16 + 7, 2 * 1 + 1] and d[0, 2].float() == scale[16 + 2, 2]
     assert blk[576:].view(torch.float16)[9].float() == mn[16 + 9, 1]
     assert pack_q8g(codes[:24], scale[:24], mn[:24]) is None  # rows off the 16-row blocks
-
-
-def test_pack_q6_holds_the_q8g6_codes_in_six_bits():
-    """Codes in [-32, 31] pack as TILES_Q6 (480 bytes a block): u = code + 32, low nibbles two to a byte (u[i],
-    u[i + 256] of the block's 512 codes in TILES_Q8G's order), top bit pairs four to a byte (u[i], u[i + 128],
-    u[i + 256], u[i + 384]), then TILES_Q8G's d and m; a code of 32 keeps TILES_Q8G6."""
-    gen = torch.Generator().manual_seed(5)
-    (codes, scale, mn), _ = _q6(32, 64, gen)
-    t = pack_q8g(codes, scale, mn)
-    assert t is not None and t.format == TILES_Q6 and t.blocks.shape == (2, 2, 480)
-    codes[0, 0] = 32
-    wide = pack_q8g(codes, scale, mn)
-    assert wide is not None and wide.format == TILES_Q8G6
-    codes[0, 0] = 31
-    wide = pack_q8g(codes, scale, mn)
-    assert wide is not None and wide.format == TILES_Q6
-    # the same matrix as TILES_Q8G6 (one code of 32 keeps it there), to read the codes' order from
-    codes_wide = codes.clone()
-    codes_wide[0, 0] = 32
-    ref = pack_q8g(codes_wide, scale, mn)
-    assert ref is not None and ref.format == TILES_Q8G6
-    for bi, gi in ((0, 1), (1, 0), (1, 1)):  # (block (0, 0) holds the changed code)
-        blk, want = wide.blocks[bi, gi], ref.blocks[bi, gi]
-        u = want[:512].view(torch.int8).to(torch.int32) + 32
-        nib, top = blk[:256].to(torch.int32), blk[256:384].to(torch.int32)
-        got = torch.cat([nib & 15, nib >> 4])  # u's low nibbles, positions 0-255 then 256-511
-        assert torch.equal(got, u & 15)
-        pairs = torch.cat([(top >> (2 * q)) & 3 for q in range(4)])
-        assert torch.equal(pairs, u >> 4)
-        assert torch.equal(blk[384:], want[512:])  # d and m as they are
 
 
 def test_pack_q8g_of_q8_0_weights_keeps_one_scale_per_group():
