@@ -207,9 +207,9 @@ def _special_splitter(tok: HFTokenizer) -> tuple[re.Pattern[str] | None, dict[st
     """A pattern of the special tokens' strings, longest first at each position (the library matches added
     tokens leftmost-longest), and their ids; (None, {}) when a special token strips spaces around it, matches
     single words only or is normalized first: then only the library's own matching gives its tokens."""
-    specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
-    if any(t.special and (t.lstrip or t.rstrip or t.single_word or t.normalized)
-           for t in tok.get_added_tokens_decoder().values()):
+    added = tok.get_added_tokens_decoder()
+    specials = {t.content: i for i, t in added.items() if t.special}
+    if any(t.special and (t.lstrip or t.rstrip or t.single_word or t.normalized) for t in added.values()):
         return None, {}
     if not specials:
         return re.compile(r"(?!)"), {}  # matches nothing
