@@ -87,6 +87,9 @@ class EngineConfig:
     guide_compile_timeout_s: float = 1.5
     guide_max_spec_bytes: int = 1 << 20
     guide_max_object_properties: int = 2048
+    # llguidance's tokenizer (~80 MB for a 128k vocabulary) is built when the first grammar arrives, which
+    # stalls running streams once (0.2-0.5 s, it holds the GIL); True builds it at start instead.
+    guide_tokenizer_at_start: bool = False
 
     # Scheduling policy.
     priority_aging_s: float = 10.0  # a request waiting longer than this is admitted ahead of newer ones of any priority

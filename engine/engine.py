@@ -49,10 +49,11 @@ class LLMEngine:
                 f"{loaded.args.max_position_embeddings}")
         self.stats = EngineStats()
         vocab = loaded.args.vocab_size  # the logits' width
-        self.guides = Guides(self.tokenizer.to_json(), vocab, self.eos_token_ids, self.stats.guide,
+        self.guides = Guides(self.tokenizer.to_json, vocab, self.eos_token_ids, self.stats.guide,
                              limits=GuideLimits(compile_timeout_s=config.guide_compile_timeout_s,
                                                 max_spec_bytes=config.guide_max_spec_bytes,
-                                                max_object_properties=config.guide_max_object_properties))
+                                                max_object_properties=config.guide_max_object_properties),
+                             tokenizer_at_start=config.guide_tokenizer_at_start)
         self.max_token_id = min(vocab, self.tokenizer.vocab_size) - 1  # ids a request may name
         self.runner = ModelRunner(config, loaded, self.guides)
         del loaded

@@ -1,6 +1,7 @@
 """Constrained decoding with llguidance: each guided sequence samples only tokens its grammar allows.
 
-`Guides` (one per engine) builds llguidance's tokenizer from the engine's own on first use, compiles
+`Guides` (one per engine) builds llguidance's tokenizer from the engine's own when the first grammar
+arrives (it holds ~80 MB for a 128k vocabulary, so an engine that never constrains never pays it), compiles
 each distinct (kind, spec) once (an LRU cache; a spec that does not compile is remembered too, so a
 repeated bad schema costs nothing), and hands every guided sequence its own `GuideMatcher`, a copy of
 the compiled matcher. Each step the model runner asks `fill_bitmask` for the token masks of the guided
@@ -28,6 +29,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -102,17 +104,36 @@ class GuideLimits:
                                          verbose_errors=False)
 
 
+@dataclass
+class TokenizerClock:
+    """When llguidance's tokenizer became ready (monotonic seconds; None while not yet built): the
+    compile budget of the grammars that waited for it starts there."""
+
+    ready_at: float | None = None
+
+
 class CompileTicket:
     """A grammar on its way: `done` once compiled or refused; `matcher()` then gives the sequence its
     matcher or raises RequestRejected. Written by the compile thread, read by the engine thread."""
 
-    def __init__(self, guide: Guide, replay: list[int], timeout_s: float):
+    def __init__(self, guide: Guide, replay: list[int], timeout_s: float, clock: TokenizerClock | None = None):
         self.guide = guide
         self.replay = list(replay)
-        self.deadline = time.monotonic() + timeout_s
+        self.submitted = time.monotonic()
         self.timeout_s = timeout_s
+        self._clock = clock
         self._done = threading.Event()
         self._result: GuideMatcher | RequestRejected | None = None
+
+    @property
+    def deadline(self) -> float:
+        """When the compile budget runs out: `timeout_s` from submission, or from when llguidance's
+        tokenizer was ready if that came later (its one-off build is not the grammar's cost); no deadline
+        while that build runs."""
+        ready = 0.0 if self._clock is None else self._clock.ready_at
+        if ready is None:
+            return float("inf")
+        return max(self.submitted, ready) + self.timeout_s
 
     def _finish(self, result: GuideMatcher | RequestRejected) -> None:
         self._result = result
@@ -136,9 +157,10 @@ class Guides:
     """Compiles grammars off the engine thread (one compile thread, at a lower CPU priority than the
     engine) and hands out per-sequence matchers."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], stats: GuideStats,
-                 cache_size: int = 64, limits: GuideLimits | None = None):
-        self._tokenizer_json = tokenizer_json
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: list[int],
+                 stats: GuideStats, cache_size: int = 64, limits: GuideLimits | None = None,
+                 tokenizer_at_start: bool = False):
+        self._tokenizer_json = tokenizer_json  # called once, when llguidance's tokenizer is built
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.stats = stats
@@ -146,13 +168,16 @@ class Guides:
         self.limits = limits or GuideLimits()
         self.words = (vocab_size + 31) // 32  # int32 words per row of a bitmask
         self._tokenizer: llguidance.LLTokenizer | str | None = None  # str: why it could not be built
+        self.clock = TokenizerClock()
+        self.tokenizer_at_start = tokenizer_at_start
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher | str] = OrderedDict()
         self._lock = threading.Lock()  # the cache and the tokenizer: the compile and engine threads share them
         self._executor: llguidance.LLExecutor | None = None
         self._jobs: queue.SimpleQueue[CompileTicket | None] = queue.SimpleQueue()
         self.compiled = threading.Event()  # set whenever a ticket finishes (the engine waits on it when idle)
-        # The compile thread starts with the engine and builds llguidance's tokenizer first (a quarter of a
-        # second that holds the GIL: at start, not under a running stream).
+        # The compile thread builds llguidance's tokenizer before the first grammar, or at start with
+        # `tokenizer_at_start`: 0.2 s (49k vocabulary) to 0.5 s (128k) that holds the GIL, so the first
+        # guided request stalls running streams once by that much unless the engine pays it at start.
         self._thread = threading.Thread(target=self._run_compiles, name="sluice-grammar", daemon=True)
         self._thread.start()
 
@@ -161,12 +186,13 @@ class Guides:
             if self._tokenizer is None:
                 t0 = time.perf_counter()
                 try:
-                    self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                    self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
                                                              eos_token=self.eos_token_ids or None)
                     log.info("constrained decoding: llguidance tokenizer built in %.2fs", time.perf_counter() - t0)
                 except Exception as e:  # llguidance raises plain exceptions for tokenizers it cannot read
                     self._tokenizer = f"this model's tokenizer is not supported by the grammar engine ({e})"
                     log.warning("constrained decoding unavailable: %s", self._tokenizer)
+                self.clock.ready_at = time.monotonic()
             return self._tokenizer
 
     # -- compiling -------------------------------------------------------------------------------
@@ -281,7 +307,8 @@ class Guides:
     def _run_compiles(self) -> None:
         with contextlib.suppress(OSError, AttributeError):  # the engine's threads go first
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
-        self._llg_tokenizer()
+        if self.tokenizer_at_start:
+            self._llg_tokenizer()
         while (ticket := self._jobs.get()) is not None:
             try:
                 result: GuideMatcher | RequestRejected = self._new_matcher(ticket.guide, ticket.replay)
@@ -296,7 +323,7 @@ class Guides:
 
     def submit(self, guide: Guide, replay: list[int]) -> CompileTicket:
         """Queues the grammar's compile on the compile thread (a cached one is ready at once)."""
-        ticket = CompileTicket(guide, replay, self.limits.compile_timeout_s)
+        ticket = CompileTicket(guide, replay, self.limits.compile_timeout_s, self.clock)
         if self.cached(guide) is not None:
             try:
                 ticket._finish(self._new_matcher(guide, replay))

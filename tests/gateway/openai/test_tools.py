@@ -25,7 +25,7 @@ def guides():
     from engine import EngineConfig, load_frontend
 
     tok = load_frontend(EngineConfig()).tokenizer
-    return Guides(tok.to_json(), tok.vocab_size, tok.eos_token_ids, GuideStats()), tok
+    return Guides(tok.to_json, tok.vocab_size, tok.eos_token_ids, GuideStats()), tok
 
 
 def _accepts(guides_tok, guide, text: str) -> bool:
