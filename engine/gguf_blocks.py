@@ -1,9 +1,10 @@
 """A GGUF matrix's blocks as integer codes and per-group scales, the form the native CPU step repacks
 (kernels/cpu, `pack_q4_1` and `pack_q8g`): w = code * scale + min, with a scale per 16 inputs and a min
 per 32. Every type listed in `DECODERS` fits it exactly but for one rounding: the K types' group scale is a
-product of two numbers (the super-block's fp16 d times a 6-bit or 8-bit sub-block scale), which the kernel
-holds as one fp16 (a relative error of at most 2^-12 per group, far below the bf16 rounding the AMX path
-applies to every weight).
+product of two numbers (the super-block's fp16 d times a 6-bit or 8-bit sub-block scale), which the 4-bit,
+5-bit and int8 group tiles hold as one fp16 (a relative error of at most 2^-12 per group). Q4_K and Q5_K
+also keep the factors themselves (`KScales`): a matrix made of them alone is packed with its own scales
+(`pack_kq`), exact and in fewer bytes.
 
 Q4_0 and Q4_1 are read by `engine/loader.py` itself (`_q4_blocks`): torch's int4 matmul reads them too.
 F16 and BF16 stay 16-bit weights as they are (`HalfWeights`, the kernel's fp16 and bf16 tiles).
@@ -24,9 +25,21 @@ _ROWS = 2048  # rows decoded at once
 
 
 @dataclass(frozen=True)
+class KScales:
+    """A Q4_K / Q5_K matrix's scales as the file holds them (w = d sc code - dmin mn for each 32 inputs):
+    sc, mn uint8 [N, K / 32] (6-bit), d, dmin fp16 [N, K / 256] (the super-block's)."""
+
+    sc: torch.Tensor
+    mn: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+
+
+@dataclass(frozen=True)
 class GroupBlocks:
     """codes [N, K] int8; scale [N, K / 16] fp32; mn [N, K / 32] fp32. `four_bit`: codes in 0..15 with one
-    scale per 32 (Q4_K): the 4-bit tiles hold it. `exact`: every scale and min is exactly an fp16."""
+    scale per 32 (Q4_K): the 4-bit tiles hold it. `exact`: every scale and min is exactly an fp16. `k`: a K
+    type's own factors of scale and mn (Q4_K, Q5_K)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -34,6 +47,7 @@ class GroupBlocks:
     type_name: str
     four_bit: bool = False
     exact: bool = True
+    k: KScales | None = None
 
 
 @dataclass(frozen=True)
@@ -89,13 +103,20 @@ def _q5_1(b: np.ndarray) -> tuple[np.ndarray, ...]:  # fp16 d, fp16 m, 4 bytes q
     return _five_bit(b[:, 4:8], b[:, 8:24]), _halves(d), m
 
 
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K: (scale, min) per 32 [n, 8] from fp16 d, fp16 dmin and 12 bytes of 6-bit scales/mins."""
+def _k_factors(b: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Q4_K/Q5_K blocks [n, bytes]: their 6-bit scales and mins [n, 8] uint8, fp16 d and dmin [n]."""
     import gguf
 
-    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
     sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
-    return d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+    halves = np.ascontiguousarray(b[:, 0:4]).view(np.float16)
+    return sc.reshape(-1, 8).astype(np.uint8), mn.reshape(-1, 8).astype(np.uint8), halves[:, 0], halves[:, 1]
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: (scale, min) per 32 [n, 8] from fp16 d, fp16 dmin and 12 bytes of 6-bit scales/mins."""
+    sc, mn, d, dmin = _k_factors(b)
+    scale = d.astype(np.float32)[:, None] * sc.astype(np.float32)
+    return scale, -(dmin.astype(np.float32)[:, None] * mn.astype(np.float32))
 
 
 def _q4_k(b: np.ndarray) -> tuple[np.ndarray, ...]:  # 144 bytes: d, dmin, scales, 128 bytes of nibbles
@@ -147,8 +168,12 @@ def group_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Gr
         codes[a:b], scale[a:b], mn[a:b] = c.reshape(b - a, k), s.reshape(b - a, k // 16), m.reshape(b - a, k // 32)
     exact = bool(np.array_equal(scale.astype(np.float16).astype(np.float32), scale)
                  and np.array_equal(mn.astype(np.float16).astype(np.float32), mn))
+    k_scales = None
+    if type_name in ("Q4_K", "Q5_K"):
+        sc, kmn, d, dmin = _k_factors(raw.reshape(n * (k // per), size))
+        k_scales = KScales(*(torch.from_numpy(np.ascontiguousarray(x).reshape(n, -1)) for x in (sc, kmn, d, dmin)))
     return GroupBlocks(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(mn), type_name,
-                       four_bit=type_name == "Q4_K", exact=exact)
+                       four_bit=type_name == "Q4_K", exact=exact, k=k_scales)
 
 
 def dequantize(b: GroupBlocks) -> torch.Tensor:

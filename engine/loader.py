@@ -22,7 +22,7 @@ import torch
 
 import kernels.cpu as cpu_kernels
 
-from .gguf_blocks import DECODERS, GroupBlocks, HalfWeights, group_blocks, half_weights
+from .gguf_blocks import DECODERS, GroupBlocks, HalfWeights, KScales, group_blocks, half_weights
 from .token_rows import ROW_TYPES, TokenRows
 from .tuning_cache import file_fingerprint
 
@@ -235,9 +235,11 @@ def _gguf_group(t: Any, heads: int) -> GroupBlocks:
     assert b is not None
     if not heads:
         return b
-    rows = [torch.from_numpy(np.ascontiguousarray(_unpermute_rope_rows(x.numpy(), heads)))
-            for x in (b.codes, b.scale, b.mn)]
-    return dataclasses.replace(b, codes=rows[0], scale=rows[1], mn=rows[2])
+    def unpermute(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(_unpermute_rope_rows(x.numpy(), heads)))
+
+    k = None if b.k is None else KScales(*(unpermute(x) for x in (b.k.sc, b.k.mn, b.k.d, b.k.dmin)))
+    return dataclasses.replace(b, codes=unpermute(b.codes), scale=unpermute(b.scale), mn=unpermute(b.mn), k=k)
 
 
 def _gguf_half(t: Any, heads: int) -> HalfWeights | None:

@@ -34,6 +34,7 @@ from .weights import (
     fused_blocks,
     int4_available,
     int8_available,
+    k_tiles_pay,
     native_fits,
     native_head,
     native_layers,
@@ -237,7 +238,7 @@ class LlamaModel(nn.Module):
                      block_size: int) -> cpu_kernels.ForwardStep | None:
         """The layers bound to the native forward step, or None when their blocks do not match the
         weights (engine/weights.py, `native_layers`)."""
-        layers = native_layers(args, weights, blocks, drop_layer)
+        layers = native_layers(args, weights, blocks, drop_layer, k_scales=k_tiles_pay())
         if layers is None:
             return None
         return cpu_kernels.ForwardStep(

@@ -237,12 +237,14 @@ def _five_bit(b: Q4Blocks | GroupBlocks) -> tuple[torch.Tensor, torch.Tensor, to
     return None
 
 
-def pack_native(parts: list[NativeBlocks | None]) -> cpu_kernels.LayerTiles | None:
+def pack_native(parts: list[NativeBlocks | None], k_scales: bool = True) -> cpu_kernels.LayerTiles | None:
     """A fused matrix's parts (rows stacked) in the native step's tiles: the file's Q4_0/Q4_1 blocks as
-    they are; 4-bit ones with a K type among them (Q4_K: a scale that is a product, rounded to fp16) in
-    4-bit tiles too; 5-bit ones (Q5_0, Q5_1, Q5_K, beside 4-bit ones) in 5-bit tiles; with any other type,
-    int8 group tiles for all; F16 (BF16) ones in fp16 (bf16) tiles. None when a part is missing, or 16-bit
-    parts are mixed with quantised ones or with the other 16-bit type."""
+    they are; Q4_K and Q5_K alone with their own scales (4-bit or 5-bit K tiles, unless not `k_scales`:
+    see `k_tiles_pay`); 4-bit ones with a K type
+    among them (Q4_K: a scale that is a product, rounded to fp16) in 4-bit tiles too; 5-bit ones (Q5_0,
+    Q5_1, Q5_K, beside 4-bit ones) in 5-bit tiles; with any other type, int8 group tiles for all; F16
+    (BF16) ones in fp16 (bf16) tiles. None when a part is missing, or 16-bit parts are mixed with quantised
+    ones or with the other 16-bit type."""
     if any(p is None for p in parts):
         return None
     if any(isinstance(p, HalfWeights) for p in parts):  # 16-bit weights stay 16-bit: all of them or none
@@ -252,6 +254,12 @@ def pack_native(parts: list[NativeBlocks | None]) -> cpu_kernels.LayerTiles | No
         return cpu_kernels.pack_f16(torch.cat([p.weight for p in halves]))
     if all(isinstance(p, tuple) for p in parts):
         return cpu_kernels.pack_q4_1(*(torch.cat([p[j] for p in parts]) for j in range(3)))  # type: ignore[index]
+    ks = [p.k for p in parts if isinstance(p, GroupBlocks) and p.k is not None]
+    if k_scales and len(ks) == len(parts):  # Q4_K and Q5_K alone: their own scales, exact
+        tiles = cpu_kernels.pack_kq(torch.cat([p.codes for p in parts]),  # type: ignore[union-attr]
+                                    *(torch.cat([getattr(k, f) for k in ks]) for f in ("sc", "mn", "d", "dmin")))
+        if tiles is not None:
+            return tiles
     if all(isinstance(p, tuple) or p.four_bit for p in parts):  # type: ignore[union-attr]
         four = [p if isinstance(p, tuple) else (p.codes.to(torch.uint8), p.scale[:, ::2], p.mn)  # type: ignore[union-attr]
                 for p in parts]
@@ -265,16 +273,27 @@ def pack_native(parts: list[NativeBlocks | None]) -> cpu_kernels.LayerTiles | No
     return cpu_kernels.pack_q8g(*(torch.cat([g[j] for g in groups]) for j in range(3)))
 
 
+def k_tiles_pay() -> bool:
+    """Whether Q4_K/Q5_K matrices take the K tiles (their own 6-bit scales, 0.58 / 0.70 bytes a weight, exact)
+    rather than fp16 d and m per group (0.625 / 0.75): everywhere but on a CPU with AMX. The AMX matmul widens
+    every block to bf16 just before it multiplies it, and the K tiles' d = D sc (a multiply per block, D read
+    once per 8) lengthen that: Llama-3.2-1B-shape Q4_K_M linear layers at 16 / 32 rows 51-55 -> 57-59 / 60 ->
+    68 ms (Xeon, AMX), against the AVX2 build's gain on the same machine (batch 1 35.8-36.1 -> 33.0-34.6 ms,
+    16 rows 150-154 -> 144-149) and 35 MiB less."""
+    return not cpu_kernels.amx_usable()
+
+
 def native_layers(args: ModelArgs, weights: MutableMapping[str, torch.Tensor],
                   blocks: Callable[[str], NativeBlocks | None],
-                  drop_layer: Callable[[int], None]) -> list[cpu_kernels.LayerBlocks] | None:
+                  drop_layer: Callable[[int], None], k_scales: bool = True) -> list[cpu_kernels.LayerBlocks] | None:
     """Every layer in the native step's layouts (each layer's entries dropped once it is packed), or None
     when the first layer's blocks do not match its weights (nothing dropped then: the torch path builds
     the model). `blocks(name)`: a weight's blocks (4-bit or group) if they match it."""
     layers: list[cpu_kernels.LayerBlocks] = []
     for i in range(args.num_layers):
         p = f"model.layers.{i}."
-        packed = {name: pack_native([blocks(p + n) for n in names]) for name, names in LAYER_LINEARS.items()}
+        packed = {name: pack_native([blocks(p + n) for n in names], k_scales)
+                  for name, names in LAYER_LINEARS.items()}
         if any(b is None for b in packed.values()):
             if i:
                 raise RuntimeError(f"layer {i}'s blocks do not match its weights (the layers before it "

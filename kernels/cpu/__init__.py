@@ -28,6 +28,8 @@ BLOCK_BYTES = 320  # a TILES_Q4 block: 256 bytes of codes, 16 fp16 scales d, 16 
 
 
 TILES_Q4, TILES_Q8G, TILES_F16, TILES_BF16, TILES_Q8G6, TILES_Q5, TILES_Q8 = 0, 1, 2, 3, 4, 5, 6  # sluice_forward.h's
+TILES_Q4K, TILES_Q5K = 7, 8
+QK_K = 256  # a K type's super-block: TILES_Q4K / TILES_Q5K share D and M over 8 blocks
 Q8G6_MAX_CODE = 32  # TILES_Q8G6: TILES_Q8G with every code in [-32, 32] (AVX2's int8 matmul reads it)
 
 
@@ -41,9 +43,10 @@ class LayerTiles:
     1.19 bytes per weight); TILES_Q8G6 the same with every code in [-32, 32] (the Q5 and Q6 types');
     TILES_Q8: the codes and one fp16 d per row (Q8_0; 1.0625 bytes). TILES_F16 / TILES_BF16: the weights as
     fp16 / bf16 in the codes' order (2 bytes). TILES_Q5: TILES_Q4's nibbles, then each code's fifth bit
-    (64 bytes), then d and m (Q5_0, Q5_1, Q5_K; 0.75 bytes)."""
+    (64 bytes), then d and m (Q5_0, Q5_1, Q5_K; 0.75 bytes). TILES_Q4K / TILES_Q5K: TILES_Q4's / TILES_Q5's
+    codes with a K type's own scales (Q4_K, Q5_K; `pack_kq`): 0.58 / 0.70 bytes, d and m exact."""
 
-    blocks: torch.Tensor  # [N / 16, K / 32, 320, 384, 544, 608 or 1024] uint8
+    blocks: torch.Tensor  # [N / 16, K / 32, 296, 320, 360, 384, 544, 608 or 1024] uint8
     shape: tuple[int, int]
     format: int = TILES_Q4
 
@@ -68,11 +71,23 @@ def pack_q4_1(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
     if not round_scales and not (torch.equal(d16.float(), scale.float()) and torch.equal(m16.float(), mn.float())):
         return None
     nb, g = n // TILE_N, k // GROUP
+    return LayerTiles(torch.cat([_nibbles(codes, nb, g), _per_block(d16, nb, g), _per_block(m16, nb, g)], -1)
+                      .contiguous(), (n, k))
+
+
+def _nibbles(codes: torch.Tensor, nb: int, g: int) -> torch.Tensor:
+    """The low 4 bits of codes [N, K] as the 4-bit tiles hold them: [block, group, 256 bytes]."""
     # codes[n, 32 g + 2 r + j] -> [block, group, pair p, r % 2, lane 2 n + j], with r = 2 p + r % 2
-    c = codes.to(torch.uint8).view(nb, TILE_N, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 8, 2, 32)
-    code_bytes = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(nb, g, 256)
-    return LayerTiles(torch.cat([code_bytes, _per_block(d16, nb, g), _per_block(m16, nb, g)], -1).contiguous(),
-                      (n, k))
+    c = (codes.to(torch.uint8) & 0x0F).view(nb, TILE_N, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 8, 2, 32)
+    return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(nb, g, 256)
+
+
+def _fifth_bits(codes: torch.Tensor, nb: int, g: int) -> torch.Tensor:
+    """Bit 4 of codes [N, K] as the 5-bit tiles hold them: [block, group, 64 bytes]."""
+    # the fifth bits of pair p: bit 32 h + 2 n + j for input 4 p + 2 h + j of row n, 8 bytes little-endian
+    top = ((codes.to(torch.uint8) >> 4) & 1).view(nb, TILE_N, g, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
+    weights = (1 << torch.arange(8, dtype=torch.int32))
+    return (top.reshape(nb, g, 8, 8, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8).reshape(nb, g, 64)
 
 
 def pack_q5(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> LayerTiles | None:
@@ -84,12 +99,32 @@ def pack_q5(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> Layer
     nb, g = n // TILE_N, k // GROUP
     low = pack_q4_1(codes.to(torch.uint8) & 0x0F, scale, mn, round_scales=True)
     assert low is not None
-    # the fifth bits of pair p: bit 32 h + 2 n + j for input 4 p + 2 h + j of row n, 8 bytes little-endian
-    top = ((codes.to(torch.uint8) >> 4) & 1).view(nb, TILE_N, g, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
-    weights = (1 << torch.arange(8, dtype=torch.int32))
-    bits = (top.reshape(nb, g, 8, 8, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8).reshape(nb, g, 64)
     blocks = low.blocks.view(nb, g, BLOCK_BYTES)
-    return LayerTiles(torch.cat([blocks[..., :256], bits, blocks[..., 256:]], -1).contiguous(), (n, k), TILES_Q5)
+    return LayerTiles(torch.cat([blocks[..., :256], _fifth_bits(codes, nb, g), blocks[..., 256:]], -1).contiguous(),
+                      (n, k), TILES_Q5)
+
+
+def pack_kq(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor,
+            dmin: torch.Tensor) -> LayerTiles | None:
+    """The kernel's TILES_Q4K (codes in 0..15) or TILES_Q5K (0..31) layout of a K type's blocks: codes [N, K],
+    the 6-bit scale and min of each 32 inputs `sc`, `mn` [N, K / 32], the super-block's fp16 `d`, `dmin`
+    [N, K / 256]: w = d sc code - dmin mn, exactly (TILES_Q4 rounds each product to one fp16). None when K is
+    not a multiple of 256 or N not one of 16."""
+    n, k = codes.shape
+    if k % QK_K or n % TILE_N:
+        return None
+    nb, g = n // TILE_N, k // GROUP
+    five = int(codes.max()) > 15
+
+    def rows(t: torch.Tensor, per: int) -> torch.Tensor:  # [N, per] -> [block, per, 16 rows]
+        return t.reshape(nb, TILE_N, per).permute(0, 2, 1)
+
+    # each super-block's 16 D (fp16) and 16 M = -dmin, 64 bytes, 8 of them in each of its 8 blocks
+    sup = torch.cat([rows(d.to(torch.float16), g // 8).contiguous().view(torch.uint8),
+                     rows((-dmin).to(torch.float16), g // 8).contiguous().view(torch.uint8)], -1).reshape(nb, g, 8)
+    parts = [_nibbles(codes, nb, g), *([_fifth_bits(codes, nb, g)] if five else []),
+             rows(sc.to(torch.uint8), g), rows(mn.to(torch.uint8), g), sup]
+    return LayerTiles(torch.cat(parts, -1).contiguous(), (n, k), TILES_Q5K if five else TILES_Q4K)
 
 
 def pack_f16(weight: torch.Tensor) -> LayerTiles | None:
@@ -161,6 +196,11 @@ def available() -> bool:
     return build.load() is not None
 
 
+def amx_usable(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether this build and the OS let steps multiply on AMX tiles."""
+    return bool(_library(lib, "native CPU step").sluice_amx_available())
+
+
 def _library(lib: ctypes.CDLL | None, what: str) -> ctypes.CDLL:
     """`lib`, or this machine's build of forward.c."""
     lib = lib or build.load()
@@ -201,7 +241,8 @@ class ForwardStep:
 
     def tile_formats(self) -> dict[str, int]:
         """How many of the layers' matrices each tile format holds ("4-bit", "int8 group", "fp16", "bf16")."""
-        names = {TILES_Q4: "4-bit", TILES_Q5: "5-bit", TILES_Q8G: "int8 group", TILES_Q8G6: "int8 group",
+        names = {TILES_Q4: "4-bit", TILES_Q5: "5-bit", TILES_Q4K: "4-bit K", TILES_Q5K: "5-bit K",
+                 TILES_Q8G: "int8 group", TILES_Q8G6: "int8 group",
                  TILES_Q8: "int8 group",
                  TILES_F16: "fp16", TILES_BF16: "bf16"}
         out: dict[str, int] = {}

@@ -237,15 +237,115 @@ static inline __m256i fifth_bits_epi16(uint32_t bits) {
 }
 #endif
 
-/* The d and m of a TILES_Q4 (five: TILES_Q5) block, and its fifth bits of tile row pair p. */
-#define Q_BYTES(five) ((five) ? Q5_BLOCK_BYTES : BLOCK_BYTES)
-#define Q_D(blk, five) ((blk) + ((five) ? 320 : 256))
-#define Q_M(blk, five) ((blk) + ((five) ? 352 : 288))
+/* A 4-bit block's kind, a constant of each column function: Q_FIVE, its codes' fifth bits follow the
+ * nibbles (TILES_Q5, TILES_Q5K); Q_KS, a K type's own scales (TILES_Q4K, TILES_Q5K): row n's d = D[n] sc[n]
+ * and m = M[n] mn[n], sc and mn the block's 6-bit bytes, D and M (fp16, M = -dmin) its super-block's (the 8
+ * blocks of 256 inputs): 8 bytes of them in each of its blocks, block 8s + i holding D of rows 4i..4i+3
+ * for i < 4, M of rows 4(i - 4)..4(i - 4)+3 for i >= 4. 40 bytes a block where fp16 d and m take 64, and
+ * the products exact (held as one fp16 they were rounded). Else each row's d and m as fp16. */
+enum { Q_FIVE = 1, Q_KS = 2 };
+#define Q_BYTES(kind) (256 + ((kind) & Q_FIVE ? 64 : 0) + ((kind) & Q_KS ? 40 : 64))
+#define Q_D(blk, kind) ((blk) + ((kind) & Q_FIVE ? 320 : 256)) /* fp16 d[16], or (Q_KS) uint8 sc[16] */
+#define Q_M(blk, kind) (Q_D(blk, kind) + ((kind) & Q_KS ? 16 : 32)) /* fp16 m[16], or uint8 mn[16] */
+#define Q_SUP(blk, kind) (Q_D(blk, kind) + 32) /* Q_KS: the block's 8 bytes of its super-block's D and M */
 static inline uint64_t fifth_bits(const uint8_t *blk, int p) {
     uint64_t hb;
     memcpy(&hb, blk + 256 + 8 * p, 8);
     return hb;
 }
+
+/* The 8 bytes of super-block scales that block g0 + i of a column holds (g0 a multiple of 8). */
+static inline uint64_t ks_slice(const uint8_t *col, int g0, int i, int kind) {
+    uint64_t v;
+    memcpy(&v, Q_SUP(col + (size_t)(g0 + i) * Q_BYTES(kind), kind), 8);
+    return v;
+}
+
+/* Q_KS: the super-block scales of the 8 blocks from g0 (D and M of the 16 rows), kept while a column's
+ * blocks are read in order (gathered again only when g0 changes: once per 8 blocks). g0 -1: none yet. */
+typedef struct {
+    int g0;
+    float D[TILE_N], M[TILE_N];
+} ks_rows_t;
+
+/* Block g's d and m of its 16 rows (plain C). */
+static inline void q_dm_rows(const uint8_t *col, int g, int kind, ks_rows_t *ks, float *d, float *m) {
+    const uint8_t *blk = col + (size_t)g * Q_BYTES(kind);
+    if (!(kind & Q_KS)) {
+        for (int n = 0; n < TILE_N; n++) {
+            uint16_t dh, mh;
+            memcpy(&dh, Q_D(blk, kind) + 2 * n, 2), memcpy(&mh, Q_M(blk, kind) + 2 * n, 2);
+            d[n] = fp16_to_f32(dh), m[n] = fp16_to_f32(mh);
+        }
+        return;
+    }
+    if (ks->g0 != (g & ~7)) {
+        uint16_t sup[32];
+        for (int i = 0; i < 8; i++) {
+            const uint64_t v = ks_slice(col, g & ~7, i, kind);
+            memcpy(sup + 4 * i, &v, 8);
+        }
+        for (int n = 0; n < TILE_N; n++) ks->D[n] = fp16_to_f32(sup[n]), ks->M[n] = fp16_to_f32(sup[16 + n]);
+        ks->g0 = g & ~7;
+    }
+    for (int n = 0; n < TILE_N; n++) d[n] = ks->D[n] * (float)Q_D(blk, kind)[n], m[n] = ks->M[n] * (float)Q_M(blk, kind)[n];
+}
+
+#if defined(__AVX512F__)
+typedef struct { /* ks_rows_t's vectors */
+    int g0;
+    __m512 D, M;
+} ks16_t;
+
+/* Block g's d and m of its 16 rows. */
+static inline __attribute__((always_inline)) void q_dm16(const uint8_t *col, int g, int kind, ks16_t *ks, __m512 *d,
+                                                         __m512 *m) {
+    const uint8_t *blk = col + (size_t)g * Q_BYTES(kind);
+    if (!(kind & Q_KS)) {
+        *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_D(blk, kind)));
+        *m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_M(blk, kind)));
+        return;
+    }
+    const int g0 = g & ~7;
+    if (ks->g0 != g0) {
+        const __m256i dh = _mm256_set_epi64x((long long)ks_slice(col, g0, 3, kind), (long long)ks_slice(col, g0, 2, kind),
+                                             (long long)ks_slice(col, g0, 1, kind), (long long)ks_slice(col, g0, 0, kind));
+        const __m256i mh = _mm256_set_epi64x((long long)ks_slice(col, g0, 7, kind), (long long)ks_slice(col, g0, 6, kind),
+                                             (long long)ks_slice(col, g0, 5, kind), (long long)ks_slice(col, g0, 4, kind));
+        ks->D = _mm512_cvtph_ps(dh), ks->M = _mm512_cvtph_ps(mh), ks->g0 = g0;
+    }
+    *d = _mm512_mul_ps(ks->D, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)Q_D(blk, kind)))));
+    *m = _mm512_mul_ps(ks->M, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)Q_M(blk, kind)))));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+typedef struct { /* ks_rows_t's vectors: rows 0-7 and 8-15 */
+    int g0;
+    __m256 D[2], M[2];
+} ks8_t;
+
+/* Block g's d and m of rows 8o..8o+7. */
+static inline __attribute__((always_inline)) void q_dm8(const uint8_t *col, int g, int kind, int o, ks8_t *ks,
+                                                        __m256 *d, __m256 *m) {
+    const uint8_t *blk = col + (size_t)g * Q_BYTES(kind);
+    if (!(kind & Q_KS)) {
+        *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_D(blk, kind) + 16 * o)));
+        *m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_M(blk, kind) + 16 * o)));
+        return;
+    }
+    const int g0 = g & ~7;
+    if (ks->g0 != g0) {
+        for (int h = 0; h < 2; h++) {
+            ks->D[h] = _mm256_cvtph_ps(_mm_set_epi64x((long long)ks_slice(col, g0, 2 * h + 1, kind),
+                                                      (long long)ks_slice(col, g0, 2 * h, kind)));
+            ks->M[h] = _mm256_cvtph_ps(_mm_set_epi64x((long long)ks_slice(col, g0, 5 + 2 * h, kind),
+                                                      (long long)ks_slice(col, g0, 4 + 2 * h, kind)));
+        }
+        ks->g0 = g0;
+    }
+    *d = _mm256_mul_ps(ks->D[o], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(Q_D(blk, kind) + 8 * o)))));
+    *m = _mm256_mul_ps(ks->M[o], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(Q_M(blk, kind) + 8 * o)))));
+}
+#endif
 
 #if HAVE_INT8
 /* The int8 paths' order of a pair p's fifth bits: bit 4n + j for input 4p + j of output row n. */
@@ -266,17 +366,19 @@ static inline __m256i fifth_bits_bytes(uint32_t x) {
 #endif
 
 /* One column of blocks (16 output rows n0.., all K) for nb <= ROWS_PER_PASS input rows: y[b, n0 + n].
- * five: TILES_Q5 (the fifth bits or-ed into the codes), else TILES_Q4 (a constant: two functions). */
+ * kind: Q_FIVE (the fifth bits or-ed into the codes) and Q_KS (K-type scales), a constant: a function each. */
 static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, int G, const qx_t *qx, int K,
-                                                            int nb, float *y, int ldy, int five) {
+                                                            int nb, float *y, int ldy, int kind) {
+    const int five = kind & Q_FIVE;
     float out[ROWS_PER_PASS][TILE_N];
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+    ks16_t ks = {-1, _mm512_setzero_ps(), _mm512_setzero_ps()};
     __m512 accf[ROWS_PER_PASS];
     for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi16(0xf), sixteen = _mm512_set1_epi16(16);
     for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
-        prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
+        const uint8_t *blk = col + (size_t)g * Q_BYTES(kind);
+        prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(kind));
         __m512i acc[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
         for (int p = 0; p < 8; p++) {
@@ -301,8 +403,8 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
 #endif
             }
         }
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_D(blk, five)));
-        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_M(blk, five)));
+        __m512 d, m;
+        q_dm16(col, g, kind, &ks, &d, &m);
         for (int b = 0; b < nb; b++) {
             accf[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b]), d, accf[b]);
             accf[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(qx->sx[(size_t)b * G + g]), accf[b]);
@@ -310,11 +412,12 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
     }
     for (int b = 0; b < nb; b++) _mm512_storeu_ps(out[b], accf[b]);
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    ks8_t ks = {-1, {_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
     for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
     const __m256i low = _mm256_set1_epi16(0xf);
     for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
-        prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
+        const uint8_t *blk = col + (size_t)g * Q_BYTES(kind);
+        prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(kind));
         __m256i acc[ROWS_PER_PASS][2];
         for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
         for (int p = 0; p < 8; p++) {
@@ -343,8 +446,8 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
             }
         }
         for (int h = 0; h < 2; h++) {
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_D(blk, five) + 16 * h)));
-            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_M(blk, five) + 16 * h)));
+            __m256 d, m;
+            q_dm8(col, g, kind, h, &ks, &d, &m);
             for (int b = 0; b < nb; b++) {
                 __m256 o = _mm256_loadu_ps(out[b] + 8 * h);
                 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][h]), d, o);
@@ -354,10 +457,12 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
         }
     }
 #else
+    ks_rows_t ks = {.g0 = -1};
     for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
     for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
-        const uint16_t *dw = (const uint16_t *)Q_D(blk, five), *mw = (const uint16_t *)Q_M(blk, five);
+        const uint8_t *blk = col + (size_t)g * Q_BYTES(kind);
+        float dw[TILE_N], mw[TILE_N];
+        q_dm_rows(col, g, kind, &ks, dw, mw);
         for (int b = 0; b < nb; b++) {
             const int16_t *xq = qx->q + (size_t)b * K + g * GROUP;
             int32_t s[TILE_N] = {0};
@@ -371,7 +476,7 @@ static inline __attribute__((always_inline)) void q4_column(const uint8_t *col, 
                 }
             }
             const float sx = qx->sx[(size_t)b * G + g];
-            for (int n = 0; n < TILE_N; n++) out[b][n] += (float)s[n] * fp16_to_f32(dw[n]) + fp16_to_f32(mw[n]) * sx;
+            for (int n = 0; n < TILE_N; n++) out[b][n] += (float)s[n] * dw[n] + mw[n] * sx;
         }
     }
 #endif
@@ -591,13 +696,15 @@ static inline __attribute__((always_inline)) __m512i q4_codes_i8(const uint8_t *
 
 /* (wv: the column's codes already decoded, wv[8 g + p] = q4_codes_i8 of group g, pair p: decode_q4_i8) */
 static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
-                                                               int nb, float *y, int ldy, int five,
+                                                               int nb, float *y, int ldy, int kind,
                                                                const __m512i *wv) {
+    const int five = kind & Q_FIVE;
+    ks16_t ks = {-1, _mm512_setzero_ps(), _mm512_setzero_ps()};
     __m512 accf[ROWS_PER_PASS];
     for (int b = 0; b < nb; b++) accf[b] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
-        if (!wv) prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
+        const uint8_t *blk = col + (size_t)g * Q_BYTES(kind);
+        if (!wv) prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(kind));
         const int8_t *xg = qx->q8 + g * GROUP;
         __m512i acc[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_si512();
@@ -610,8 +717,8 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
             }
         }
         /* d (dg (codes . inputs) + ce) + m sx: the codes' products centred on CODE_CENTRE in ce */
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_D(blk, five)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_M(blk, five)));
+        __m512 d, m;
+        q_dm16(col, g, kind, &ks, &d, &m);
         for (int b = 0; b < nb; b++) {
             const size_t i = (size_t)b * G + g;
             const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[b]), _mm512_set1_ps(qx->dg[i]),
@@ -624,10 +731,11 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
 
 /* A column's 4-bit (five: 5-bit) codes as q4_column_i8 multiplies them, decoded once into a thread's
  * buffer (L1/L2-resident) for every pass of 8 rows over the column. */
-static void decode_q4_i8(const uint8_t *col, int G, int five, __m512i *wv) {
+static void decode_q4_i8(const uint8_t *col, int G, int kind, __m512i *wv) {
+    const int five = kind & Q_FIVE;
     for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
-        prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
+        const uint8_t *blk = col + (size_t)g * Q_BYTES(kind);
+        prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(kind));
         for (int p = 0; p < 8; p++) _mm512_store_si512(wv + 8 * (size_t)g + p, q4_codes_i8(blk, p, five));
     }
 }
@@ -739,12 +847,13 @@ static void decode_q8_i8(const uint8_t *col, int G, int bytes, __m512i *wv) {
  * 16o..16o+15 of each tile row), group g, half h, tile row pair 4h + i, 8 lanes of the 4 codes of inputs
  * 4p..4p+3 (as the AVX-512 q4_column_i8 above) at wv[((o G + g) 2 + h) 4 + i]: decoded once per column
  * into a thread's buffer (L1/L2-resident), for every pass of 8 rows over it. */
-static void decode_q4_i8(const uint8_t *col, int G, int five, __m256i *wv) {
+static void decode_q4_i8(const uint8_t *col, int G, int kind, __m256i *wv) {
+    const int five = kind & Q_FIVE;
     const __m256i nibbles = _mm256_set1_epi8(0x0f);
     for (int o = 0; o < 2; o++)
         for (int g = 0; g < G; g++) {
-            const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
-            if (o == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(five));
+            const uint8_t *blk = col + (size_t)g * Q_BYTES(kind);
+            if (o == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(kind));
             for (int p = 0; p < 8; p++) {
                 const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p + 16 * o)));
                 __m256i w = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), nibbles);
@@ -766,16 +875,17 @@ static void decode_q4_i8(const uint8_t *col, int G, int five, __m256i *wv) {
  * codes decoded in wv (decode_q4_i8): y[b, n0 + n]. Eight output rows at a time; each row's four
  * `vpmaddubsw` summed in int16 (4 * 31 * 127 * 2 < 2^15), then widened. */
 static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
-                                                               int nb, float *y, int ldy, int five,
+                                                               int nb, float *y, int ldy, int kind,
                                                                const __m256i *wv) {
+    const int five = kind & Q_FIVE;
     const __m256i ones = _mm256_set1_epi16(1);
+    ks8_t ks = {-1, {_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
     for (int o = 0; o < 2; o++) { /* output rows 8o..8o+7: their sums stay in registers over all groups */
         __m256 accf[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) accf[b] = _mm256_setzero_ps();
         for (int g = 0; g < G; g++) {
-            const uint8_t *blk = col + (size_t)g * Q_BYTES(five);
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_D(blk, five) + 16 * o)));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Q_M(blk, five) + 16 * o)));
+            __m256 d, m;
+            q_dm8(col, g, kind, o, &ks, &d, &m);
             const __m256i *w = wv + ((size_t)o * G + g) * 8;
             for (int b = 0; b < nb; b++) {
                 const int8_t *xg = qx->q8 + (size_t)b * K + g * GROUP;
@@ -882,7 +992,14 @@ static inline int tile_bytes(int format) {
            : format == TILES_Q8 ? Q80_BLOCK_BYTES
            : format == TILES_F16 || format == TILES_BF16 ? F16_BLOCK_BYTES
            : format == TILES_Q5                          ? Q5_BLOCK_BYTES
+           : format == TILES_Q4K                         ? Q_BYTES(Q_KS)
+           : format == TILES_Q5K                         ? Q_BYTES(Q_KS | Q_FIVE)
                                                          : BLOCK_BYTES;
+}
+
+/* The 4-bit block kind (Q_FIVE, Q_KS) of a 4-bit or 5-bit tile format. */
+static inline int q_kind(int format) {
+    return (format == TILES_Q5 || format == TILES_Q5K ? Q_FIVE : 0) | (format == TILES_Q4K || format == TILES_Q5K ? Q_KS : 0);
 }
 
 /* The columns [c0, c1) of one format, taken by one column function CALL(nb) for each pass of up to
@@ -924,24 +1041,32 @@ static inline int tile_bytes(int format) {
 typedef void (*columns_fn)(const uint8_t *, int, int, int, const qx_t *, const float *, int, float *, int, int, int);
 
 #define CALL_Q4(n) q4_column(col, G, &part, K, n, yb, N, 0)
-#define CALL_Q5(n) q4_column(col, G, &part, K, n, yb, N, 1)
+#define CALL_Q5(n) q4_column(col, G, &part, K, n, yb, N, Q_FIVE)
+#define CALL_Q4K(n) q4_column(col, G, &part, K, n, yb, N, Q_KS)
+#define CALL_Q5K(n) q4_column(col, G, &part, K, n, yb, N, Q_KS | Q_FIVE)
 #define CALL_Q8G(n) q8g_column(col, G, &part, K, n, yb, N, 0)
 #define CALL_Q8(n) q8g_column(col, G, &part, K, n, yb, N, 1)
 #define CALL_F16(n) f16_column(col, G, x + (size_t)b0 * K, K, n, yb, N, 0)
 #define CALL_BF16(n) f16_column(col, G, x + (size_t)b0 * K, K, n, yb, N, 1)
 COLUMNS_FN(columns_q4, CALL_Q4)
 COLUMNS_FN(columns_q5, CALL_Q5)
+COLUMNS_FN(columns_q4k, CALL_Q4K)
+COLUMNS_FN(columns_q5k, CALL_Q5K)
 COLUMNS_FN(columns_q8g, CALL_Q8G)
 COLUMNS_FN(columns_q8, CALL_Q8)
 COLUMNS_FN(columns_f16, CALL_F16)
 COLUMNS_FN(columns_bf16, CALL_BF16)
 #if HAVE_INT8
 #define CALL_Q4_I8(n) q4_column_i8(col, G, &part, K, n, yb, N, 0, NULL)
-#define CALL_Q5_I8(n) q4_column_i8(col, G, &part, K, n, yb, N, 1, NULL)
+#define CALL_Q5_I8(n) q4_column_i8(col, G, &part, K, n, yb, N, Q_FIVE, NULL)
+#define CALL_Q4K_I8(n) q4_column_i8(col, G, &part, K, n, yb, N, Q_KS, NULL)
+#define CALL_Q5K_I8(n) q4_column_i8(col, G, &part, K, n, yb, N, Q_KS | Q_FIVE, NULL)
 #define CALL_Q8G_I8(n) q8g_column_i8(col, G, &part, K, n, yb, N, NULL)
 #define CALL_Q8_I8(n) q8_0_column_i8(col, G, &part, K, n, yb, N, NULL)
 COLUMNS_FN(columns_q4_i8, CALL_Q4_I8)
 COLUMNS_FN(columns_q5_i8, CALL_Q5_I8)
+COLUMNS_FN(columns_q4k_i8, CALL_Q4K_I8)
+COLUMNS_FN(columns_q5k_i8, CALL_Q5K_I8)
 COLUMNS_FN(columns_q8g_i8, CALL_Q8G_I8)
 COLUMNS_FN(columns_q8_i8, CALL_Q8_I8)
 #elif HAVE_INT8_Q4
@@ -954,12 +1079,14 @@ COLUMNS_FN(columns_q8g6_i8, CALL_Q8G6_I8)
 static columns_fn columns_for(int fmt, int int8) {
 #if HAVE_INT8
     if (int8)
-        return fmt == TILES_Q4 ? columns_q4_i8 : fmt == TILES_Q5 ? columns_q5_i8 : fmt == TILES_Q8 ? columns_q8_i8
+        return fmt == TILES_Q4 ? columns_q4_i8 : fmt == TILES_Q5 ? columns_q5_i8 : fmt == TILES_Q4K ? columns_q4k_i8
+             : fmt == TILES_Q5K ? columns_q5k_i8 : fmt == TILES_Q8 ? columns_q8_i8
              : fmt == TILES_Q8G || fmt == TILES_Q8G6 ? columns_q8g_i8 : fmt == TILES_F16 ? columns_f16 : columns_bf16;
 #elif HAVE_INT8_Q4
     if (int8 && fmt == TILES_Q8G6) return columns_q8g6_i8; /* (full-range int8 tiles: the int16 rows) */
 #endif
-    return fmt == TILES_Q4 ? columns_q4 : fmt == TILES_Q5 ? columns_q5 : fmt == TILES_Q8 ? columns_q8
+    return fmt == TILES_Q4 ? columns_q4 : fmt == TILES_Q5 ? columns_q5 : fmt == TILES_Q4K ? columns_q4k
+         : fmt == TILES_Q5K ? columns_q5k : fmt == TILES_Q8 ? columns_q8
          : fmt == TILES_Q8G || fmt == TILES_Q8G6 ? columns_q8g : fmt == TILES_F16 ? columns_f16 : columns_bf16;
 }
 
@@ -978,11 +1105,15 @@ static columns_fn columns_for(int fmt, int int8) {
     }
 typedef void (*decoded_fn)(const layer_tiles *, int, int, const qx_t *, int, float *, int, int, void *);
 #define DEC_CALL_Q4(n) q4_column_i8(col, G, &part, K, n, yb, N, 0, wv)
-#define DEC_CALL_Q5(n) q4_column_i8(col, G, &part, K, n, yb, N, 1, wv)
+#define DEC_CALL_Q5(n) q4_column_i8(col, G, &part, K, n, yb, N, Q_FIVE, wv)
+#define DEC_CALL_Q4K(n) q4_column_i8(col, G, &part, K, n, yb, N, Q_KS, wv)
+#define DEC_CALL_Q5K(n) q4_column_i8(col, G, &part, K, n, yb, N, Q_KS | Q_FIVE, wv)
 #if HAVE_INT8_Q4 /* (VNNI decodes 4-bit codes again per pass: decoded_for) */
 DECODED_FN(decoded_q4_i8, decode_q4_i8(col, G, 0, wv), DEC_CALL_Q4)
+DECODED_FN(decoded_q4k_i8, decode_q4_i8(col, G, Q_KS, wv), DEC_CALL_Q4K)
 #endif
-DECODED_FN(decoded_q5_i8, decode_q4_i8(col, G, 1, wv), DEC_CALL_Q5)
+DECODED_FN(decoded_q5_i8, decode_q4_i8(col, G, Q_FIVE, wv), DEC_CALL_Q5)
+DECODED_FN(decoded_q5k_i8, decode_q4_i8(col, G, Q_KS | Q_FIVE, wv), DEC_CALL_Q5K)
 #if HAVE_INT8
 #define DEC_CALL_Q8(n) q8_0_column_i8(col, G, &part, K, n, yb, N, wv)
 #define DEC_CALL_Q8G(n) q8g_column_i8(col, G, &part, K, n, yb, N, wv)
@@ -997,11 +1128,12 @@ DECODED_FN(decoded_q8g_i8, decode_q8_i8(col, G, bytes, wv), DEC_CALL_Q8G)
 static decoded_fn decoded_for(int fmt, int B) {
 #if HAVE_INT8
     if (B <= 2 * ROWS_PER_PASS) return NULL;
-    return fmt == TILES_Q5 ? decoded_q5_i8 : fmt == TILES_Q8 ? decoded_q8_i8
+    return fmt == TILES_Q5 ? decoded_q5_i8 : fmt == TILES_Q5K ? decoded_q5k_i8 : fmt == TILES_Q8 ? decoded_q8_i8
          : fmt == TILES_Q8G || fmt == TILES_Q8G6 ? decoded_q8g_i8 : NULL;
 #else
     (void)B;
-    return fmt == TILES_Q4 ? decoded_q4_i8 : fmt == TILES_Q5 ? decoded_q5_i8 : NULL;
+    return fmt == TILES_Q4 ? decoded_q4_i8 : fmt == TILES_Q5 ? decoded_q5_i8 : fmt == TILES_Q4K ? decoded_q4k_i8
+         : fmt == TILES_Q5K ? decoded_q5k_i8 : NULL;
 #endif
 }
 #endif
@@ -1059,7 +1191,7 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
     }
 #endif
 #if HAVE_INT8_Q4
-    if (int8 && (fmt == TILES_Q4 || fmt == TILES_Q5)) int8 = 0; /* (no buffer: the int16 rows, also prepared) */
+    if (int8 && (fmt == TILES_Q4 || fmt == TILES_Q5 || fmt == TILES_Q4K || fmt == TILES_Q5K)) int8 = 0; /* (no buffer: the int16 rows, also prepared) */
 #endif
     columns_for(fmt, int8)(w->blocks, bytes, N, K, qx, x, B, y, c0, c1, int8);
 }
@@ -1068,11 +1200,13 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
 /* Block -> a bf16 B tile: 16 rows (input pairs) of 32 bf16 (lane 2n + j), exactly the block's layout;
  * five: a Q5 block, the codes with their fifth bits (lanes 0-15 of tile row 2p: bits 0-15 of pair p's,
  * 16-31: 16-31; row 2p + 1: 32-63). */
-static inline void widen_block(const uint8_t *blk, uint16_t *tile, int five) {
+static inline void widen_block(const uint8_t *col, int g, uint16_t *tile, int kind, ks16_t *ks) {
     const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i hi_rows = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_D(blk, five)));
-    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)Q_M(blk, five)));
+    const int five = kind & Q_FIVE;
+    const uint8_t *blk = col + (size_t)g * Q_BYTES(kind);
+    __m512 d, m;
+    q_dm16(col, g, kind, ks, &d, &m);
     __m512 d0 = _mm512_permutexvar_ps(lo_rows, d), d1 = _mm512_permutexvar_ps(hi_rows, d);
     __m512 m0 = _mm512_permutexvar_ps(lo_rows, m), m1 = _mm512_permutexvar_ps(hi_rows, m);
     const __m512i low = _mm512_set1_epi32(0xf), sixteen = _mm512_set1_epi32(16);
@@ -1137,7 +1271,7 @@ static inline void widen_f16_block(const uint8_t *blk, uint16_t *tile) {
     }
 }
 
-static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *tile) {
+static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *tile, ks16_t *ks) {
     const uint8_t *blk = w->blocks + ((size_t)c * G + g) * w->block_bytes;
     prefetch_l2(blk + PREFETCH_AHEAD, w->block_bytes); /* as the int16 path: widening does not wait on memory */
     if (w->row_scale)
@@ -1150,10 +1284,13 @@ static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *t
         memcpy(tile, blk, F16_BLOCK_BYTES); /* already a bf16 B tile */
     else if (w->block_bytes == F16_BLOCK_BYTES)
         widen_f16_block(blk, tile);
-    else if (w->format == TILES_Q5)
-        widen_block(blk, tile, 1);
     else
-        widen_block(blk, tile, 0);
+        switch (q_kind(w->format)) { /* (a constant kind for each) */
+            case 0: widen_block(w->blocks + (size_t)c * G * w->block_bytes, g, tile, 0, ks); break;
+            case Q_FIVE: widen_block(w->blocks + (size_t)c * G * w->block_bytes, g, tile, Q_FIVE, ks); break;
+            case Q_KS: widen_block(w->blocks + (size_t)c * G * w->block_bytes, g, tile, Q_KS, ks); break;
+            default: widen_block(w->blocks + (size_t)c * G * w->block_bytes, g, tile, Q_KS | Q_FIVE, ks); break;
+        }
 }
 
 /* Tile t (16 x 16 fp32) into rows [m, m + 16) of y, only those below M (a partial tile through a
@@ -1182,13 +1319,14 @@ static void matmul_amx(const tile_weights *w, int N, int K, const qx_t *qx, int 
     const uint16_t *x = qx->bf;
     for (int pc = p0; pc < p1; pc++) {
         const int c = 2 * pc, two_cols = c + 1 < NB;
+        ks16_t ks[2] = {{-1, _mm512_setzero_ps(), _mm512_setzero_ps()}, {-1, _mm512_setzero_ps(), _mm512_setzero_ps()}};
         /* One slice of rows (up to 32): each group is widened just before it is multiplied, so the weight
          * stream keeps flowing while the tiles multiply (widening the whole pair first left memory idle
          * during the multiplies); more rows: the pair is widened once, for every slice. */
         const int at_once = M <= 32;
         for (int g = 0; g < G && !at_once; g++) {
-            widen(w, c, G, g, scratch + (size_t)g * 1024);
-            if (two_cols) widen(w, c + 1, G, g, scratch + (size_t)g * 1024 + 512);
+            widen(w, c, G, g, scratch + (size_t)g * 1024, &ks[0]);
+            if (two_cols) widen(w, c + 1, G, g, scratch + (size_t)g * 1024 + 512, &ks[1]);
         }
         for (int m0 = 0; m0 < M; m0 += 32) {
             const int two_rows = m0 + 16 < M;
@@ -1200,8 +1338,8 @@ static void matmul_amx(const tile_weights *w, int N, int K, const qx_t *qx, int 
             for (int g = 0; g < G; g++) {
                 uint16_t *bt = scratch + (size_t)g * 1024;
                 if (at_once) {
-                    widen(w, c, G, g, bt);
-                    if (two_cols) widen(w, c + 1, G, g, bt + 512);
+                    widen(w, c, G, g, bt, &ks[0]);
+                    if (two_cols) widen(w, c + 1, G, g, bt + 512, &ks[1]);
                 }
                 _tile_loadd(4, xa + (size_t)g * 16 * GROUP, 64);
                 _tile_loadd(6, bt, 64);

@@ -4,7 +4,7 @@
 
 #include <stdint.h>
 
-/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of seven formats:
+/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of nine formats:
  * TILES_Q4: 4-bit codes with fp16 d and m per row and group (GGML Q4_0, Q4_1, Q4_K values), BLOCK_BYTES;
  * TILES_Q8G: int8 codes with fp16 d per row and half group (16 inputs) and fp16 m per row and group
  * (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 values), Q8G_BLOCK_BYTES;
@@ -18,8 +18,13 @@
  * per pair p of tile rows: bit 2n + j for input 4p + j of output row n, bit 32 + 2n + j for 4p + 2 + j),
  * then d and m. 0.75 bytes a weight where TILES_Q8G takes 1.19;
  * TILES_Q8: TILES_Q8G's codes whose two half-group scales are equal and whose mins are zero (Q8_0's),
- * with one d per row and group and no m, Q80_BLOCK_BYTES: a group's halves summed in one integer. */
-enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3, TILES_Q8G6 = 4, TILES_Q5 = 5, TILES_Q8 = 6 };
+ * with one d per row and group and no m, Q80_BLOCK_BYTES: a group's halves summed in one integer;
+ * TILES_Q4K / TILES_Q5K: TILES_Q4 / TILES_Q5 with a K type's own scales (Q4_K, Q5_K): in place of fp16 d
+ * and m, each row's 6-bit scale and min as bytes, then 8 bytes of the super-block's fp16 D and M (M =
+ * -dmin; block 8s + i: D of rows 4i..4i+3 for i < 4, M of rows 4(i - 4).. for i >= 4), d = D sc and m =
+ * M mn, exact: 296 (360) bytes a block, 0.58 (0.70) bytes a weight. K a multiple of 256. */
+enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3, TILES_Q8G6 = 4, TILES_Q5 = 5, TILES_Q8 = 6,
+       TILES_Q4K = 7, TILES_Q5K = 8 };
 
 typedef struct {
     const uint8_t *blocks;

@@ -15,7 +15,7 @@ import torch
 
 from engine.gguf_blocks import DECODERS, dequantize, group_blocks, half_weights
 from engine.weights import _five_bit, pack_native
-from kernels.cpu import TILES_Q4, TILES_Q5, TILES_Q8, TILES_Q8G, TILES_Q8G6, LayerBlocks
+from kernels.cpu import TILES_Q4, TILES_Q4K, TILES_Q5, TILES_Q5K, TILES_Q8, TILES_Q8G, TILES_Q8G6, LayerBlocks
 from kernels.cpu import build as cpu_build
 from tests.kernels.cpu.test_forward import TinyModel, _library, assert_step_matches_reference
 
@@ -78,12 +78,13 @@ def test_f16_and_bf16_stay_the_16_bit_weights_the_file_holds():
     assert half_weights(w, "Q8_0", (16, 64)) is None
 
 
-def _tile_values(b) -> torch.Tensor:
-    """The weights the tiles hold: the K types' product scales rounded to fp16, each weight q d + m in fp32
-    (what the AMX path then rounds to bf16). Within 2^-11 of the file's own values, relative to a group's
-    largest code * scale plus its min: each of the two is rounded to fp16 once (under 1% of a Q4_K step)."""
+def _tile_values(b, exact_k: bool = False) -> torch.Tensor:
+    """The weights the tiles hold: the K types' product scales rounded to fp16 (`exact_k`: as they are, the
+    K tiles' own), each weight q d + m in fp32 (what the AMX path then rounds to bf16). Within 2^-11 of the
+    file's own values, relative to a group's largest code * scale plus its min: each of the two is rounded to
+    fp16 once (under 1% of a Q4_K step)."""
     n, k = b.codes.shape
-    scale, mn = b.scale.half().float(), b.mn.half().float()
+    scale, mn = (b.scale, b.mn) if exact_k else (b.scale.half().float(), b.mn.half().float())
     qd = b.codes.float().view(n, k // 16, 16) * scale[..., None]
     w = qd.view(n, k // 32, 32) + mn[..., None]
     exact = dequantize(b).view(n, k // 32, 32)
@@ -92,13 +93,14 @@ def _tile_values(b) -> torch.Tensor:
     return w.view(n, k).double()
 
 
-def _tile_mins(b) -> torch.Tensor:
-    """The part of `_tile_values` that is the groups' mins (fp16-rounded), one per weight."""
-    return b.mn.half().double().repeat_interleave(32, 1)
+def _tile_mins(b, exact_k: bool = False) -> torch.Tensor:
+    """The part of `_tile_values` that is the groups' mins (fp16-rounded unless `exact_k`), one per weight."""
+    return (b.mn.double() if exact_k else b.mn.half().double()).repeat_interleave(32, 1)
 
 
-def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
-    """The fixture's two layers as the native step's tiles, and as float64 weights for the reference."""
+def _fixture_model(k_scales: bool) -> tuple[TinyModel, dict[str, int]]:
+    """The fixture's two layers as the native step's tiles (`k_scales`: Q4_K/Q5_K matrices in K tiles), and as
+    float64 weights for the reference."""
     reader = gguf.GGUFReader(str(FIXTURE))
     ts = _layer_tensors(reader)
     model = TinyModel(hidden=256, heads=4, kv_heads=2, head_dim=64, inter=256, layers=2, bias=False)
@@ -108,18 +110,21 @@ def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
     for i in range(2):
         blocks = {n: group_blocks(t.data, t.tensor_type.name, _shape(t))  # type: ignore[attr-defined]
                   for n, t in ts.items() if n.startswith(f"blk.{i}.")}
-        dense = {m: torch.cat([_tile_values(blocks[f"blk.{i}.{p}.weight"]) for p in parts])
+        packed = {m: pack_native([blocks[f"blk.{i}.{p}.weight"] for p in parts], k_scales)
+                  for m, parts in fused.items()}
+        formats.update({f"{i}.{m}": t.format for m, t in packed.items() if t is not None})
+        exact = {m: t is not None and t.format in (TILES_Q4K, TILES_Q5K) for m, t in packed.items()}
+        dense = {m: torch.cat([_tile_values(blocks[f"blk.{i}.{p}.weight"], exact[m]) for p in parts])
                  for m, parts in fused.items()}
         # the int8 matmul's reference multiplies the groups' mins by the exact inputs: the file's mins
-        model.mins[i] = {m: torch.cat([_tile_mins(blocks[f"blk.{i}.{p}.weight"]) for p in parts])
+        model.mins[i] = {m: torch.cat([_tile_mins(blocks[f"blk.{i}.{p}.weight"], exact[m]) for p in parts])
                          for m, parts in fused.items()}
-        packed = {m: pack_native([blocks[f"blk.{i}.{p}.weight"] for p in parts]) for m, parts in fused.items()}
-        formats.update({f"{i}.{m}": t.format for m, t in packed.items() if t is not None})
         for m, t in packed.items():  # 4-bit and 5-bit tiles: the int8 matmul centres their codes on 8 and 16
-            if t is not None and t.format in (TILES_Q4, TILES_Q5):  # (5-bit: Q5_0's codes moved up by 16)
+            if t is not None and t.format in (TILES_Q4, TILES_Q5, TILES_Q4K, TILES_Q5K):  # (Q5_0's moved up by 16)
                 parts = [_five_bit(blocks[f"blk.{i}.{p}.weight"]) for p in fused[m]]  # type: ignore[arg-type]
-                centre = 16 if t.format == TILES_Q5 else 8
-                model.mins[i][m] = torch.cat([(f[2].half().double() + centre * f[1].half().double())  # type: ignore[index]
+                centre = 16 if t.format in (TILES_Q5, TILES_Q5K) else 8
+                rnd = (lambda x: x.double()) if exact[m] else (lambda x: x.half().double())
+                model.mins[i][m] = torch.cat([(rnd(f[2]) + centre * rnd(f[1]))  # type: ignore[index]
                                               .repeat_interleave(32, 1) for f in parts])
         model.q8g[i] = {m for m, t in packed.items() if t is not None and t.format in (TILES_Q8G, TILES_Q8)}
         _, norms, _ = model.layers[i]
@@ -131,14 +136,16 @@ def _fixture_model() -> tuple[TinyModel, dict[str, int]]:
 @pytest.mark.skipif(cpu_build.load() is None, reason="no C compiler to build kernels/cpu/forward.c")
 @pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("rows", [1, 9, 40])
-def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(build, rows):
-    model, formats = _fixture_model()
+@pytest.mark.parametrize("k_scales", [True, False])
+def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(build, rows, k_scales):
+    model, formats = _fixture_model(k_scales)
     # layer 0 mixes Q4_K/Q5_K/Q6_K, Q8_0, Q5_0/Q5_1 and Q6_K: int8 group tiles, with codes in [-32, 32]
     # but for Q8_0's (Q8 tiles: one scale per group, no min), and 5-bit ones for Q5_0/Q5_1; layer 1 is all Q4_K
+    # (4-bit tiles with its own scales, or with fp16 d and m)
     assert {k: v for k, v in formats.items() if k.startswith("0.")} == {
         "0.qkv": TILES_Q8G6, "0.o": TILES_Q8, "0.gate_up": TILES_Q5, "0.down": TILES_Q8G6}
     assert {k: v for k, v in formats.items() if k.startswith("1.")} == dict.fromkeys(
-        ("1.qkv", "1.o", "1.gate_up", "1.down"), TILES_Q4)
+        ("1.qkv", "1.o", "1.gate_up", "1.down"), TILES_Q4K if k_scales else TILES_Q4)
     # AVX2's wide matmul gives the Q8_0 matrix int16 inputs and the others int8 ones: an int16 input that
     # falls on the other side of a rounding step than the float64 reference's (a step is 2^9 fp32 ulps of
     # the row's largest: it happens) then moves the next int8 roundings, and this file's reference moves by
@@ -149,7 +156,8 @@ def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])
-def test_the_files_matrices_through_each_builds_wide_matmul_match_their_rounding(build):
+@pytest.mark.parametrize("k_scales", [True, False])
+def test_the_files_matrices_through_each_builds_wide_matmul_match_their_rounding(build, k_scales):
     """Each matrix of the file through the build's wide matmul (the native matmul of sluice_head_logits,
     which takes a layer's tiles) against the float64 product with the inputs rounded as that matmul
     rounds them: int8 in 32s for the 4-bit tiles, for the int8-group ones too on AVX-512 VNNI and on AVX2
@@ -162,7 +170,7 @@ def test_the_files_matrices_through_each_builds_wide_matmul_match_their_rounding
     wide = lib.sluice_wide_matmul().decode()
     if not wide.startswith("int8"):
         pytest.skip(f"this build's wide matmul is {wide or 'none'}")
-    model, _ = _fixture_model()
+    model, _ = _fixture_model(k_scales)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(0))
     checked = 0
     for i, layer in enumerate(model.blocks):

@@ -9,6 +9,7 @@ and every build of forward.c that this CPU can run (native, AVX2, plain C), with
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from pathlib import Path
 
@@ -21,13 +22,16 @@ import kernels.cpu as cpu_kernels
 from kernels.cpu import (
     TILES_BF16,
     TILES_F16,
+    TILES_Q4K,
     TILES_Q5,
+    TILES_Q5K,
     TILES_Q8,
     TILES_Q8G,
     TILES_Q8G6,
     ForwardStep,
     LayerBlocks,
     pack_f16,
+    pack_kq,
     pack_q4_1,
     pack_q5,
     pack_q8g,
@@ -90,6 +94,24 @@ def _q5(n: int, k: int, gen: torch.Generator):
     return _q4(n, k, gen, levels=32)
 
 
+def _kq(n: int, k: int, gen: torch.Generator, levels: int = 16):
+    """A K type's blocks (Q4_K: 16 levels, Q5_K: 32): codes, a 6-bit scale and min per 32 inputs, fp16 d and
+    dmin per 256 (w = d sc q - dmin mn), as `pack_kq` takes them; and the dequantised float64 value."""
+    codes = torch.randint(0, levels, (n, k), generator=gen, dtype=torch.uint8)
+    sc = torch.randint(0, 64, (n, k // 32), generator=gen, dtype=torch.uint8)
+    mn = torch.randint(0, 64, (n, k // 32), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(n, k // 256, generator=gen) * 4e-4 + 1e-4).half()
+    dmin = (torch.rand(n, k // 256, generator=gen) * 2e-3).half()
+    scale, mins = _k_factors(sc, mn, d, dmin)
+    dense = (codes.double().view(n, k // 32, 32) * scale[..., None] + mins[..., None]).view(n, k)
+    return (codes, sc, mn, d, dmin), dense
+
+
+def _k_factors(sc, mn, d, dmin) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K type's scale and min per 32 inputs (float64, exact) from its factors."""
+    return (d.double().repeat_interleave(8, 1) * sc.double(), -(dmin.double().repeat_interleave(8, 1) * mn.double()))
+
+
 def _q8g6(n: int, k: int, gen: torch.Generator):
     """_q8g with codes in [-32, 32] (the Q5 and Q6 types' range): TILES_Q8G6."""
     return _q8g(n, k, gen, max_code=32)
@@ -131,10 +153,10 @@ class TinyModel:
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int,
                  bias: bool, seed: int = 0, q8g: tuple[str, ...] = (), f16: tuple[str, ...] = (),
                  bf16: tuple[str, ...] = (), q8g6: tuple[str, ...] = (), q5: tuple[str, ...] = (),
-                 q8: tuple[str, ...] = ()):
-        """`q8g`, `f16`, `bf16`, `q8g6`, `q5`, `q8`: the matrices (qkv, o, gate_up, down) held as Q8G (codes
-        over the int8 range), F16, BF16, Q8G6 (Q8G with codes in [-32, 32]), Q5 or Q8 (Q8_0's) tiles, the
-        others as Q4."""
+                 q8: tuple[str, ...] = (), q4k: tuple[str, ...] = (), q5k: tuple[str, ...] = ()):
+        """`q8g`, `f16`, `bf16`, `q8g6`, `q5`, `q8`, `q4k`, `q5k`: the matrices (qkv, o, gate_up, down) held as
+        Q8G (codes over the int8 range), F16, BF16, Q8G6 (Q8G with codes in [-32, 32]), Q5, Q8 (Q8_0's), or
+        Q4K / Q5K (Q4_K's / Q5_K's own scales) tiles, the others as Q4."""
         gen = torch.Generator().manual_seed(seed)
         self.dims = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, eps=1e-5)
         qkv_n = (heads + 2 * kv_heads) * head_dim
@@ -145,6 +167,7 @@ class TinyModel:
         self.mins = []  # each layer's {matrix: the part of its weights that is the groups' mins (m), float64}
         for _ in range(layers):
             mats = {name: (_q8g if name in q8g else _q8g6 if name in q8g6 else _q8_0 if name in q8 else
+                           _kq if name in q4k else functools.partial(_kq, levels=32) if name in q5k else
                            _f16 if name in f16 else
                            _bf16w if name in bf16 else _q5 if name in q5 else _q4)(n, k, gen)
                     for name, (n, k) in {
@@ -155,12 +178,13 @@ class TinyModel:
             self.layers.append(({k: v[1] for k, v in mats.items()}, norms, b))
             # (4-bit and 5-bit codes: the kernel's int8 matmul centres them on 8 or 16, which moves that
             # many scales of each group into the part taken with the exact inputs)
-            centre = {k: 16 if k in q5 else 0 if k in q8g + q8g6 + q8 else 8 for k in mats}
-            self.mins.append({k: (v[0][2].double() + centre[k] * v[0][1].double() if centre[k] else
-                                  v[0][2].double()).repeat_interleave(32, 1)
-                              for k, v in mats.items() if k not in self.sixteen_bit})
+            centre = {k: 16 if k in q5 + q5k else 0 if k in q8g + q8g6 + q8 else 8 for k in mats}
+            scale_mn = {k: _k_factors(*v[0][1:]) if k in q4k + q5k else (v[0][1].double(), v[0][2].double())
+                        for k, v in mats.items() if k not in self.sixteen_bit}
+            self.mins.append({k: (mn + centre[k] * scale if centre[k] else mn).repeat_interleave(32, 1)
+                              for k, (scale, mn) in scale_mn.items()})
             packed = {k: (pack_q8g if k in q8g + q8g6 + q8 else pack_q5 if k in q5 else pack_f16 if k in f16 + bf16
-                          else pack_q4_1)(*v[0]) for k, v in mats.items()}
+                          else pack_kq if k in q4k + q5k else pack_q4_1)(*v[0]) for k, v in mats.items()}
             self.blocks.append(LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], qkv_bias=b, **packed))  # type: ignore[arg-type]
         pos = torch.arange(512, dtype=torch.float64)
         inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -383,6 +407,37 @@ def test_q8_0_tiles_match_the_float64_reference(build, q8, q8g, rows):
     assert {m: getattr(model.blocks[0], m).format for m in q8 + q8g} == {**dict.fromkeys(q8, TILES_Q8),
                                                                         **dict.fromkeys(q8g, TILES_Q8G)}
     assert_step_matches_reference(model, lib, rows, seed=400 + rows)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("q4k, q5k", [(("qkv", "o", "gate_up", "down"), ()), (("o", "down"), ("qkv", "gate_up"))])
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_k_scale_tiles_match_the_float64_reference(build, q4k, q5k, rows):
+    """Q4K and Q5K tiles (a K type's own 6-bit scales and mins and its super-blocks' fp16 d and dmin, shared
+    by 8 blocks), alone and beside Q4 tiles, on every build's int16 matmul and its wide one (AMX included:
+    its tiles widen a block at a time, reading the super-block's scales from the blocks around it)."""
+    lib = _library(build)
+    model = TinyModel(hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512, layers=2, bias=True, q4k=q4k, q5k=q5k)
+    assert {m: getattr(model.blocks[0], m).format for m in q4k + q5k} == {
+        **dict.fromkeys(q4k, TILES_Q4K), **dict.fromkeys(q5k, TILES_Q5K)}
+    assert_step_matches_reference(model, lib, rows, seed=500 + rows)
+
+
+def test_k_scale_tiles_hold_the_factors_in_fewer_bytes():
+    """TILES_Q4K: the nibbles, each row's scale and min byte, 8 bytes of the super-block's d and -dmin: 296 bytes
+    a block (TILES_Q4: 320); TILES_Q5K adds the fifth bits (360, TILES_Q5: 384); K not a multiple of 256: None."""
+    gen = torch.Generator().manual_seed(1)
+    (codes, sc, mn, d, dmin), _ = _kq(32, 512, gen)
+    t = pack_kq(codes, sc, mn, d, dmin)
+    assert t is not None and t.format == TILES_Q4K and tuple(t.blocks.shape) == (2, 16, 296)
+    blk = t.blocks[1, 9]  # rows 16..31, inputs 288..319: super-block 1, its block 1
+    assert torch.equal(blk[256:272], sc[16:32, 9]) and torch.equal(blk[272:288], mn[16:32, 9])
+    assert torch.equal(blk[288:296].view(torch.float16), d[20:24, 1])  # block 1 of 8: d of rows 4..7
+    assert torch.equal(t.blocks[1, 13, 288:296].view(torch.float16), -dmin[20:24, 1])  # block 5: -dmin of rows 4..7
+    (codes5, *rest), _ = _kq(32, 512, gen, levels=32)
+    t5 = pack_kq(codes5, *rest)
+    assert t5 is not None and t5.format == TILES_Q5K and tuple(t5.blocks.shape) == (2, 16, 360)
+    assert pack_kq(codes[:, :288], sc[:, :9], mn[:, :9], d[:, :1], dmin[:, :1]) is None
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
