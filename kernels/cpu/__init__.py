@@ -47,11 +47,15 @@ class LayerTiles:
     codes with a K type's own scales (Q4_K, Q5_K; `pack_kq`): 0.58 / 0.70 bytes, d and m exact."""
 
     blocks: torch.Tensor  # [N / 16, K / 32, 296, 320, 360, 384, 544, 608 or 1024] uint8
-    shape: tuple[int, int]
+    shape: tuple[int, int]  # of these blocks' rows (a tail's come after them)
     format: int = TILES_Q4
+    tail: LayerTiles | None = None  # the matrix's last rows in their own format (`layer_tiles`' tail)
 
     def nbytes(self) -> int:
-        return self.blocks.numel()
+        return self.blocks.numel() + (self.tail.nbytes() if self.tail is not None else 0)
+
+    def formats(self) -> list[int]:
+        return [self.format] + (self.tail.formats() if self.tail is not None else [])
 
 
 def _per_block(t: torch.Tensor, nb: int, g: int, parts: int = 1) -> torch.Tensor:
@@ -186,7 +190,10 @@ class LayerBlocks:
     def _struct(self) -> _Layer:
         bias = None if self.qkv_bias is None else self.qkv_bias.data_ptr()
         def tiles(m: LayerTiles) -> _Tiles:
-            return _Tiles(m.blocks.data_ptr(), m.format)
+            if m.tail is None:
+                return _Tiles(m.blocks.data_ptr(), m.format, 0, None, 0)
+            assert m.tail.tail is None  # (one tail: the kernel's layer_tiles)
+            return _Tiles(m.blocks.data_ptr(), m.format, m.shape[0], m.tail.blocks.data_ptr(), m.tail.format)
 
         return _Layer(self.attn_norm.data_ptr(), self.mlp_norm.data_ptr(), tiles(self.qkv), tiles(self.o),
                       tiles(self.gate_up), tiles(self.down), bias)
@@ -248,7 +255,8 @@ class ForwardStep:
         out: dict[str, int] = {}
         for lw in self._layers:
             for m in (lw.qkv, lw.o, lw.gate_up, lw.down):
-                out[names[m.format]] = out.get(names[m.format], 0) + 1
+                for f in m.formats():  # (a matrix with a tail: each part)
+                    out[names[f]] = out.get(names[f], 0) + 1
         return out
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
@@ -430,6 +438,7 @@ def head_logits(x: torch.Tensor, head: Q8Tiles | LayerTiles, threads: int, exact
         assert exact_rows is not None and exact_rows.shape == head.shape
         exact_rows.check(lib)
     has_exact = exact is not None or use_rows
+    assert not isinstance(head, LayerTiles) or head.tail is None  # (one format: the head takes no tail)
     scales, fmt = (head.scales.data_ptr(), 0) if isinstance(head, Q8Tiles) else (None, head.format)
     out = torch.empty(b, head.shape[0])
     rc = lib.sluice_head_logits(ctypes.c_int(b), ctypes.c_int(k), ctypes.c_void_p(x.data_ptr()),

@@ -14,9 +14,11 @@ class Dims(ctypes.Structure):
 
 
 class Tiles(ctypes.Structure):
-    """`layer_tiles`: a matrix's blocks and their format (TILES_*, sluice_forward.h)."""
+    """`layer_tiles`: a matrix's blocks and their format (TILES_*, sluice_forward.h), and with `tail` set, the
+    rows after the first `rows` in their own blocks and format."""
 
-    _fields_ = [("blocks", ctypes.c_void_p), ("format", ctypes.c_int)]
+    _fields_ = [("blocks", ctypes.c_void_p), ("format", ctypes.c_int), ("rows", ctypes.c_int),
+                ("tail", ctypes.c_void_p), ("tail_format", ctypes.c_int)]
 
 
 class Layer(ctypes.Structure):
@@ -27,7 +29,7 @@ class Layer(ctypes.Structure):
 def expected() -> list[int]:
     """What `sluice_abi_sizes` reports, in its order, for structs laid out as the mirrors above."""
     return [ctypes.sizeof(Dims), Dims.eps.offset, ctypes.sizeof(Layer), Layer.qkv.offset, Layer.qkv_bias.offset,
-            ctypes.sizeof(Tiles), Tiles.format.offset]
+            ctypes.sizeof(Tiles), Tiles.format.offset, Tiles.tail.offset]
 
 
 def mismatch(lib: ctypes.CDLL) -> str | None:

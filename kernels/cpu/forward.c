@@ -73,7 +73,8 @@ const char *sluice_forward_isa(void) {
 int sluice_abi_sizes(int64_t *out, int n) {
     const int64_t v[] = {(int64_t)sizeof(dims), (int64_t)offsetof(dims, eps), (int64_t)sizeof(layer_weights),
                          (int64_t)offsetof(layer_weights, qkv), (int64_t)offsetof(layer_weights, qkv_bias),
-                         (int64_t)sizeof(layer_tiles), (int64_t)offsetof(layer_tiles, format)};
+                         (int64_t)sizeof(layer_tiles), (int64_t)offsetof(layer_tiles, format),
+                         (int64_t)offsetof(layer_tiles, tail)};
     const int have = (int)(sizeof v / sizeof v[0]);
     for (int i = 0; i < n && i < have; i++) out[i] = v[i];
     return have;

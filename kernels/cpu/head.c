@@ -165,7 +165,7 @@ static void run_head(void *arg, int tid) {
     barrier(c->nthreads);
 #if HAVE_AMX
     if (c->mode == MM_AMX) {
-        matmul_amx(&c->w, c->V, c->K, &c->qx, c->B, c->out,
+        matmul_amx(&c->w, c->V, c->V, c->K, &c->qx, c->B, c->out,
                    c->tile_scratch + (size_t)tid * c->tile_scratch_per_thread, tid, c->nthreads);
         _tile_release();
     } else
@@ -173,8 +173,8 @@ static void run_head(void *arg, int tid) {
     if (c->w.row_scale) {
         head_int16(c, tid);
     } else { /* a layer's tiles (engine/weights.py, native_head: 4-bit for a large vocabulary) */
-        const layer_tiles lt = {c->w.blocks, c->w.format};
-        matmul_int16(&lt, c->V, c->K, &c->qx, c->x, c->B, c->out, tid, c->nthreads, c->mode);
+        const layer_tiles lt = {c->w.blocks, c->w.format, 0, NULL, 0};
+        matmul_int16(&lt, c->V, c->V, c->K, &c->qx, c->x, c->B, c->out, tid, c->nthreads, c->mode);
     }
     if ((!c->exact && !c->exact_rows.data) || c->refine <= 0) return;
     /* Each row's best candidates at full precision: every thread's best of a share of the outputs,

@@ -1139,9 +1139,10 @@ static decoded_fn decoded_for(int fmt, int B) {
 #endif
 
 /* This thread's share of y[B, N] = x[B, K] W^T (x quantised by quantize_x as `mode`, MM_INT16 or
- * MM_INT8): columns of blocks split evenly. */
-static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, const float *x, int B, float *y, int tid,
-                         int nt, int mode) {
+ * MM_INT8; y's rows ldy apart): columns of blocks split evenly; w->blocks in w->format only (step_matmul
+ * takes a tail). */
+static void matmul_int16(const layer_tiles *w, int N, int ldy, int K, const qx_t *qx, const float *x, int B, float *y,
+                         int tid, int nt, int mode) {
     const int G = K / GROUP, NB = N / TILE_N, per = (NB + nt - 1) / nt;
     const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB;
     const int fmt = w->format, bytes = tile_bytes(fmt);
@@ -1169,12 +1170,12 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
             for (int b0 = 0; b0 < B; b0 += BF_ROWS_PER_PASS) {
                 const int nb = B - b0 < BF_ROWS_PER_PASS ? B - b0 : BF_ROWS_PER_PASS;
                 const uint16_t *xb = qx->bf + (size_t)b0 * K;
-                float *yb = y + (size_t)b0 * N + c * TILE_N;
+                float *yb = y + (size_t)b0 * ldy + c * TILE_N;
                 switch (nb) { /* a constant nb: the accumulators stay in registers */
-#define BF_CASE(n) case n: f16_column_bf(col, G, xb, K, n, yb, N, bf16); break;
+#define BF_CASE(n) case n: f16_column_bf(col, G, xb, K, n, yb, ldy, bf16); break;
                     BF_CASE(1) BF_CASE(2) BF_CASE(3) BF_CASE(4) BF_CASE(5) BF_CASE(6) BF_CASE(7) BF_CASE(8)
                     BF_CASE(9) BF_CASE(10) BF_CASE(11) BF_CASE(12) BF_CASE(13) BF_CASE(14) BF_CASE(15)
-                    default: f16_column_bf(col, G, xb, K, 16, yb, N, bf16); break;
+                    default: f16_column_bf(col, G, xb, K, 16, yb, ldy, bf16); break;
 #undef BF_CASE
                 }
             }
@@ -1186,14 +1187,14 @@ static void matmul_int16(const layer_tiles *w, int N, int K, const qx_t *qx, con
     const decoded_fn dfn = int8 ? decoded_for(fmt, B) : NULL;
     void *wv = dfn ? decode_buffer(G, 512) : NULL;
     if (wv) {
-        dfn(w, N, K, qx, B, y, c0, c1, wv);
+        dfn(w, ldy, K, qx, B, y, c0, c1, wv); /* (N: y's row stride, in the column functions) */
         return;
     }
 #endif
 #if HAVE_INT8_Q4
     if (int8 && (fmt == TILES_Q4 || fmt == TILES_Q5 || fmt == TILES_Q4K || fmt == TILES_Q5K)) int8 = 0; /* (no buffer: the int16 rows, also prepared) */
 #endif
-    columns_for(fmt, int8)(w->blocks, bytes, N, K, qx, x, B, y, c0, c1, int8);
+    columns_for(fmt, int8)(w->blocks, bytes, ldy, K, qx, x, B, y, c0, c1, int8);
 }
 
 #if HAVE_AMX
@@ -1310,7 +1311,7 @@ static inline void widen(const tile_weights *w, int c, int G, int g, uint16_t *t
  * multiple of 16): pairs of block columns (32 outputs) split evenly; each pair widened once into
  * `scratch` ([K / 32][2][512] bf16) and multiplied by every 32-row slice of x (with one slice, group by
  * group as it is multiplied). */
-static void matmul_amx(const tile_weights *w, int N, int K, const qx_t *qx, int M, float *y, uint16_t *scratch,
+static void matmul_amx(const tile_weights *w, int N, int ldy, int K, const qx_t *qx, int M, float *y, uint16_t *scratch,
                        int tid, int nt) {
     const int G = K / GROUP, NB = N / TILE_N, NP = (NB + 1) / 2, per = (NP + nt - 1) / nt;
     const int p0 = tid * per, p1 = p0 + per < NP ? p0 + per : NP;
@@ -1354,12 +1355,12 @@ static void matmul_amx(const tile_weights *w, int N, int K, const qx_t *qx, int 
                     if (two_cols) _tile_dpbf16ps(3, 5, 7);
                 }
             }
-            float *ya = y + (size_t)m0 * N + c * TILE_N, *yb = ya + (size_t)16 * N;
-            STORE_TILE(0, ya, N, m0, M);
-            if (two_cols) STORE_TILE(1, ya + TILE_N, N, m0, M);
+            float *ya = y + (size_t)m0 * ldy + c * TILE_N, *yb = ya + (size_t)16 * ldy;
+            STORE_TILE(0, ya, ldy, m0, M);
+            if (two_cols) STORE_TILE(1, ya + TILE_N, ldy, m0, M);
             if (two_rows) {
-                STORE_TILE(2, yb, N, m0 + 16, M);
-                if (two_cols) STORE_TILE(3, yb + TILE_N, N, m0 + 16, M);
+                STORE_TILE(2, yb, ldy, m0 + 16, M);
+                if (two_cols) STORE_TILE(3, yb + TILE_N, ldy, m0 + 16, M);
             }
         }
     }

@@ -26,9 +26,15 @@
 enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3, TILES_Q8G6 = 4, TILES_Q5 = 5, TILES_Q8 = 6,
        TILES_Q4K = 7, TILES_Q5K = 8 };
 
+/* A layer's matrix: its blocks in one format, or (`tail` set) its first `rows` output rows in `format` and
+ * the rest in `tail_format`: a fused matrix whose last part is another type (a Q4_K_M file's Q6_K attn_v
+ * under Q4_K q and k) keeps each part in its own tiles instead of all in the wider ones. */
 typedef struct {
     const uint8_t *blocks;
     int format;
+    int rows; /* with `tail`: the rows in `blocks` */
+    const uint8_t *tail;
+    int tail_format;
 } layer_tiles;
 
 /* Any matrix in blocks of 16 output rows by 32 inputs, in tile order: a layer's (layer_tiles; `format`

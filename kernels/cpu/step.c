@@ -43,17 +43,28 @@ typedef struct {
 
 static void prepare_x(step_ctx *c, const float *x, int K, int b0, int b1) { quantize_x(x, K, &c->qx, b0, b1, c->mode); }
 
-/* y = x W^T for the step's rows; x (fp32, [B, K]) was prepared by prepare_x (the 16-bit tiles read it as is). */
-static void step_matmul(step_ctx *c, const layer_tiles *w, const float *x, int N, int K, float *y, int tid) {
+/* y[:, :N] (rows ldy apart) = x W^T for one part of a matrix in one format. */
+static void matmul_part(step_ctx *c, const uint8_t *blocks, int format, const float *x, int N, int ldy, int K, float *y,
+                        int tid) {
 #if HAVE_AMX
     if (c->mode == MM_AMX) {
-        const tile_weights tw = {w->blocks, tile_bytes(w->format), NULL, w->format};
-        matmul_amx(&tw, N, K, &c->qx, c->B, y, c->tile_scratch + (size_t)tid * c->tile_scratch_per_thread, tid,
+        const tile_weights tw = {blocks, tile_bytes(format), NULL, format};
+        matmul_amx(&tw, N, ldy, K, &c->qx, c->B, y, c->tile_scratch + (size_t)tid * c->tile_scratch_per_thread, tid,
                    c->nthreads);
         return;
     }
 #endif
-    matmul_int16(w, N, K, &c->qx, x, c->B, y, tid, c->nthreads, c->mode);
+    const layer_tiles part = {blocks, format, 0, NULL, 0};
+    matmul_int16(&part, N, ldy, K, &c->qx, x, c->B, y, tid, c->nthreads, c->mode);
+}
+
+/* y = x W^T for the step's rows; x (fp32, [B, K]) was prepared by prepare_x (the 16-bit tiles read it as is).
+ * A matrix with a tail: its two parts one after the other (each thread its share of each; no barrier
+ * between them, their outputs are apart). */
+static void step_matmul(step_ctx *c, const layer_tiles *w, const float *x, int N, int K, float *y, int tid) {
+    const int n1 = w->tail ? w->rows : N;
+    matmul_part(c, w->blocks, w->format, x, n1, N, K, y, tid);
+    if (w->tail) matmul_part(c, w->tail, w->tail_format, x, N - n1, N, K, y + n1, tid);
 }
 
 /* Every thread runs this; the phases between barriers split their work: matmul columns, attention by

@@ -6,6 +6,7 @@ mixed layers through the native step against a float64 reference."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -98,7 +99,7 @@ def _tile_mins(b, exact_k: bool = False) -> torch.Tensor:
     return (b.mn.double() if exact_k else b.mn.half().double()).repeat_interleave(32, 1)
 
 
-def _fixture_model(k_scales: bool) -> tuple[TinyModel, dict[str, int]]:
+def _fixture_model(k_scales: bool) -> tuple[TinyModel, dict[str, list[int]]]:
     """The fixture's two layers as the native step's tiles (`k_scales`: Q4_K/Q5_K matrices in K tiles), and as
     float64 weights for the reference."""
     reader = gguf.GGUFReader(str(FIXTURE))
@@ -106,27 +107,35 @@ def _fixture_model(k_scales: bool) -> tuple[TinyModel, dict[str, int]]:
     model = TinyModel(hidden=256, heads=4, kv_heads=2, head_dim=64, inter=256, layers=2, bias=False)
     fused = {"qkv": ["attn_q", "attn_k", "attn_v"], "o": ["attn_output"], "gate_up": ["ffn_gate", "ffn_up"],
              "down": ["ffn_down"]}
-    formats: dict[str, int] = {}
+    formats: dict[str, list[int]] = {}
     for i in range(2):
         blocks = {n: group_blocks(t.data, t.tensor_type.name, _shape(t))  # type: ignore[attr-defined]
                   for n, t in ts.items() if n.startswith(f"blk.{i}.")}
         packed = {m: pack_native([blocks[f"blk.{i}.{p}.weight"] for p in parts], k_scales)
                   for m, parts in fused.items()}
-        formats.update({f"{i}.{m}": t.format for m, t in packed.items() if t is not None})
-        exact = {m: t is not None and t.format in (TILES_Q4K, TILES_Q5K) for m, t in packed.items()}
-        dense = {m: torch.cat([_tile_values(blocks[f"blk.{i}.{p}.weight"], exact[m]) for p in parts])
-                 for m, parts in fused.items()}
-        # the int8 matmul's reference multiplies the groups' mins by the exact inputs: the file's mins
-        model.mins[i] = {m: torch.cat([_tile_mins(blocks[f"blk.{i}.{p}.weight"], exact[m]) for p in parts])
-                         for m, parts in fused.items()}
-        for m, t in packed.items():  # 4-bit and 5-bit tiles: the int8 matmul centres their codes on 8 and 16
-            if t is not None and t.format in (TILES_Q4, TILES_Q5, TILES_Q4K, TILES_Q5K):  # (Q5_0's moved up by 16)
-                parts = [_five_bit(blocks[f"blk.{i}.{p}.weight"]) for p in fused[m]]  # type: ignore[arg-type]
-                centre = 16 if t.format in (TILES_Q5, TILES_Q5K) else 8
-                rnd = (lambda x: x.double()) if exact[m] else (lambda x: x.half().double())
-                model.mins[i][m] = torch.cat([(rnd(f[2]) + centre * rnd(f[1]))  # type: ignore[index]
-                                              .repeat_interleave(32, 1) for f in parts])
-        model.q8g[i] = {m for m, t in packed.items() if t is not None and t.format in (TILES_Q8G, TILES_Q8)}
+        formats.update({f"{i}.{m}": t.formats() for m, t in packed.items() if t is not None})
+        dense, model.mins[i] = {}, {}
+        for m, parts in fused.items():
+            t = packed[m]
+            assert t is not None
+            # each part's tiles: the matrix's, or its tail's for the last part
+            fmts = [t.tail.format if t.tail is not None and j == len(parts) - 1 else t.format
+                    for j in range(len(parts))]
+            ws, mins = [], []
+            for p, f in zip(parts, fmts, strict=True):
+                b, exact = blocks[f"blk.{i}.{p}.weight"], f in (TILES_Q4K, TILES_Q5K)
+                ws.append(_tile_values(b, exact))
+                if f in (TILES_Q4, TILES_Q5, TILES_Q4K, TILES_Q5K):  # the int8 matmul centres 4-bit and 5-bit
+                    five = _five_bit(b)  # codes on 8 and 16 (Q5_0's moved up by 16)  # type: ignore[arg-type]
+                    assert five is not None
+                    rnd = (lambda x: x.double()) if exact else (lambda x: x.half().double())
+                    centre = 16 if f in (TILES_Q5, TILES_Q5K) else 8
+                    mins.append((rnd(five[2]) + centre * rnd(five[1])).repeat_interleave(32, 1))
+                else:  # the int8 matmul's reference multiplies the groups' mins by the exact inputs
+                    mins.append(_tile_mins(b, exact))
+            dense[m], model.mins[i][m] = torch.cat(ws), torch.cat(mins)
+        model.q8g[i] = {m for m, t in packed.items()
+                        if t is not None and any(f in (TILES_Q8G, TILES_Q8) for f in t.formats())}
         _, norms, _ = model.layers[i]
         model.layers[i] = (dense, norms, None)
         model.blocks[i] = LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], **packed)  # type: ignore[arg-type]
@@ -139,13 +148,14 @@ def _fixture_model(k_scales: bool) -> tuple[TinyModel, dict[str, int]]:
 @pytest.mark.parametrize("k_scales", [True, False])
 def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(build, rows, k_scales):
     model, formats = _fixture_model(k_scales)
-    # layer 0 mixes Q4_K/Q5_K/Q6_K, Q8_0, Q5_0/Q5_1 and Q6_K: int8 group tiles, with codes in [-32, 32]
-    # but for Q8_0's (Q8 tiles: one scale per group, no min), and 5-bit ones for Q5_0/Q5_1; layer 1 is all Q4_K
-    # (4-bit tiles with its own scales, or with fp16 d and m)
+    # layer 0: Q4_K/Q5_K q and k in 5-bit tiles (with their own scales, or fp16 d and m) and the Q6_K v after
+    # them in int8 group tiles (codes in [-32, 32]), Q8_0 (Q8 tiles: one scale per group, no min), Q5_0/Q5_1
+    # in 5-bit tiles, Q6_K; layer 1 is all Q4_K (4-bit tiles, with its own scales or fp16 d and m)
     assert {k: v for k, v in formats.items() if k.startswith("0.")} == {
-        "0.qkv": TILES_Q8G6, "0.o": TILES_Q8, "0.gate_up": TILES_Q5, "0.down": TILES_Q8G6}
+        "0.qkv": [TILES_Q5K if k_scales else TILES_Q5, TILES_Q8G6], "0.o": [TILES_Q8], "0.gate_up": [TILES_Q5],
+        "0.down": [TILES_Q8G6]}
     assert {k: v for k, v in formats.items() if k.startswith("1.")} == dict.fromkeys(
-        ("1.qkv", "1.o", "1.gate_up", "1.down"), TILES_Q4K if k_scales else TILES_Q4)
+        ("1.qkv", "1.o", "1.gate_up", "1.down"), [TILES_Q4K if k_scales else TILES_Q4])
     # AVX2's wide matmul gives the Q8_0 matrix int16 inputs and the others int8 ones: an int16 input that
     # falls on the other side of a rounding step than the float64 reference's (a step is 2^9 fp32 ulps of
     # the row's largest: it happens) then moves the next int8 roundings, and this file's reference moves by
@@ -175,14 +185,18 @@ def test_the_files_matrices_through_each_builds_wide_matmul_match_their_rounding
     checked = 0
     for i, layer in enumerate(model.blocks):
         for name in ("qkv", "o", "gate_up", "down"):
-            tiles, weight, mins = getattr(layer, name), model.layers[i][0][name], model.mins[i][name]
-            if tiles.shape[1] != x.shape[1]:
+            whole, weight, mins = getattr(layer, name), model.layers[i][0][name], model.mins[i][name]
+            if whole.shape[1] != x.shape[1]:
                 continue
-            int16 = wide == "int8 4-6 bit" and tiles.format in (TILES_Q8G, TILES_Q8)
-            rounded = (_int16_rows if int16 else _int8_groups)(x.double())
-            want = rounded @ (weight - mins).T + x.double() @ mins.T
-            for threads in (1, 2):
-                got = head_logits(x, tiles, threads, wide_min_rows=1, lib=lib).double()
-                assert ((got - want).abs().max() / want.abs().max()).item() < 2e-6, (i, name, tiles.format, threads)
-            checked += 1
+            parts = [(whole, 0)] + ([(whole.tail, whole.shape[0])] if whole.tail is not None else [])
+            for tiles, r0 in parts:  # (a matrix with a tail: each part, its own rows)
+                r1, tiles = r0 + tiles.shape[0], dataclasses.replace(tiles, tail=None)
+                int16 = wide == "int8 4-6 bit" and tiles.format in (TILES_Q8G, TILES_Q8)
+                rounded = (_int16_rows if int16 else _int8_groups)(x.double())
+                w, m = weight[r0:r1], mins[r0:r1]
+                want = rounded @ (w - m).T + x.double() @ m.T
+                for threads in (1, 2):
+                    got = head_logits(x, tiles, threads, wide_min_rows=1, lib=lib).double()
+                    assert ((got - want).abs().max() / want.abs().max()).item() < 2e-6, (i, name, tiles.format, threads)
+                checked += 1
     assert checked >= 6

@@ -9,6 +9,7 @@ and every build of forward.c that this CPU can run (native, AVX2, plain C), with
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -22,6 +23,7 @@ import kernels.cpu as cpu_kernels
 from kernels.cpu import (
     TILES_BF16,
     TILES_F16,
+    TILES_Q4,
     TILES_Q4K,
     TILES_Q5,
     TILES_Q5K,
@@ -165,6 +167,7 @@ class TinyModel:
         self.sixteen_bit = set(f16) | set(bf16)  # matrices whose matmuls take the fp32 inputs on every path
         self.q8g = [set(q8g) | set(q8) for _ in range(layers)]  # each layer's full-range int8-group matrices
         self.mins = []  # each layer's {matrix: the part of its weights that is the groups' mins (m), float64}
+        self.args = []  # each layer's {matrix: what its pack function took}
         for _ in range(layers):
             mats = {name: (_q8g if name in q8g else _q8g6 if name in q8g6 else _q8_0 if name in q8 else
                            _kq if name in q4k else functools.partial(_kq, levels=32) if name in q5k else
@@ -183,6 +186,7 @@ class TinyModel:
                         for k, v in mats.items() if k not in self.sixteen_bit}
             self.mins.append({k: (mn + centre[k] * scale if centre[k] else mn).repeat_interleave(32, 1)
                               for k, (scale, mn) in scale_mn.items()})
+            self.args.append({k: v[0] for k, v in mats.items()})
             packed = {k: (pack_q8g if k in q8g + q8g6 + q8 else pack_q5 if k in q5 else pack_f16 if k in f16 + bf16
                           else pack_kq if k in q4k + q5k else pack_q4_1)(*v[0]) for k, v in mats.items()}
             self.blocks.append(LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], qkv_bias=b, **packed))  # type: ignore[arg-type]
@@ -421,6 +425,31 @@ def test_k_scale_tiles_match_the_float64_reference(build, q4k, q5k, rows):
     assert {m: getattr(model.blocks[0], m).format for m in q4k + q5k} == {
         **dict.fromkeys(q4k, TILES_Q4K), **dict.fromkeys(q5k, TILES_Q5K)}
     assert_step_matches_reference(model, lib, rows, seed=500 + rows)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_a_matrix_with_a_tail_in_another_format_matches_the_float64_reference(build, rows):
+    """A fused QKV whose V rows are int8 group tiles (Q8G6) after 4-bit Q and K rows (a Q4_K_M file's attn_v
+    beside its q and k), and a gate/up whose up rows are 5-bit: each part multiplied in its own format into
+    its rows of the output, on every build's int16 matmul and its wide one, AMX included."""
+    lib = _library(build)
+    d = CONFIGS["even-groups"]
+    model = TinyModel(**d)
+    qk = (d["heads"] + d["kv_heads"]) * d["head_dim"]
+    for i, layer in enumerate(model.blocks):
+        codes, scale, mn = model.args[i]["qkv"]
+        v = pack_q8g(codes[qk:].to(torch.int8), scale[qk:].repeat_interleave(2, 1), mn[qk:])
+        assert v is not None and v.format == TILES_Q8G6
+        layer.qkv = dataclasses.replace(pack_q4_1(codes[:qk], scale[:qk], mn[:qk]), tail=v)  # type: ignore[arg-type]
+        model.mins[i]["qkv"][qk:] = mn[qk:].double().repeat_interleave(32, 1)  # (int8 groups: codes not centred)
+        codes, scale, mn = model.args[i]["gate_up"]
+        half = codes.shape[0] // 2
+        up = pack_q5(codes[half:], scale[half:], mn[half:])  # (4-bit codes in the 5-bit tiles: the same weights)
+        layer.gate_up = dataclasses.replace(pack_q4_1(codes[:half], scale[:half], mn[:half]), tail=up)  # type: ignore[arg-type]
+        model.mins[i]["gate_up"][half:] += 8 * scale[half:].double().repeat_interleave(32, 1)  # (centred on 16)
+    assert model.blocks[0].qkv.formats() == [TILES_Q4, TILES_Q8G6]
+    assert_step_matches_reference(model, lib, rows, seed=600 + rows)
 
 
 def test_k_scale_tiles_hold_the_factors_in_fewer_bytes():
