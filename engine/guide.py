@@ -124,6 +124,7 @@ class CompileTicket:
         self._clock = clock
         self._done = threading.Event()
         self._result: GuideMatcher | RequestRejected | None = None
+        self._finished_at = float("inf")
 
     @property
     def deadline(self) -> float:
@@ -137,6 +138,7 @@ class CompileTicket:
 
     def _finish(self, result: GuideMatcher | RequestRejected) -> None:
         self._result = result
+        self._finished_at = time.monotonic()
         self._done.set()
 
     @property
@@ -144,7 +146,9 @@ class CompileTicket:
         return self._done.is_set() or time.monotonic() >= self.deadline
 
     def matcher(self) -> GuideMatcher:
-        if not self._done.is_set():
+        """The compiled matcher; refused when the compile finished after its budget ran out, whenever the
+        engine looks (a compile that lands between `done` turning true and this call is still late)."""
+        if not self._done.is_set() or self._finished_at > self.deadline:
             raise RequestRejected(f"the grammar did not compile within {self.timeout_s:g} s (the compile budget); "
                                   "simplify the schema", code="invalid_grammar", param=_PARAM)
         assert self._result is not None

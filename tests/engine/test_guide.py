@@ -46,6 +46,14 @@ def wait(ticket, seconds: float = 30.0):
     return ticket.matcher()
 
 
+def wait_compiled(ticket, seconds: float = 30.0) -> None:
+    """Until the compile thread has finished the ticket (its `done` may be true earlier: the budget)."""
+    end = time.monotonic() + seconds
+    while not ticket._done.is_set():
+        assert time.monotonic() < end, "the compile never finished"
+        time.sleep(0.01)
+
+
 def test_the_tokenizer_is_built_for_the_first_grammar_only(tokenizer):
     source = CountedJson(tokenizer)
     g = guides(tokenizer, source)
@@ -97,5 +105,10 @@ def test_the_compile_budget_starts_when_the_tokenizer_is_ready(tokenizer):
         assert ticket.done  # the budget is spent; the compile (milliseconds) is not
         with pytest.raises(RequestRejected, match="did not compile within"):
             ticket.matcher()
+        # a compile that lands after the budget is refused too, however late the engine looks
+        late = g.submit(Guide("regex", "[a-z]{4}"), [])
+        wait_compiled(late)
+        with pytest.raises(RequestRejected, match="did not compile within"):
+            late.matcher()
     finally:
         g.close()
