@@ -191,12 +191,15 @@ WIDE_MODES = ("int16", "int8", "amx")  # the native step's matmuls, as `wide_thr
 
 
 def wide_thresholds(time_step: Callable[[int, str], float], modes: Sequence[str],
-                    rows: Sequence[int] = ROW_CANDIDATES) -> tuple[int, int, dict[int, dict[str, float]]]:
+                    rows: Sequence[int] = ROW_CANDIDATES,
+                    repeats: int = 3) -> tuple[int, int, dict[int, dict[str, float]]]:
     """From how many rows the native step's int8 matmul, and from how many its AMX one, beat the others at
     every larger size measured: `time_step(rows, mode)` times one step with `mode` (of WIDE_MODES; `modes`:
     those this build and CPU have, "int16" always). A size's winner is the fastest mode there (best of
-    two). Stops once the last mode of `modes` (AMX where there is one, else int8) has won twice in a row.
-    Returns (int8 from, AMX from; 0: never) and the times {rows: {mode: seconds}} for the log.
+    `repeats`, the modes taking turns: with each mode's two runs back to back, a one-row SmolLM2 step on
+    the AVX2 build read int16 5.30 / int8 5.27 ms, where 30 alternating runs give 4.78 / 5.27 at best,
+    5.07 / 5.63 at the median). Stops once the last mode of `modes` (AMX where there is one, else int8) has
+    won twice in a row. Returns (int8 from, AMX from; 0: never) and the times {rows: {mode: seconds}}.
 
     Why three ways: int8 dot products cost per row, AMX a widening of every weight block per 32 rows and
     little per row, so on a CPU with both int8 wins the middle sizes and AMX the large ones."""
@@ -207,7 +210,11 @@ def wide_thresholds(time_step: Callable[[int, str], float], modes: Sequence[str]
         for mode in modes:  # warm: the first step of each mode pays for cold caches and page faults
             time_step(rows[0], mode)
         for m in rows:
-            times[m] = {mode: min(time_step(m, mode) for _ in range(2)) for mode in modes}
+            runs: dict[str, list[float]] = {mode: [] for mode in modes}
+            for _ in range(repeats):
+                for mode in modes:
+                    runs[mode].append(time_step(m, mode))
+            times[m] = {mode: min(t) for mode, t in runs.items()}
             best.append((m, min(times[m], key=times[m].__getitem__)))
             if len(modes) > 1 and [b for _, b in best[-2:]] == [modes[-1]] * 2:
                 break

@@ -104,6 +104,8 @@ def test_a_wide_matmul_runs_from_the_first_size_from_which_it_keeps_winning():
     calls: list[tuple[int, str]] = []
     int8, amx, times = wide_thresholds(time_step, ("int16", "int8"), (1, 2, 4, 8, 16, 32, 64))
     assert (int8, amx) == (16, 0)  # 8: 10.8 > 8; 16: 11.6 < 16
+    # each size: the warm-up, then the modes take turns, three runs each (not a mode's runs back to back)
+    assert calls[:8] == [(1, "int16"), (1, "int8")] + [(1, "int16"), (1, "int8")] * 3
     assert set(times) == {1, 2, 4, 8, 16, 32}  # stops once the last mode has won twice in a row
     assert (64, "int8") not in calls
     # a win that does not last is not taken: only sizes from which it keeps winning

@@ -148,6 +148,17 @@ def test_the_int8_and_amx_row_thresholds_are_configured_or_measured_at_every_chu
     monkeypatch.setattr(model_runner, "wide_thresholds",
                         lambda time_step, modes, rows: seen.append((list(modes), list(rows))) or
                         real(time_step, modes, rows))
+    from engine.model import LlamaModel
+
+    layers_timed: dict[int, set[int]] = {}  # step rows -> the layer counts timed
+    hidden = LlamaModel.hidden
+
+    def spy(self, token_ids, *args, num_layers=None, **kw):
+        if num_layers is not None:
+            layers_timed.setdefault(token_ids.shape[0], set()).add(num_layers)
+        return hidden(self, token_ids, *args, num_layers=num_layers, **kw)
+
+    monkeypatch.setattr(LlamaModel, "hidden", spy)
 
     def kernels(**cfg):
         e = LLMEngine(EngineConfig(kv_cache_tokens=2048, max_running_requests=2, **cfg))
@@ -166,6 +177,8 @@ def test_the_int8_and_amx_row_thresholds_are_configured_or_measured_at_every_chu
     modes, timed = seen[-1]
     assert modes == ["int16", "int8"] + (["amx"] if native.amx else [])
     assert max(timed) > 2 and set(timed) <= {1, 2, 4, 8, 16, 32, 64}  # beyond max_running_requests
+    # a few rows stream every layer's weights from memory: timed over all 30 layers; more rows over 3
+    assert {r: layers_timed[r] for r in timed} == {r: {30} if r <= 4 else {3} for r in timed}
     assert amx_rows == 0 or native.amx
     _, (int8, amx_rows) = kernels(amx_min_rows=0)  # AMX off: only int16 and int8 timed
     assert seen[-1][0] == ["int16", "int8"] and amx_rows == 0
