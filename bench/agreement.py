@@ -18,8 +18,8 @@ from engine import EngineConfig, LLMEngine
 PROMPTS = ["The history of the printing press begins in", "def quicksort(items):\n    if len(items) <= 1:",
            "Write one sentence about the sea, then list three fruits and say why each is good for you.",
            "In 1969 the first people walked on the Moon. The mission was called"]
-# --prompts all: these too, for a sample of ~250 positions (top-1 agreement over the first four's 63 positions
-# moves by 1.6 points a position)
+# --prompts all: these too, 351 positions on SmolLM2's tokenizer (over the first four's 63, each position
+# moves top-1 agreement by 1.6 points)
 MORE_PROMPTS = ["SELECT name, COUNT(*) FROM orders JOIN customers ON orders.customer_id = customers.id GROUP BY",
                 "Dear team,\n\nThank you all for the work on the release last week. Before we plan the next one,",
                 "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen. In the first stage,",
