@@ -177,8 +177,10 @@ def test_the_int8_and_amx_row_thresholds_are_configured_or_measured_at_every_chu
     modes, timed = seen[-1]
     assert modes == ["int16", "int8"] + (["amx"] if native.amx else [])
     assert max(timed) > 2 and set(timed) <= {1, 2, 4, 8, 16, 32, 64}  # beyond max_running_requests
-    # a few rows stream every layer's weights from memory: timed over all 30 layers; more rows over 3
-    assert {r: layers_timed[r] for r in timed} == {r: {30} if r <= 4 else {3} for r in timed}
+    # a few rows stream every layer's weights from memory: timed over all 30 layers; more rows over 3 (the
+    # sizes timed: from 1 row until the last mode has won twice in a row)
+    assert 1 in layers_timed and set(layers_timed) <= set(timed)
+    assert layers_timed == {r: {30} if r <= 4 else {3} for r in layers_timed}
     assert amx_rows == 0 or native.amx
     _, (int8, amx_rows) = kernels(amx_min_rows=0)  # AMX off: only int16 and int8 timed
     assert seen[-1][0] == ["int16", "int8"] and amx_rows == 0
