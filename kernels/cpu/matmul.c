@@ -33,9 +33,10 @@ enum { MM_INT16 = 0, MM_AMX = 1, MM_INT8 = 2 }; /* how a step's matmuls take the
 /* AVX2 without AVX-512 (an AVX2-only EPYC's build), MM_INT8 steps: the 4-bit tiles and the int8 ones
  * with codes in [-32, 32] (TILES_Q8G6) take int8 inputs (`vpmaddubsw`: the codes as the unsigned
  * operand, 32 multiply-adds an instruction into int16 pairs that cannot saturate: 2 * 15 * 127 = 3810
- * for 4-bit codes, four of them summed in int16 before one `vpmaddwd` widens them; 2 * 64 * 127 for the
- * int8 codes offset by 32, two of them; against `vpmaddwd`'s 16 on int16 inputs), the other formats
- * their int16 inputs, both prepared (quantize_x). Codes up to 127 (Q8_0's) would saturate the pairs. */
+ * for 4-bit codes, four of them (a whole group's eight where one pass of rows decodes them in registers)
+ * summed in int16 before one `vpmaddwd` widens them; 2 * 64 * 127 for the int8 codes offset by 32, two of
+ * them; against `vpmaddwd`'s 16 on int16 inputs), the other formats their int16 inputs, both prepared
+ * (quantize_x). Codes up to 127 (Q8_0's) would saturate the pairs. */
 #if !HAVE_INT8 && !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_INT8_Q4 1
 #else
@@ -913,6 +914,75 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
 #endif
 
 #if HAVE_INT8_Q4
+/* One column of Q4 (five: Q5) blocks for nb <= DIRECT_ROWS rows of int8 inputs (AVX2, MM_INT8), its codes
+ * decoded in registers, group by group: for one pass of rows, storing decoded codes and loading them again
+ * (decode_q4_i8) cost more than decoding them in registers, and at 1-4 rows made int8 inputs lose to int16
+ * ones (the 1B shape's batch-1 step 51.1 / 47.5 ms int16, 45.9 / 44.8 ms here; 4 rows 105-109 ms through the
+ * buffer, 79-92 here; 8 rows a tie). 32 bytes of a pair p (16 output rows, inputs
+ * 4p..4p+3) go to two vectors of 8 lanes of four codes: quarters 0 2 1 3 (`vpermq`), then each word's
+ * low and high nibbles interleaved by words: lanes [low 2n, low 2n+1, high 2n, high 2n+1] of output row
+ * n, rows 0-7 and 8-15, as decode_q4_i8 would leave them. Four-bit codes: the whole group's `vpmaddubsw`
+ * summed in int16 (8 * 2 * 15 * 127 < 2^15) before one `vpmaddwd`; five-bit ones each half's. */
+#define DIRECT_ROWS ROWS_PER_PASS
+static inline __attribute__((always_inline)) void q4_column_i8d(const uint8_t *col, int G, const qx_t *qx, int K,
+                                                                int nb, float *y, int ldy, int kind) {
+    const int five = kind & Q_FIVE;
+    const __m256i nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    ks8_t ks = {-1, {_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    __m256 accf[DIRECT_ROWS][2];
+    for (int b = 0; b < nb; b++) accf[b][0] = accf[b][1] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * Q_BYTES(kind);
+        prefetch_l2(blk + PREFETCH_AHEAD, Q_BYTES(kind));
+        __m256i acc[DIRECT_ROWS][2], s[DIRECT_ROWS][2];
+        for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = s[b][0] = s[b][1] = _mm256_setzero_si256();
+        for (int p = 0; p < 8; p++) {
+            const __m256i v = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(blk + 32 * p)), 0xD8);
+            const __m256i lo = _mm256_and_si256(v, nibbles), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibbles);
+            __m256i w[2] = {_mm256_unpacklo_epi16(lo, hi), _mm256_unpackhi_epi16(lo, hi)};
+            if (five) /* the fifth bits as decode_q4_i8 lays them out, rows 8o.. */
+                for (int o = 0; o < 2; o++) {
+                    const uint64_t hb = fifth_bits(blk, p);
+                    const __m256i e = fifth_bits_bytes(((uint32_t)(hb >> (16 * o)) & 0xffff) |
+                                                       (uint32_t)(hb >> (32 + 16 * o)) << 16);
+                    const __m128i a = _mm256_castsi256_si128(e), c = _mm256_extracti128_si256(e, 1);
+                    w[o] = _mm256_or_si256(w[o], _mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c)));
+                }
+            for (int b = 0; b < nb; b++) {
+                int32_t x4;
+                memcpy(&x4, qx->q8 + (size_t)b * K + g * GROUP + 4 * p, 4);
+                const __m256i xb = _mm256_set1_epi32(x4);
+                s[b][0] = _mm256_add_epi16(s[b][0], _mm256_maddubs_epi16(w[0], xb));
+                s[b][1] = _mm256_add_epi16(s[b][1], _mm256_maddubs_epi16(w[1], xb));
+            }
+            if (five && (p & 3) == 3) /* (five-bit codes: four pairs' sums at most in int16) */
+                for (int b = 0; b < nb; b++)
+                    for (int o = 0; o < 2; o++) {
+                        acc[b][o] = _mm256_add_epi32(acc[b][o], _mm256_madd_epi16(s[b][o], ones));
+                        s[b][o] = _mm256_setzero_si256();
+                    }
+        }
+        if (!five)
+            for (int b = 0; b < nb; b++)
+                for (int o = 0; o < 2; o++) acc[b][o] = _mm256_madd_epi16(s[b][o], ones);
+        for (int o = 0; o < 2; o++) {
+            __m256 d, m;
+            q_dm8(col, g, kind, o, &ks, &d, &m);
+            for (int b = 0; b < nb; b++) { /* as q4_column_i8 */
+                const size_t i = (size_t)b * G + g;
+                const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][o]), _mm256_set1_ps(qx->dg[i]),
+                                                 _mm256_set1_ps(qx->ce[2 * i + (five ? 1 : 0)]));
+                accf[b][o] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[i] * qx->dx[b]), _mm256_fmadd_ps(d, t, accf[b][o]));
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++)
+        for (int o = 0; o < 2; o++) _mm256_storeu_ps(y + (size_t)b * ldy + 8 * o, accf[b][o]);
+}
+
+#endif
+
+#if HAVE_INT8_Q4
 /* One column of TILES_Q8G6 blocks (int8 codes in [-32, 32]) for nb <= ROWS_PER_PASS rows of int8 inputs
  * (AVX2, MM_INT8): y[b, n0 + n]. Eight output rows at a time: tile rows r and r + 1 (inputs 2r..2r+3)
  * interleaved by words into 8 lanes of 4 codes, offset by 32 to be unsigned (0..64), a half group's four
@@ -1075,7 +1145,7 @@ COLUMNS_FN(columns_q8g6_i8, CALL_Q8G6_I8)
 #endif
 
 /* The column function of `fmt` for int8 (MM_INT8) or int16 inputs (AVX2's 4-bit and 5-bit int8 columns
- * are decoded_for's only). */
+ * are direct_for's and decoded_for's only). */
 static columns_fn columns_for(int fmt, int int8) {
 #if HAVE_INT8
     if (int8)
@@ -1121,8 +1191,43 @@ DECODED_FN(decoded_q8_i8, decode_q8_i8(col, G, bytes, wv), DEC_CALL_Q8)
 DECODED_FN(decoded_q8g_i8, decode_q8_i8(col, G, bytes, wv), DEC_CALL_Q8G)
 #endif
 
+#if HAVE_INT8_Q4
+/* matmul_int16's columns [c0, c1) of 4-bit or 5-bit tiles for B <= DIRECT_ROWS rows of int8 inputs, each
+ * group's codes decoded in registers (q4_column_i8d); one function per kind, as COLUMNS_FN. */
+#define DIRECT_FN(name, kind)                                                                                 \
+    static __attribute__((noinline)) void name(const uint8_t *blocks, int bytes, int N, int K, const qx_t *qx, \
+                                               int B, float *y, int c0, int c1) {                             \
+        const int G = K / GROUP;                                                                              \
+        for (int c = c0; c < c1; c++) {                                                                       \
+            const uint8_t *col = blocks + (size_t)c * G * bytes;                                              \
+            float *yc = y + (size_t)c * TILE_N;                                                               \
+            switch (B) { /* a constant nb per call: the accumulators stay in registers */                     \
+                case 1: q4_column_i8d(col, G, qx, K, 1, yc, N, kind); break;                                  \
+                case 2: q4_column_i8d(col, G, qx, K, 2, yc, N, kind); break;                                  \
+                case 3: q4_column_i8d(col, G, qx, K, 3, yc, N, kind); break;                                  \
+                case 4: q4_column_i8d(col, G, qx, K, 4 < DIRECT_ROWS ? 4 : DIRECT_ROWS, yc, N, kind); break;                                \
+                case 5: q4_column_i8d(col, G, qx, K, 5 < DIRECT_ROWS ? 5 : DIRECT_ROWS, yc, N, kind); break;                                \
+                case 6: q4_column_i8d(col, G, qx, K, 6 < DIRECT_ROWS ? 6 : DIRECT_ROWS, yc, N, kind); break;                                \
+                case 7: q4_column_i8d(col, G, qx, K, 7 < DIRECT_ROWS ? 7 : DIRECT_ROWS, yc, N, kind); break;                                \
+                default: q4_column_i8d(col, G, qx, K, DIRECT_ROWS, yc, N, kind); break;                       \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+typedef void (*direct_fn)(const uint8_t *, int, int, int, const qx_t *, int, float *, int, int);
+DIRECT_FN(direct_q4_i8, 0)
+DIRECT_FN(direct_q5_i8, Q_FIVE)
+DIRECT_FN(direct_q4k_i8, Q_KS)
+DIRECT_FN(direct_q5k_i8, Q_KS | Q_FIVE)
+
+/* The in-register int8 columns of a 4-bit or 5-bit format, NULL for the others. */
+static direct_fn direct_for(int fmt) {
+    return fmt == TILES_Q4 ? direct_q4_i8 : fmt == TILES_Q5 ? direct_q5_i8 : fmt == TILES_Q4K ? direct_q4k_i8
+         : fmt == TILES_Q5K ? direct_q5k_i8 : NULL;
+}
+#endif
+
 /* The decoded-column matmul for int8 inputs and this many rows, or NULL for the direct columns. AVX2: its
- * 4-bit and 5-bit int8 columns read only a decoded buffer. VNNI: from three passes of rows on, for the
+ * 4-bit and 5-bit int8 columns of more than one pass of rows (direct_for takes one pass). VNNI: from three passes of rows on, for the
  * 5-bit and int8 tiles (SmolLM2 Q4_K_M prefill matmuls 120-125 -> 106-114 ms); at two passes, and for
  * 4-bit codes (three ops to decode), storing and reloading them cost as much as decoding them again. */
 static decoded_fn decoded_for(int fmt, int B) {
@@ -1183,6 +1288,12 @@ static void matmul_int16(const layer_tiles *w, int N, int ldy, int K, const qx_t
         return;
     }
 #endif
+#if HAVE_INT8_Q4
+    if (int8 && B <= DIRECT_ROWS && direct_for(fmt)) {
+        direct_for(fmt)(w->blocks, bytes, ldy, K, qx, B, y, c0, c1);
+        return;
+    }
+#endif
 #if HAVE_INT8 || HAVE_INT8_Q4
     const decoded_fn dfn = int8 ? decoded_for(fmt, B) : NULL;
     void *wv = dfn ? decode_buffer(G, 512) : NULL;
@@ -1192,7 +1303,7 @@ static void matmul_int16(const layer_tiles *w, int N, int ldy, int K, const qx_t
     }
 #endif
 #if HAVE_INT8_Q4
-    if (int8 && (fmt == TILES_Q4 || fmt == TILES_Q5 || fmt == TILES_Q4K || fmt == TILES_Q5K)) int8 = 0; /* (no buffer: the int16 rows, also prepared) */
+    if (int8 && direct_for(fmt)) int8 = 0; /* (no buffer: the int16 rows, also prepared) */
 #endif
     columns_for(fmt, int8)(w->blocks, bytes, ldy, K, qx, x, B, y, c0, c1, int8);
 }

@@ -324,7 +324,7 @@ def _assert_step_close(got: torch.Tensor, want: torch.Tensor, matmuls: str, wher
 
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("rows", [1, 3, 9, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 17, 40])
 def test_forward_step_matches_a_float64_reference(build, config, rows):
     lib = _library(build)
     model = TinyModel(**CONFIGS[config])
@@ -415,7 +415,7 @@ def test_q8_0_tiles_match_the_float64_reference(build, q8, q8g, rows):
 
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("q4k, q5k", [(("qkv", "o", "gate_up", "down"), ()), (("o", "down"), ("qkv", "gate_up"))])
-@pytest.mark.parametrize("rows", [1, 9, 40])
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 40])
 def test_k_scale_tiles_match_the_float64_reference(build, q4k, q5k, rows):
     """Q4K and Q5K tiles (a K type's own 6-bit scales and mins and its super-blocks' fp16 d and dmin, shared
     by 8 blocks), alone and beside Q4 tiles, on every build's int16 matmul and its wide one (AMX included:
@@ -471,7 +471,7 @@ def test_k_scale_tiles_hold_the_factors_in_fewer_bytes():
 
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("q5, q8g", [(("qkv", "o", "gate_up", "down"), ()), (("o", "gate_up"), ("qkv",))])
-@pytest.mark.parametrize("rows", [1, 9, 40])
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 40])
 def test_five_bit_tiles_match_the_float64_reference(build, q5, q8g, rows):
     """Q5 tiles (Q5_0/Q5_1/Q5_K codes: 4-bit tiles' nibbles and a plane of fifth bits), alone and beside
     Q8G and Q4 tiles, on every build's int16 matmul and its wide one."""
@@ -831,7 +831,7 @@ def test_output_layer_refined_from_the_files_rows_matches_the_float64_reference(
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
-@pytest.mark.parametrize("rows", [1, 3, 12])
+@pytest.mark.parametrize("rows", [1, 2, 3, 12])
 def test_a_4bit_output_layer_matches_the_float64_reference_and_refines_exactly(build, rows):
     """The output layer's 4-bit copy (a large vocabulary's, engine/weights.py `native_head`) in the layers'
     TILES_Q4: its products are the float64 ones of its dequantised weights (int16 activations; the wide
