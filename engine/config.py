@@ -67,6 +67,11 @@ class EngineConfig:
     # never stall longer than that when a long prompt arrives. On a GPU raise both (e.g. 8192 / 2048).
     max_num_batched_tokens: int = 512
     chunked_prefill_size: int = 256
+    # A step's predicted time at most this many seconds (where the step cost is measured; 0: tokens
+    # alone), never below a 64-token chunk's. On a model or CPU where the token budget takes longer (a
+    # Llama-3.2-1B shape on AVX2: 16 prompts arriving together made one 4.3 s step), a burst of prompts
+    # is prefilled over several steps, so the first of them start streaming while the rest wait.
+    max_step_seconds: float = 1.0
     # While decodes run, a prefilling request gets `prefill_share` of one decode stream's step time
     # (processor sharing), after a first chunk at full size: a long prompt cannot slow running streams by
     # more than share / (streams + share). false: prefill chunks take whatever the step's cost cap leaves.
@@ -114,6 +119,9 @@ class EngineConfig:
         if self.weight_dtype not in ("auto", "float32", "bfloat16", "float16", "int4"):
             raise EngineConfigError(
                 f"weight_dtype must be auto, float32, bfloat16, float16 or int4, got {self.weight_dtype!r}")
+        if not self.max_step_seconds >= 0:  # (NaN too)
+            raise EngineConfigError(f"max_step_seconds must be >= 0 (0: steps bounded by tokens alone), got "
+                                    f"{self.max_step_seconds}")
         for name in ("int4_max_batch", "wide_min_rows", "amx_min_rows"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise EngineConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

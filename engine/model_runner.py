@@ -352,7 +352,7 @@ class ModelRunner:
         cost, kept = self.tuning.remember(
             "step-cost", self._tuning_key(chunk=chunk, deep=deep, repeats=STEP_COST_REPEATS, **plans),
             lambda: StepCost.measure(timed, chunk, deep, STEP_COST_REPEATS), dataclasses.asdict,
-            lambda d: StepCost(**d))
+            lambda d: StepCost(**{**d, "seconds": True}))  # (entries from before the field: measured too)
         log.info("step cost model (scheduler): %s%s", cost.describe(), KEPT if kept else "")
         return cost
 

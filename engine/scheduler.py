@@ -47,6 +47,7 @@ from .step_cost import ChunkCalibration, StepCost
 log = logging.getLogger(__name__)
 Rank = tuple[int, int, float, int]
 MIN_CHUNK = 16  # while decodes run, a prefill chunk smaller than this (and than the rest) waits for credit
+MIN_STEP_CHUNK = 64  # max_step_seconds never caps a step below this chunk's cost: the base's share stays small
 
 
 @dataclass
@@ -96,6 +97,9 @@ class Scheduler:
         c = self.config
         chunk = c.chunked_prefill_size if c.chunked_prefill_size > 0 else c.max_num_batched_tokens
         self.step_cap = self.cost.chunk(c.max_num_batched_tokens, 0)  # the most one step may cost
+        if self.cost.seconds and c.max_step_seconds > 0:  # (the costs scheduled leave the step's base out)
+            floor = self.cost.chunk(min(MIN_STEP_CHUNK, c.max_num_batched_tokens), 0)
+            self.step_cap = min(self.step_cap, max(c.max_step_seconds - self.cost.base, floor))
         self.burst = self.cost.chunk(chunk, 0)  # a prefill's credit when it starts (and its ceiling)
 
     # -- bookkeeping -----------------------------------------------------------------------------

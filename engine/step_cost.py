@@ -27,6 +27,7 @@ class StepCost:
     base: float = 0.0
     per_row: float = 1.0
     per_pair: float = 0.0
+    seconds: bool = False  # measured, in seconds (the default model counts rows)
 
     def of(self, rows: int, pairs: int) -> float:
         """A whole step of `rows` rows attending over `pairs` (row, key) pairs in all."""
@@ -66,7 +67,7 @@ class StepCost:
         pairs0 = cls.chunk_pairs(n, 0)
         per_row = max(1e-9, (chunk_at_zero - one_row - per_pair * (pairs0 - one_row_context)) / (n - 1))
         base = max(0.0, one_row - per_row - per_pair * one_row_context)
-        return cls(base=base, per_row=per_row, per_pair=per_pair)
+        return cls(base=base, per_row=per_row, per_pair=per_pair, seconds=True)
 
     @classmethod
     def measure(cls, timed: Callable[[str], float], n: int, deep_start: int, repeats: int,

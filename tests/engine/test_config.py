@@ -27,7 +27,8 @@ def test_unhonourable_limits_fail_at_start(changes, capacity, needle):
 
 
 @pytest.mark.parametrize("changes", [{"max_running_requests": 0}, {"mem_fraction_static": 1.5},
-                                     {"weight_dtype": "int3"}, {"block_size": 0}, {"output_layer_bits": 6}])
+                                     {"weight_dtype": "int3"}, {"block_size": 0}, {"output_layer_bits": 6},
+                                     {"max_step_seconds": -1.0}, {"max_step_seconds": float("nan")}])
 def test_bad_values_fail_basic_validation(changes):
     with pytest.raises(EngineConfigError):
         EngineConfig(**changes).validate_basic()

@@ -337,3 +337,53 @@ def test_a_newcomers_step_is_not_filled_with_a_long_prefill(decodes):
     assert long_cost <= newcomers + 1e-12
     assert out.cost < sched.step_cap / 2
     assert any(long in run_step(sched).scheduled for _ in range(100))  # then it takes its share again
+
+
+def _burst(max_step_seconds: float, per_row: float, prompts: int = 16, prompt_len: int = 30):
+    """`prompts` prompts arriving together at an idle engine whose measured steps cost 50 ms + per_row."""
+    from engine.step_cost import StepCost
+
+    cfg = EngineConfig(max_running_requests=32, max_num_batched_tokens=512, chunked_prefill_size=256,
+                       block_size=16, max_step_seconds=max_step_seconds)
+    cost = StepCost(base=0.05, per_row=per_row, seconds=True)
+    sched = Scheduler(cfg, BlockManager(4096, 16), clock=lambda: 0.0, cost=cost)
+    seqs = [Sequence.from_request(EngineRequest(f"p{i}", list(range(prompt_len)), SamplingParams(max_tokens=50)), 50)
+            for i in range(prompts)]
+    for seq in seqs:
+        sched.add(seq)
+    return sched, seqs, cost
+
+
+def test_a_burst_of_prompts_is_prefilled_over_steps_of_at_most_max_step_seconds():
+    """16 prompts of 30 tokens (480, within the token budget) at 10 ms a row: one 4.85 s step by tokens
+    alone; with max_step_seconds 1 s, steps of at most 1 s, the first prompts streaming after the first."""
+    sched, seqs, cost = _burst(0.0, 0.01)
+    out = run_step(sched)
+    assert all(out.scheduled.get(s) == 30 for s in seqs)  # by tokens alone: all of them at once
+
+    sched, seqs, cost = _burst(1.0, 0.01)
+    first_token_step: dict[Sequence, int] = {}
+    for step in range(40):
+        out = run_step(sched)
+        assert cost.base + out.cost <= 1.0 + 1e-9
+        for s in seqs:
+            if s not in first_token_step and not s.is_prefilling and s.status is not SeqStatus.WAITING:
+                first_token_step[s] = step
+        if len(first_token_step) == len(seqs):
+            break
+    assert len(first_token_step) == len(seqs)  # every prompt got through
+    steps = sorted(first_token_step.values())
+    assert steps[0] == 0 and steps[len(steps) // 2] >= 1 and steps[-1] > steps[len(steps) // 2]
+
+
+def test_max_step_seconds_never_caps_a_step_below_a_64_token_chunk():
+    """A model so slow that 1 s holds 9 rows still prefills 64 tokens a step (the base's share stays small)."""
+    sched, seqs, cost = _burst(1.0, 0.1, prompts=1, prompt_len=300)
+    out = run_step(sched)
+    assert out.scheduled[seqs[0]] == 64 and sched.step_cap == cost.chunk(64, 0)
+
+
+def test_max_step_seconds_leaves_the_default_cost_model_alone():
+    """The default model counts rows, not seconds: no time cap applies to it."""
+    cfg = EngineConfig(max_num_batched_tokens=512, max_step_seconds=0.001)
+    assert Scheduler(cfg, BlockManager(4096, 16), clock=lambda: 0.0).step_cap == 512

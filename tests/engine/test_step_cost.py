@@ -39,6 +39,7 @@ def test_fit_recovers_the_coefficients_of_three_timings():
     assert got.base == pytest.approx(truth.base)
     assert got.per_row == pytest.approx(truth.per_row)
     assert got.per_pair == pytest.approx(truth.per_pair)
+    assert got.seconds and not truth.seconds  # a timed model is in seconds (the scheduler's time cap reads it)
 
 
 def _contended_timer(true: StepCost, n: int, deep: int, slow_calls: int, factor: float = 3.0):
