@@ -917,11 +917,11 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
 /* One column of Q4 (five: Q5) blocks for nb <= DIRECT_ROWS rows of int8 inputs (AVX2, MM_INT8), its codes
  * decoded in registers, group by group: for one pass of rows, storing decoded codes and loading them again
  * (decode_q4_i8) cost more than decoding them in registers, and at 1-4 rows made int8 inputs lose to int16
- * ones (the 1B shape's batch-1 step 51.1 / 47.5 ms int16, 45.9 / 44.8 ms here; 4 rows 105-109 ms through the
- * buffer, 79-92 here; 8 rows a tie). 32 bytes of a pair p (16 output rows, inputs
- * 4p..4p+3) go to two vectors of 8 lanes of four codes: quarters 0 2 1 3 (`vpermq`), then each word's
- * low and high nibbles interleaved by words: lanes [low 2n, low 2n+1, high 2n, high 2n+1] of output row
- * n, rows 0-7 and 8-15, as decode_q4_i8 would leave them. Four-bit codes: the whole group's `vpmaddubsw`
+ * ones (the 1B shape's batch-1 step 51.1 / 47.5 ms int16, 45.9 / 44.8 ms here; 4 rows 105-109 ms through
+ * the buffer, 79-92 here; 8 rows a tie). 32 bytes of a pair p (16 output rows, inputs 4p..4p+3) go to two
+ * vectors of 8 lanes of four codes: quarters 0 2 1 3 (`vpermq`), then each word's low and high nibbles
+ * interleaved by words: lanes [low 2n, low 2n+1, high 2n, high 2n+1] of output row n, rows 0-7 and 8-15,
+ * as decode_q4_i8 would leave them. Four-bit codes: the whole group's `vpmaddubsw`
  * summed in int16 (8 * 2 * 15 * 127 < 2^15) before one `vpmaddwd`; five-bit ones each half's. */
 #define DIRECT_ROWS ROWS_PER_PASS
 static inline __attribute__((always_inline)) void q4_column_i8d(const uint8_t *col, int G, const qx_t *qx, int K,
@@ -980,9 +980,6 @@ static inline __attribute__((always_inline)) void q4_column_i8d(const uint8_t *c
         for (int o = 0; o < 2; o++) _mm256_storeu_ps(y + (size_t)b * ldy + 8 * o, accf[b][o]);
 }
 
-#endif
-
-#if HAVE_INT8_Q4
 /* One column of TILES_Q8G6 blocks (int8 codes in [-32, 32]) for nb <= ROWS_PER_PASS rows of int8 inputs
  * (AVX2, MM_INT8): y[b, n0 + n]. Eight output rows at a time: tile rows r and r + 1 (inputs 2r..2r+3)
  * interleaved by words into 8 lanes of 4 codes, offset by 32 to be unsigned (0..64), a half group's four
@@ -1205,10 +1202,10 @@ DECODED_FN(decoded_q8g_i8, decode_q8_i8(col, G, bytes, wv), DEC_CALL_Q8G)
                 case 1: q4_column_i8d(col, G, qx, K, 1, yc, N, kind); break;                                  \
                 case 2: q4_column_i8d(col, G, qx, K, 2, yc, N, kind); break;                                  \
                 case 3: q4_column_i8d(col, G, qx, K, 3, yc, N, kind); break;                                  \
-                case 4: q4_column_i8d(col, G, qx, K, 4 < DIRECT_ROWS ? 4 : DIRECT_ROWS, yc, N, kind); break;                                \
-                case 5: q4_column_i8d(col, G, qx, K, 5 < DIRECT_ROWS ? 5 : DIRECT_ROWS, yc, N, kind); break;                                \
-                case 6: q4_column_i8d(col, G, qx, K, 6 < DIRECT_ROWS ? 6 : DIRECT_ROWS, yc, N, kind); break;                                \
-                case 7: q4_column_i8d(col, G, qx, K, 7 < DIRECT_ROWS ? 7 : DIRECT_ROWS, yc, N, kind); break;                                \
+                case 4: q4_column_i8d(col, G, qx, K, 4, yc, N, kind); break;                                  \
+                case 5: q4_column_i8d(col, G, qx, K, 5, yc, N, kind); break;                                  \
+                case 6: q4_column_i8d(col, G, qx, K, 6, yc, N, kind); break;                                  \
+                case 7: q4_column_i8d(col, G, qx, K, 7, yc, N, kind); break;                                  \
                 default: q4_column_i8d(col, G, qx, K, DIRECT_ROWS, yc, N, kind); break;                       \
             }                                                                                                 \
         }                                                                                                     \
@@ -1227,9 +1224,10 @@ static direct_fn direct_for(int fmt) {
 #endif
 
 /* The decoded-column matmul for int8 inputs and this many rows, or NULL for the direct columns. AVX2: its
- * 4-bit and 5-bit int8 columns of more than one pass of rows (direct_for takes one pass). VNNI: from three passes of rows on, for the
- * 5-bit and int8 tiles (SmolLM2 Q4_K_M prefill matmuls 120-125 -> 106-114 ms); at two passes, and for
- * 4-bit codes (three ops to decode), storing and reloading them cost as much as decoding them again. */
+ * 4-bit and 5-bit int8 columns of more than one pass of rows (direct_for takes one pass). VNNI: from
+ * three passes of rows on, for the 5-bit and int8 tiles (SmolLM2 Q4_K_M prefill matmuls 120-125 ->
+ * 106-114 ms); at two passes, and for 4-bit codes (three ops to decode), storing and reloading them cost
+ * as much as decoding them again. */
 static decoded_fn decoded_for(int fmt, int B) {
 #if HAVE_INT8
     if (B <= 2 * ROWS_PER_PASS) return NULL;
