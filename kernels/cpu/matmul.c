@@ -364,6 +364,16 @@ static inline __m256i fifth_bits_bytes(uint32_t x) {
     const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(16));
 }
+
+/* The fifth bits (16 where set) of pair p's output rows 8o..8o+7 in the AVX2 int8 columns' lanes of four
+ * codes (decode_q4_i8, q4_column_i8d): bytes 2n + j of the bits of inputs 4p + j (row 8o + n), 16 + 2n + j
+ * of 4p + 2 + j, then their words n side by side, as the codes'. */
+static inline __m256i fifth_bits_quads(const uint8_t *blk, int p, int o) {
+    const uint64_t hb = fifth_bits(blk, p);
+    const __m256i e = fifth_bits_bytes(((uint32_t)(hb >> (16 * o)) & 0xffff) | (uint32_t)(hb >> (32 + 16 * o)) << 16);
+    const __m128i a = _mm256_castsi256_si128(e), c = _mm256_extracti128_si256(e, 1);
+    return _mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c));
+}
 #endif
 
 /* One column of blocks (16 output rows n0.., all K) for nb <= ROWS_PER_PASS input rows: y[b, n0 + n].
@@ -858,15 +868,7 @@ static void decode_q4_i8(const uint8_t *col, int G, int kind, __m256i *wv) {
             for (int p = 0; p < 8; p++) {
                 const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p + 16 * o)));
                 __m256i w = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), nibbles);
-                if (five) { /* (5 bits x 127, 4 summed: still within int16) */
-                    /* bytes 2n + j: the fifth bits of inputs 4p + j (rows 8o + n), 16 + 2n + j: of 4p + 2 + j;
-                     * then their words n side by side, as the codes' */
-                    const uint64_t hb = fifth_bits(blk, p);
-                    const __m256i e = fifth_bits_bytes(((uint32_t)(hb >> (16 * o)) & 0xffff) |
-                                                       (uint32_t)(hb >> (32 + 16 * o)) << 16);
-                    const __m128i a = _mm256_castsi256_si128(e), c = _mm256_extracti128_si256(e, 1);
-                    w = _mm256_or_si256(w, _mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c)));
-                }
+                if (five) w = _mm256_or_si256(w, fifth_bits_quads(blk, p, o)); /* (5 bits x 127, 4 summed: still within int16) */
                 _mm256_store_si256(wv + ((size_t)o * G + g) * 8 + p, w);
             }
         }
@@ -940,14 +942,8 @@ static inline __attribute__((always_inline)) void q4_column_i8d(const uint8_t *c
             const __m256i v = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(blk + 32 * p)), 0xD8);
             const __m256i lo = _mm256_and_si256(v, nibbles), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibbles);
             __m256i w[2] = {_mm256_unpacklo_epi16(lo, hi), _mm256_unpackhi_epi16(lo, hi)};
-            if (five) /* the fifth bits as decode_q4_i8 lays them out, rows 8o.. */
-                for (int o = 0; o < 2; o++) {
-                    const uint64_t hb = fifth_bits(blk, p);
-                    const __m256i e = fifth_bits_bytes(((uint32_t)(hb >> (16 * o)) & 0xffff) |
-                                                       (uint32_t)(hb >> (32 + 16 * o)) << 16);
-                    const __m128i a = _mm256_castsi256_si128(e), c = _mm256_extracti128_si256(e, 1);
-                    w[o] = _mm256_or_si256(w[o], _mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c)));
-                }
+            if (five)
+                for (int o = 0; o < 2; o++) w[o] = _mm256_or_si256(w[o], fifth_bits_quads(blk, p, o));
             for (int b = 0; b < nb; b++) {
                 int32_t x4;
                 memcpy(&x4, qx->q8 + (size_t)b * K + g * GROUP + 4 * p, 4);
