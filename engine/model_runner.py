@@ -42,9 +42,10 @@ STEP_COST_MIN_DEEP = 256
 # What the start-up timing of the native step's matmuls runs: a chat-sized context, and a few layers (the
 # time per layer is what matters, every mode repeats it per layer), except for steps of up to
 # NATIVE_TIMING_ALL_LAYERS_ROWS rows: those are bound by streaming the weights from memory, while a few
-# layers' weights sit in cache, so they are timed over every layer. (On the AVX2 build, a Xeon: one row of
-# SmolLM2 Q4_K_M over 3 layers timed int16 0.71 ms / int8 0.70, and int8 was chosen, where the whole step
-# takes 8.1 / 9.0-9.4 ms; the random Llama-3.2-1B shape's 44.4 / 54.2.)
+# layers' weights sit in cache, so they are timed over every layer. (On the AVX2 build, a Xeon, when its
+# int8 columns still went through a decoded buffer: one row of SmolLM2 Q4_K_M over 3 layers timed int16
+# 0.71 ms / int8 0.70, and int8 was chosen, where the whole step took 8.1 / 9.0-9.4 ms; the random
+# Llama-3.2-1B shape's 44.4 / 54.2.)
 NATIVE_TIMING_LAYERS = 3
 NATIVE_TIMING_ALL_LAYERS_ROWS = 4
 NATIVE_TIMING_CONTEXT = 256
