@@ -198,8 +198,9 @@ def wide_thresholds(time_step: Callable[[int, str], float], modes: Sequence[str]
     those this build and CPU have, "int16" always). A size's winner is the fastest mode there (best of
     `repeats`, the modes taking turns: with each mode's two runs back to back, a one-row SmolLM2 step on
     the AVX2 build (its int8 columns then through a decoded buffer) read int16 5.30 / int8 5.27 ms, where
-    30 alternating runs gave 4.78 / 5.27 at best, 5.07 / 5.63 at the median). Stops once the last mode of `modes` (AMX where there is one, else int8) has
-    won twice in a row. Returns (int8 from, AMX from; 0: never) and the times {rows: {mode: seconds}}.
+    30 alternating runs gave 4.78 / 5.27 at best, 5.07 / 5.63 at the median). Stops once the last mode of
+    `modes` (AMX where there is one, else int8) has won twice in a row. Returns (int8 from, AMX from; 0:
+    never) and the times {rows: {mode: seconds}}.
 
     Why three ways: int8 dot products cost per row, AMX a widening of every weight block per 32 rows and
     little per row, so on a CPU with both int8 wins the middle sizes and AMX the large ones."""
