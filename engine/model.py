@@ -39,6 +39,7 @@ from .weights import (
     native_head,
     native_layers,
     q4_matches,
+    six_bit_tiles_pay,
 )
 
 
@@ -238,7 +239,7 @@ class LlamaModel(nn.Module):
                      block_size: int) -> cpu_kernels.ForwardStep | None:
         """The layers bound to the native forward step, or None when their blocks do not match the
         weights (engine/weights.py, `native_layers`)."""
-        layers = native_layers(args, weights, blocks, drop_layer, k_scales=k_tiles_pay())
+        layers = native_layers(args, weights, blocks, drop_layer, k_scales=k_tiles_pay(), six_bit=six_bit_tiles_pay())
         if layers is None:
             return None
         return cpu_kernels.ForwardStep(

@@ -238,26 +238,29 @@ def _five_bit(b: Q4Blocks | GroupBlocks) -> tuple[torch.Tensor, torch.Tensor, to
     return None
 
 
-def pack_native(parts: list[NativeBlocks | None], k_scales: bool = True) -> cpu_kernels.LayerTiles | None:
+def pack_native(parts: list[NativeBlocks | None], k_scales: bool = True,
+                six_bit: bool = False) -> cpu_kernels.LayerTiles | None:
     """`_pack_fused`, with the last part in tiles of its own (a tail) where that holds the matrix in fewer bytes:
     a Q4_K_M file's Q6_K attn_v would otherwise put its Q4_K q and k in int8 group tiles too (1.19 bytes a
     weight for 0.58-0.625; Llama-3.2-1B shape: 24 MiB)."""
-    whole = _pack_fused(parts, k_scales)
+    whole = _pack_fused(parts, k_scales, six_bit)
     if whole is None or len(parts) < 2 or whole.format in (cpu_kernels.TILES_Q4, cpu_kernels.TILES_Q4K,
                                                              cpu_kernels.TILES_F16, cpu_kernels.TILES_BF16):
         return whole
-    head, tail = _pack_fused(parts[:-1], k_scales), _pack_fused(parts[-1:], k_scales)
+    head, tail = _pack_fused(parts[:-1], k_scales, six_bit), _pack_fused(parts[-1:], k_scales, six_bit)
     if head is None or tail is None or head.nbytes() + tail.nbytes() >= whole.nbytes():
         return whole
     return dataclasses.replace(head, tail=tail)
 
 
-def _pack_fused(parts: list[NativeBlocks | None], k_scales: bool = True) -> cpu_kernels.LayerTiles | None:
+def _pack_fused(parts: list[NativeBlocks | None], k_scales: bool = True,
+                six_bit: bool = False) -> cpu_kernels.LayerTiles | None:
     """A fused matrix's parts (rows stacked) in the native step's tiles: the file's Q4_0/Q4_1 blocks as
     they are; Q4_K and Q5_K alone with their own scales (4-bit or 5-bit K tiles, unless not `k_scales`:
     see `k_tiles_pay`); 4-bit ones with a K type
     among them (Q4_K: a scale that is a product, rounded to fp16) in 4-bit tiles too; 5-bit ones (Q5_0,
-    Q5_1, Q5_K, beside 4-bit ones) in 5-bit tiles; with any other type, int8 group tiles for all; F16
+    Q5_1, Q5_K, beside 4-bit ones) in 5-bit tiles; codes in [-32, 31] with no min (Q6_K, and Q5_0 beside
+    it) in 6-bit tiles where `six_bit` (see `six_bit_tiles_pay`); with any other type, int8 group tiles for all; F16
     (BF16) ones in fp16 (bf16) tiles. None when a part is missing, or 16-bit parts are mixed with quantised
     ones or with the other 16-bit type."""
     if any(p is None for p in parts):
@@ -285,7 +288,18 @@ def _pack_fused(parts: list[NativeBlocks | None], k_scales: bool = True) -> cpu_
     if all(f is not None for f in five):
         return cpu_kernels.pack_q5(*(torch.cat([f[j] for f in five]) for j in range(3)))  # type: ignore[index]
     groups = [_as_groups(p) for p in quantised]
-    return cpu_kernels.pack_q8g(*(torch.cat([g[j] for g in groups]) for j in range(3)))
+    codes, scale, mn = (torch.cat([g[j] for g in groups]) for j in range(3))
+    if six_bit and not mn.any() and (tiles := cpu_kernels.pack_q6(codes, scale)) is not None:
+        return tiles
+    return cpu_kernels.pack_q8g(codes, scale, mn)
+
+
+def six_bit_tiles_pay() -> bool:
+    """Whether Q6_K's codes take the 6-bit tiles (0.875 bytes a weight) rather than int8 group ones (1.19):
+    where the build reads them, the AVX2 one. Its int8 matmul decodes them in registers for a decode step's
+    few rows, where that step's time is its bytes. The AVX-512 builds keep the int8 tiles (their int8 and
+    AMX matmuls read those without a decode)."""
+    return cpu_kernels.reads_tiles(cpu_kernels.TILES_Q6)
 
 
 def k_tiles_pay() -> bool:
@@ -299,15 +313,15 @@ def k_tiles_pay() -> bool:
 
 
 def native_layers(args: ModelArgs, weights: MutableMapping[str, torch.Tensor],
-                  blocks: Callable[[str], NativeBlocks | None],
-                  drop_layer: Callable[[int], None], k_scales: bool = True) -> list[cpu_kernels.LayerBlocks] | None:
+                  blocks: Callable[[str], NativeBlocks | None], drop_layer: Callable[[int], None],
+                  k_scales: bool = True, six_bit: bool = False) -> list[cpu_kernels.LayerBlocks] | None:
     """Every layer in the native step's layouts (each layer's entries dropped once it is packed), or None
     when the first layer's blocks do not match its weights (nothing dropped then: the torch path builds
     the model). `blocks(name)`: a weight's blocks (4-bit or group) if they match it."""
     layers: list[cpu_kernels.LayerBlocks] = []
     for i in range(args.num_layers):
         p = f"model.layers.{i}."
-        packed = {name: pack_native([blocks(p + n) for n in names], k_scales)
+        packed = {name: pack_native([blocks(p + n) for n in names], k_scales, six_bit)
                   for name, names in LAYER_LINEARS.items()}
         if any(b is None for b in packed.values()):
             if i:

@@ -28,7 +28,7 @@ BLOCK_BYTES = 320  # a TILES_Q4 block: 256 bytes of codes, 16 fp16 scales d, 16 
 
 
 TILES_Q4, TILES_Q8G, TILES_F16, TILES_BF16, TILES_Q8G6, TILES_Q5, TILES_Q8 = 0, 1, 2, 3, 4, 5, 6  # sluice_forward.h's
-TILES_Q4K, TILES_Q5K = 7, 8
+TILES_Q4K, TILES_Q5K, TILES_Q6 = 7, 8, 9
 QK_K = 256  # a K type's super-block: TILES_Q4K / TILES_Q5K share D and M over 8 blocks
 Q8G6_MAX_CODE = 32  # TILES_Q8G6: TILES_Q8G with every code in [-32, 32] (AVX2's int8 matmul reads it)
 
@@ -44,9 +44,12 @@ class LayerTiles:
     TILES_Q8: the codes and one fp16 d per row (Q8_0; 1.0625 bytes). TILES_F16 / TILES_BF16: the weights as
     fp16 / bf16 in the codes' order (2 bytes). TILES_Q5: TILES_Q4's nibbles, then each code's fifth bit
     (64 bytes), then d and m (Q5_0, Q5_1, Q5_K; 0.75 bytes). TILES_Q4K / TILES_Q5K: TILES_Q4's / TILES_Q5's
-    codes with a K type's own scales (Q4_K, Q5_K; `pack_kq`): 0.58 / 0.70 bytes, d and m exact."""
+    codes with a K type's own scales (Q4_K, Q5_K; `pack_kq`): 0.58 / 0.70 bytes, d and m exact. TILES_Q6:
+    codes in [-32, 31] (Q6_K's) plus 32: TILES_Q4's nibbles, then bits 4-5 two to a tile row in the byte of
+    the nibble (`pack_q6`), then d per 16 inputs as TILES_Q8G (no m; 0.875 bytes), read by the AVX2 build
+    only (`reads_tiles`)."""
 
-    blocks: torch.Tensor  # [N / 16, K / 32, 296, 320, 360, 384, 544, 608 or 1024] uint8
+    blocks: torch.Tensor  # [N / 16, K / 32, 296, 320, 360, 384, 448, 544, 608 or 1024] uint8
     shape: tuple[int, int]  # of these blocks' rows (a tail's come after them)
     format: int = TILES_Q4
     tail: LayerTiles | None = None  # the matrix's last rows in their own format (`layer_tiles`' tail)
@@ -106,6 +109,22 @@ def pack_q5(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> Layer
     blocks = low.blocks.view(nb, g, BLOCK_BYTES)
     return LayerTiles(torch.cat([blocks[..., :256], _fifth_bits(codes, nb, g), blocks[..., 256:]], -1).contiguous(),
                       (n, k), TILES_Q5)
+
+
+def pack_q6(codes: torch.Tensor, scale16: torch.Tensor) -> LayerTiles | None:
+    """The kernel's TILES_Q6 layout of codes [N, K] in [-32, 31] with a scale per 16 inputs [N, K / 16] (rounded
+    to fp16; w = code * scale, no min: Q6_K's); None when K is not a multiple of 32, N not one of 16, or a
+    code outside that range."""
+    n, k = codes.shape
+    if k % GROUP or n % TILE_N or int(codes.min()) < -32 or int(codes.max()) > 31:
+        return None
+    nb, g = n // TILE_N, k // GROUP
+    u = (codes.to(torch.int16) + 32).to(torch.uint8)
+    # bits 4-5 of codes[n, 32 g + 2 r + j] -> [block, group, r // 4, lane 2 n + j] at bits 2 (r % 4)
+    top = (u >> 4).view(nb, TILE_N, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 4, 4, 32).to(torch.int32)
+    crumbs = (top << (2 * torch.arange(4, dtype=torch.int32)).view(4, 1)).sum(3).to(torch.uint8).reshape(nb, g, 128)
+    parts = [_nibbles(u, nb, g), crumbs, _per_block(scale16.to(torch.float16).contiguous(), nb, g, 2)]
+    return LayerTiles(torch.cat(parts, -1).contiguous(), (n, k), TILES_Q6)
 
 
 def pack_kq(codes: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor,
@@ -203,6 +222,11 @@ def available() -> bool:
     return build.load() is not None
 
 
+def reads_tiles(fmt: int, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether this build's matmuls read layer tiles of `fmt` (TILES_Q6: the AVX2 build only)."""
+    return bool(_library(lib, "native CPU step").sluice_reads_tiles(fmt))
+
+
 def amx_usable(lib: ctypes.CDLL | None = None) -> bool:
     """Whether this build and the OS let steps multiply on AMX tiles."""
     return bool(_library(lib, "native CPU step").sluice_amx_available())
@@ -249,7 +273,7 @@ class ForwardStep:
     def tile_formats(self) -> dict[str, int]:
         """How many of the layers' matrices each tile format holds ("4-bit", "int8 group", "fp16", "bf16")."""
         names = {TILES_Q4: "4-bit", TILES_Q5: "5-bit", TILES_Q4K: "4-bit K", TILES_Q5K: "5-bit K",
-                 TILES_Q8G: "int8 group", TILES_Q8G6: "int8 group",
+                 TILES_Q8G: "int8 group", TILES_Q8G6: "int8 group", TILES_Q6: "6-bit",
                  TILES_Q8: "int8 group",
                  TILES_F16: "fp16", TILES_BF16: "bf16"}
         out: dict[str, int] = {}

@@ -102,7 +102,7 @@ def compile_library(arch: tuple[str, ...]) -> ctypes.CDLL | None:
             return None
         for fn in (lib.sluice_forward, lib.sluice_decode_attention, lib.sluice_amx_available,
                    lib.sluice_head_logits, lib.sluice_gguf_rows, lib.sluice_gguf_rows_product, lib.sluice_sample,
-                   lib.sluice_sample_masked, lib.sluice_rms_norm):
+                   lib.sluice_sample_masked, lib.sluice_rms_norm, lib.sluice_reads_tiles):
             fn.restype = ctypes.c_int  # (ctypes' default; said once here rather than per call)
         lib.sluice_gguf_row_bytes.restype = ctypes.c_int64
         lib.sluice_forward_isa.restype = lib.sluice_wide_matmul.restype = ctypes.c_char_p

@@ -233,7 +233,7 @@ int sluice_head_logits(int B, int K, const float *x, const uint8_t *blocks, cons
                        int nthreads, int wide_min_rows, int amx_min_rows) {
     const size_t exact_row_bytes = exact_rows ? gguf_row_bytes(exact_type, K) : 0;
     if (B < 0 || K % GROUP || V % TILE_N || refine > MAX_REFINE || refine > V || (exact_rows && !exact_row_bytes) ||
-        (!scale && (format < TILES_Q4 || format > TILES_Q5K)))
+        (!scale && !sluice_reads_tiles(format)))
         return -2;
     if (B == 0) return 0; /* a step that samples nothing (a prefill chunk) */
     pthread_mutex_lock(&step_lock);

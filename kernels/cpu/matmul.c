@@ -229,6 +229,11 @@ const char *sluice_wide_matmul(void) {
     return HAVE_BF16DOT ? "int8+bf16" : HAVE_INT8 ? "int8" : HAVE_INT8_Q4 ? "int8 4-6 bit" : "";
 }
 
+/* TILES_Q6 only in the AVX2 build (HAVE_INT8_Q4): elsewhere Q6_K's codes are TILES_Q8G6. */
+int sluice_reads_tiles(int format) {
+    return (format >= TILES_Q4 && format <= TILES_Q5K) || (HAVE_INT8_Q4 && format == TILES_Q6);
+}
+
 #if defined(__AVX2__)
 /* Lane i (of 16) = 16 where bit i of `bits` is set, else 0: a TILES_Q5 code's fifth bit for 16-bit lanes. */
 static inline __m256i fifth_bits_epi16(uint32_t bits) {
@@ -1020,6 +1025,95 @@ static inline __attribute__((always_inline)) void q8g6_column_i8(const uint8_t *
         for (int b = 0; b < nb; b++) _mm256_storeu_ps(y + (size_t)b * ldy + 8 * o, accf[b]);
     }
 }
+
+/* ---- TILES_Q6 (AVX2 only): 6-bit codes in 0.875 bytes a weight where TILES_Q8G6 takes 1.19 ----
+ * A Q4_K_M file's Q6_K matrices (half its layers' ffn_down, their attn_v) held as TILES_Q8G6 made the
+ * 1B shape's layer tiles 619 MiB against the file's 557; its AVX2 batch-1 step reads them all. A code's
+ * bits 4-5 lie in the byte of its nibble's position, two bits per tile row: 32 bytes of them for four
+ * tile rows, so one load, shift and mask put them in place (in a layout of bit planes, as TILES_Q5's fifth
+ * bits, expanding each bit to a byte cost more than the bytes saved: the 1B batch-1 step 41.6 / 44.1 ms
+ * against 41.2 / 41.1 with TILES_Q8G6). */
+
+/* Bits 4-5 (as 0x10, 0x20) of tile row 4v + k's codes from c, tile rows 4v..4v+3's crumbs (the block's
+ * 32 bytes at 256 + 32v, or those bytes in any order of whole bytes). */
+static inline __m256i q6_tops(__m256i c, int k) {
+    const __m256i mask = _mm256_set1_epi8(0x30);
+    return _mm256_and_si256(k == 0 ? _mm256_slli_epi16(c, 4) : k == 1 ? _mm256_slli_epi16(c, 2)
+                            : k == 2 ? c : _mm256_srli_epi16(c, 2), mask);
+}
+
+/* A column of TILES_Q6 blocks as the TILES_Q8G6 blocks they hold (codes u - 32, the same d, m zero), into
+ * out (G * Q8G_BLOCK_BYTES): for more than one pass of rows, and for int16 inputs (q8g_column). */
+static void decode_q6_q8g(const uint8_t *col, int G, uint8_t *out) {
+    const __m256i nibbles = _mm256_set1_epi8(0x0f), offset = _mm256_set1_epi8(32);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * Q6_BLOCK_BYTES;
+        uint8_t *ob = out + (size_t)g * Q8G_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, Q6_BLOCK_BYTES);
+        for (int p = 0; p < 8; p++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * p));
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(blk + 256 + 32 * (p >> 1)));
+            const int k = 2 * (p & 1);
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, nibbles), q6_tops(c, k));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibbles), q6_tops(c, k + 1));
+            _mm256_storeu_si256((__m256i *)(ob + 64 * p), _mm256_sub_epi8(lo, offset));
+            _mm256_storeu_si256((__m256i *)(ob + 64 * p + 32), _mm256_sub_epi8(hi, offset));
+        }
+        memcpy(ob + 512, blk + 384, 64);
+        memset(ob + 576, 0, 32);
+    }
+}
+
+/* One column of TILES_Q6 blocks for nb <= DIRECT_ROWS rows of int8 inputs, its codes decoded in registers as
+ * q4_column_i8d's (the crumbs permuted as the nibbles, or-ed in before the unpacks): each half group's
+ * `vpmaddubsw` sums two pairs at a time in int16 (2 * 2 * 63 * 127 < 2^15), widened, less the offset's
+ * 32 * the half's int8 input sum (s8 / 4), times its own d (Q6_K's scale per 16 inputs). */
+static inline __attribute__((always_inline)) void q6_column_i8d(const uint8_t *col, int G, const qx_t *qx, int K,
+                                                                int nb, float *y, int ldy) {
+    const __m256i nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 accf[DIRECT_ROWS][2];
+    for (int b = 0; b < nb; b++) accf[b][0] = accf[b][1] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = col + (size_t)g * Q6_BLOCK_BYTES;
+        prefetch_l2(blk + PREFETCH_AHEAD, Q6_BLOCK_BYTES);
+        for (int h = 0; h < 2; h++) {
+            __m256i acc[DIRECT_ROWS][2];
+            for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
+            for (int p = 4 * h; p < 4 * h + 4; p += 2) {
+                const __m256i c = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(blk + 256 + 16 * p)), 0xD8);
+                __m256i s[DIRECT_ROWS][2];
+                for (int b = 0; b < nb; b++) s[b][0] = s[b][1] = _mm256_setzero_si256();
+                for (int q = p; q < p + 2; q++) {
+                    const int k = 2 * (q - p);
+                    const __m256i v = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(blk + 32 * q)), 0xD8);
+                    const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, nibbles), q6_tops(c, k));
+                    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibbles), q6_tops(c, k + 1));
+                    const __m256i w[2] = {_mm256_unpacklo_epi16(lo, hi), _mm256_unpackhi_epi16(lo, hi)};
+                    for (int b = 0; b < nb; b++) {
+                        int32_t x4;
+                        memcpy(&x4, qx->q8 + (size_t)b * K + g * GROUP + 4 * q, 4);
+                        const __m256i xb = _mm256_set1_epi32(x4);
+                        s[b][0] = _mm256_add_epi16(s[b][0], _mm256_maddubs_epi16(w[0], xb));
+                        s[b][1] = _mm256_add_epi16(s[b][1], _mm256_maddubs_epi16(w[1], xb));
+                    }
+                }
+                for (int b = 0; b < nb; b++)
+                    for (int o = 0; o < 2; o++) acc[b][o] = _mm256_add_epi32(acc[b][o], _mm256_madd_epi16(s[b][o], ones));
+            }
+            for (int o = 0; o < 2; o++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 384 + 32 * h + 16 * o)));
+                for (int b = 0; b < nb; b++) {
+                    const size_t i = ((size_t)b * G + g) * 2 + h;
+                    const __m256i t = _mm256_sub_epi32(acc[b][o], _mm256_set1_epi32(qx->s8[i] / 4));
+                    accf[b][o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[i / 2])),
+                                                 accf[b][o]);
+                }
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++)
+        for (int o = 0; o < 2; o++) _mm256_storeu_ps(y + (size_t)b * ldy + 8 * o, accf[b][o]);
+}
 #endif
 
 #if HAVE_BF16DOT
@@ -1057,6 +1151,7 @@ static inline int tile_bytes(int format) {
            : format == TILES_Q5                          ? Q5_BLOCK_BYTES
            : format == TILES_Q4K                         ? Q_BYTES(Q_KS)
            : format == TILES_Q5K                         ? Q_BYTES(Q_KS | Q_FIVE)
+           : format == TILES_Q6                          ? Q6_BLOCK_BYTES
                                                          : BLOCK_BYTES;
 }
 
@@ -1135,6 +1230,24 @@ COLUMNS_FN(columns_q8_i8, CALL_Q8_I8)
 #elif HAVE_INT8_Q4
 #define CALL_Q8G6_I8(n) q8g6_column_i8(col, G, &part, K, n, yb, N)
 COLUMNS_FN(columns_q8g6_i8, CALL_Q8G6_I8)
+/* TILES_Q6 for int16 inputs: each column decoded to TILES_Q8G6 blocks in the thread's buffer (or, without
+ * one, NaN: a step never reads wrong weights quietly). */
+#define CALL_Q6(n) q8g_column(dcol, G, &part, K, n, yb, N, 0)
+static __attribute__((noinline)) void columns_q6(const uint8_t *blocks, int bytes, int N, int K, const qx_t *qx,
+                                                 const float *x, int B, float *y, int c0, int c1, int int8) {
+    const int G = K / GROUP;
+    uint8_t *dcol = decode_buffer(G, Q8G_BLOCK_BYTES);
+    (void)x, (void)int8;
+    for (int c = c0; c < c1; c++) {
+        if (!dcol) {
+            for (int b = 0; b < B; b++)
+                for (int n = 0; n < TILE_N; n++) y[(size_t)b * N + c * TILE_N + n] = NAN;
+            continue;
+        }
+        decode_q6_q8g(blocks + (size_t)c * G * bytes, G, dcol);
+        ROW_PASSES(CALL_Q6, 0)
+    }
+}
 #endif
 
 /* The column function of `fmt` for int8 (MM_INT8) or int16 inputs (AVX2's 4-bit and 5-bit int8 columns
@@ -1147,6 +1260,7 @@ static columns_fn columns_for(int fmt, int int8) {
              : fmt == TILES_Q8G || fmt == TILES_Q8G6 ? columns_q8g_i8 : fmt == TILES_F16 ? columns_f16 : columns_bf16;
 #elif HAVE_INT8_Q4
     if (int8 && fmt == TILES_Q8G6) return columns_q8g6_i8; /* (full-range int8 tiles: the int16 rows) */
+    if (fmt == TILES_Q6) return columns_q6; /* (int8 inputs: direct_for's and decoded_for's) */
 #endif
     return fmt == TILES_Q4 ? columns_q4 : fmt == TILES_Q5 ? columns_q5 : fmt == TILES_Q4K ? columns_q4k
          : fmt == TILES_Q5K ? columns_q5k : fmt == TILES_Q8 ? columns_q8
@@ -1174,6 +1288,8 @@ typedef void (*decoded_fn)(const layer_tiles *, int, int, const qx_t *, int, flo
 #if HAVE_INT8_Q4 /* (VNNI decodes 4-bit codes again per pass: decoded_for) */
 DECODED_FN(decoded_q4_i8, decode_q4_i8(col, G, 0, wv), DEC_CALL_Q4)
 DECODED_FN(decoded_q4k_i8, decode_q4_i8(col, G, Q_KS, wv), DEC_CALL_Q4K)
+#define DEC_CALL_Q6(n) q8g6_column_i8((const uint8_t *)wv, G, &part, K, n, yb, N)
+DECODED_FN(decoded_q6_i8, decode_q6_q8g(col, G, wv), DEC_CALL_Q6)
 #endif
 DECODED_FN(decoded_q5_i8, decode_q4_i8(col, G, Q_FIVE, wv), DEC_CALL_Q5)
 DECODED_FN(decoded_q5k_i8, decode_q4_i8(col, G, Q_KS | Q_FIVE, wv), DEC_CALL_Q5K)
@@ -1185,37 +1301,44 @@ DECODED_FN(decoded_q8g_i8, decode_q8_i8(col, G, bytes, wv), DEC_CALL_Q8G)
 #endif
 
 #if HAVE_INT8_Q4
-/* matmul_int16's columns [c0, c1) of 4-bit or 5-bit tiles for B <= DIRECT_ROWS rows of int8 inputs, each
- * group's codes decoded in registers (q4_column_i8d); one function per kind, as COLUMNS_FN. */
-#define DIRECT_FN(name, kind)                                                                                 \
-    static __attribute__((noinline)) void name(const uint8_t *blocks, int bytes, int N, int K, const qx_t *qx, \
+/* matmul_int16's columns [c0, c1) of 4-bit, 5-bit or 6-bit tiles for B <= DIRECT_ROWS rows of int8 inputs,
+ * each group's codes decoded in registers (q4_column_i8d, q6_column_i8d); one function per format, as
+ * COLUMNS_FN. */
+#define DIRECT_FN(name, COLUMN)                                                                               \
+    static __attribute__((noinline)) void name(const uint8_t *blocks, int bytes, int N, int K, const qx_t *qx,\
                                                int B, float *y, int c0, int c1) {                             \
         const int G = K / GROUP;                                                                              \
         for (int c = c0; c < c1; c++) {                                                                       \
             const uint8_t *col = blocks + (size_t)c * G * bytes;                                              \
             float *yc = y + (size_t)c * TILE_N;                                                               \
             switch (B) { /* a constant nb per call: the accumulators stay in registers */                     \
-                case 1: q4_column_i8d(col, G, qx, K, 1, yc, N, kind); break;                                  \
-                case 2: q4_column_i8d(col, G, qx, K, 2, yc, N, kind); break;                                  \
-                case 3: q4_column_i8d(col, G, qx, K, 3, yc, N, kind); break;                                  \
-                case 4: q4_column_i8d(col, G, qx, K, 4, yc, N, kind); break;                                  \
-                case 5: q4_column_i8d(col, G, qx, K, 5, yc, N, kind); break;                                  \
-                case 6: q4_column_i8d(col, G, qx, K, 6, yc, N, kind); break;                                  \
-                case 7: q4_column_i8d(col, G, qx, K, 7, yc, N, kind); break;                                  \
-                default: q4_column_i8d(col, G, qx, K, DIRECT_ROWS, yc, N, kind); break;                       \
+                case 1: COLUMN(1); break;                                                                     \
+                case 2: COLUMN(2); break;                                                                     \
+                case 3: COLUMN(3); break;                                                                     \
+                case 4: COLUMN(4); break;                                                                     \
+                case 5: COLUMN(5); break;                                                                     \
+                case 6: COLUMN(6); break;                                                                     \
+                case 7: COLUMN(7); break;                                                                     \
+                default: COLUMN(DIRECT_ROWS); break;                                                          \
             }                                                                                                 \
         }                                                                                                     \
     }
 typedef void (*direct_fn)(const uint8_t *, int, int, int, const qx_t *, int, float *, int, int);
-DIRECT_FN(direct_q4_i8, 0)
-DIRECT_FN(direct_q5_i8, Q_FIVE)
-DIRECT_FN(direct_q4k_i8, Q_KS)
-DIRECT_FN(direct_q5k_i8, Q_KS | Q_FIVE)
+#define DIRECT_Q4(n) q4_column_i8d(col, G, qx, K, n, yc, N, 0)
+#define DIRECT_Q5(n) q4_column_i8d(col, G, qx, K, n, yc, N, Q_FIVE)
+#define DIRECT_Q4K(n) q4_column_i8d(col, G, qx, K, n, yc, N, Q_KS)
+#define DIRECT_Q5K(n) q4_column_i8d(col, G, qx, K, n, yc, N, Q_KS | Q_FIVE)
+#define DIRECT_Q6(n) q6_column_i8d(col, G, qx, K, n, yc, N)
+DIRECT_FN(direct_q4_i8, DIRECT_Q4)
+DIRECT_FN(direct_q5_i8, DIRECT_Q5)
+DIRECT_FN(direct_q4k_i8, DIRECT_Q4K)
+DIRECT_FN(direct_q5k_i8, DIRECT_Q5K)
+DIRECT_FN(direct_q6_i8, DIRECT_Q6)
 
-/* The in-register int8 columns of a 4-bit or 5-bit format, NULL for the others. */
+/* The in-register int8 columns of a 4-bit, 5-bit or 6-bit format, NULL for the others. */
 static direct_fn direct_for(int fmt) {
     return fmt == TILES_Q4 ? direct_q4_i8 : fmt == TILES_Q5 ? direct_q5_i8 : fmt == TILES_Q4K ? direct_q4k_i8
-         : fmt == TILES_Q5K ? direct_q5k_i8 : NULL;
+         : fmt == TILES_Q5K ? direct_q5k_i8 : fmt == TILES_Q6 ? direct_q6_i8 : NULL;
 }
 #endif
 
@@ -1232,7 +1355,7 @@ static decoded_fn decoded_for(int fmt, int B) {
 #else
     (void)B;
     return fmt == TILES_Q4 ? decoded_q4_i8 : fmt == TILES_Q5 ? decoded_q5_i8 : fmt == TILES_Q4K ? decoded_q4k_i8
-         : fmt == TILES_Q5K ? decoded_q5k_i8 : NULL;
+         : fmt == TILES_Q5K ? decoded_q5k_i8 : fmt == TILES_Q6 ? decoded_q6_i8 : NULL;
 #endif
 }
 #endif
@@ -1290,7 +1413,7 @@ static void matmul_int16(const layer_tiles *w, int N, int ldy, int K, const qx_t
 #endif
 #if HAVE_INT8 || HAVE_INT8_Q4
     const decoded_fn dfn = int8 ? decoded_for(fmt, B) : NULL;
-    void *wv = dfn ? decode_buffer(G, 512) : NULL;
+    void *wv = dfn ? decode_buffer(G, fmt == TILES_Q6 ? Q8G_BLOCK_BYTES : 512) : NULL;
     if (wv) {
         dfn(w, ldy, K, qx, B, y, c0, c1, wv); /* (N: y's row stride, in the column functions) */
         return;

@@ -4,7 +4,7 @@
 
 #include <stdint.h>
 
-/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of nine formats:
+/* A layer's matrix in blocks of 16 output rows by 32 inputs, tile order (common.h), in one of ten formats:
  * TILES_Q4: 4-bit codes with fp16 d and m per row and group (GGML Q4_0, Q4_1, Q4_K values), BLOCK_BYTES;
  * TILES_Q8G: int8 codes with fp16 d per row and half group (16 inputs) and fp16 m per row and group
  * (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 values), Q8G_BLOCK_BYTES;
@@ -22,9 +22,15 @@
  * TILES_Q4K / TILES_Q5K: TILES_Q4 / TILES_Q5 with a K type's own scales (Q4_K, Q5_K): in place of fp16 d
  * and m, each row's 6-bit scale and min as bytes, then 8 bytes of the super-block's fp16 D and M (M =
  * -dmin; block 8s + i: D of rows 4i..4i+3 for i < 4, M of rows 4(i - 4).. for i >= 4), d = D sc and m =
- * M mn, exact: 296 (360) bytes a block, 0.58 (0.70) bytes a weight. K a multiple of 256. */
+ * M mn, exact: 296 (360) bytes a block, 0.58 (0.70) bytes a weight. K a multiple of 256;
+ * TILES_Q6: 6-bit codes u = q + 32 (q in [-32, 31]: Q6_K's, or any TILES_Q8G6 with no m) with fp16 d per
+ * row and half group, w = (u - 32) d, Q6_BLOCK_BYTES: TILES_Q4's low nibbles; then bits 4-5 of the
+ * codes, 32 bytes for tile rows 4v..4v+3 (v < 4): bits 2k..2k+1 of byte i those of row 4v + k's lane i
+ * (the byte of its nibble); then d[2][16] as TILES_Q8G's. 0.875 bytes a weight where TILES_Q8G6 takes
+ * 1.19. Read by the AVX2 build only (sluice_reads_tiles): its int8 matmul decodes the codes in registers,
+ * where the bytes a weight decide a decode step's time. */
 enum { TILES_Q4 = 0, TILES_Q8G = 1, TILES_F16 = 2, TILES_BF16 = 3, TILES_Q8G6 = 4, TILES_Q5 = 5, TILES_Q8 = 6,
-       TILES_Q4K = 7, TILES_Q5K = 8 };
+       TILES_Q4K = 7, TILES_Q5K = 8, TILES_Q6 = 9 };
 
 /* A layer's matrix: its blocks in one format, or (`tail` set) its first `rows` output rows in `format` and
  * the rest in `tail_format`: a fused matrix whose last part is another type (a Q4_K_M file's Q6_K attn_v
@@ -50,6 +56,7 @@ typedef struct {
 #define Q8_BLOCK_BYTES 512
 #define Q8G_BLOCK_BYTES 608 /* 512 bytes of int8 codes as Q8_BLOCK_BYTES, d[2][16], m[16] (fp16) */
 #define Q80_BLOCK_BYTES 544 /* TILES_Q8: 512 bytes of int8 codes, d[16] (fp16): Q8_0's 1.0625 bytes a weight */
+#define Q6_BLOCK_BYTES 448 /* TILES_Q6: 256 bytes of low nibbles, 128 of bits 4-5, d[2][16] (fp16) */
 #define F16_BLOCK_BYTES 1024 /* tile row r (inputs 2r, 2r + 1): lane 2n + j = W[n, 2r + j], fp16 or bf16 */
 
 typedef struct {
@@ -69,6 +76,7 @@ int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x,
                    uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
                    int nthreads, int wide_min_rows, int amx_min_rows);
 int sluice_amx_available(void);
+int sluice_reads_tiles(int format); /* 1 where this build's matmuls read layer tiles of `format` (TILES_*) */
 /* out[r] = the RMS norm of row rows[r] of x [*, H] times w (rows NULL: row r), for r < n (step.c). */
 int sluice_rms_norm(const float *x, int nx, const int64_t *rows, int n, int H, const float *w, float eps,
                     float *out);

@@ -222,7 +222,7 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
  * of its sequence. kv: the bf16 cache [layers, 2, slots, kv_heads, head_dim] with its layer and K-to-V
  * strides in elements. cos/sin [max_pos, head_dim / 2]. Steps of at least amx_min_rows rows multiply on AMX
  * tiles, else of at least wide_min_rows rows in int8 dot products (wide_mode; 0: never).
- * Returns 0, -1 when out of memory, -2 for shapes this kernel does not take. */
+ * Returns 0, -1 when out of memory, -2 for shapes or tile formats this build does not take. */
 int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x, const int64_t *positions,
                    const int64_t *slots, const int32_t *tables, int table_stride, const int32_t *row_seq,
                    uint16_t *kv, int64_t layer_stride, int64_t kv_stride, const float *cos, const float *sin,
@@ -231,6 +231,11 @@ int sluice_forward(const dims *dm, const layer_weights *layers, int B, float *x,
     if (dm->head_dim > 256 || dm->head_dim % 16 || dm->heads % dm->kv_heads || dm->heads > 256 ||
         dm->hidden % GROUP || dm->inter % GROUP || q_n % GROUP || qkv_n % TILE_N || dm->hidden % TILE_N)
         return -2;
+    for (int l = 0; l < dm->layers; l++) { /* (a format this build does not read: nothing computed) */
+        const layer_tiles *m[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
+        for (int i = 0; i < 4; i++)
+            if (!sluice_reads_tiles(m[i]->format) || (m[i]->tail && !sluice_reads_tiles(m[i]->tail_format))) return -2;
+    }
     if (B <= 0) return 0;
     pthread_mutex_lock(&step_lock);
     int rc = forward_locked(dm, layers, B, x, positions, slots, tables, table_stride, row_seq, kv, layer_stride,

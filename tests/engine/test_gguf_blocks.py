@@ -16,7 +16,17 @@ import torch
 
 from engine.gguf_blocks import DECODERS, dequantize, group_blocks, half_weights
 from engine.weights import _five_bit, pack_native
-from kernels.cpu import TILES_Q4, TILES_Q4K, TILES_Q5, TILES_Q5K, TILES_Q8, TILES_Q8G, TILES_Q8G6, LayerBlocks
+from kernels.cpu import (
+    TILES_Q4,
+    TILES_Q4K,
+    TILES_Q5,
+    TILES_Q5K,
+    TILES_Q6,
+    TILES_Q8,
+    TILES_Q8G,
+    TILES_Q8G6,
+    LayerBlocks,
+)
 from kernels.cpu import build as cpu_build
 from tests.kernels.cpu.test_forward import TinyModel, _library, assert_step_matches_reference
 
@@ -99,9 +109,9 @@ def _tile_mins(b, exact_k: bool = False) -> torch.Tensor:
     return (b.mn.double() if exact_k else b.mn.half().double()).repeat_interleave(32, 1)
 
 
-def _fixture_model(k_scales: bool) -> tuple[TinyModel, dict[str, list[int]]]:
-    """The fixture's two layers as the native step's tiles (`k_scales`: Q4_K/Q5_K matrices in K tiles), and as
-    float64 weights for the reference."""
+def _fixture_model(k_scales: bool, six_bit: bool = False) -> tuple[TinyModel, dict[str, list[int]]]:
+    """The fixture's two layers as the native step's tiles (`k_scales`: Q4_K/Q5_K matrices in K tiles;
+    `six_bit`: Q6_K ones in 6-bit tiles, the AVX2 build's), and as float64 weights for the reference."""
     reader = gguf.GGUFReader(str(FIXTURE))
     ts = _layer_tensors(reader)
     model = TinyModel(hidden=256, heads=4, kv_heads=2, head_dim=64, inter=256, layers=2, bias=False)
@@ -111,7 +121,7 @@ def _fixture_model(k_scales: bool) -> tuple[TinyModel, dict[str, list[int]]]:
     for i in range(2):
         blocks = {n: group_blocks(t.data, t.tensor_type.name, _shape(t))  # type: ignore[attr-defined]
                   for n, t in ts.items() if n.startswith(f"blk.{i}.")}
-        packed = {m: pack_native([blocks[f"blk.{i}.{p}.weight"] for p in parts], k_scales)
+        packed = {m: pack_native([blocks[f"blk.{i}.{p}.weight"] for p in parts], k_scales, six_bit)
                   for m, parts in fused.items()}
         formats.update({f"{i}.{m}": t.formats() for m, t in packed.items() if t is not None})
         dense, model.mins[i] = {}, {}
@@ -143,17 +153,19 @@ def _fixture_model(k_scales: bool) -> tuple[TinyModel, dict[str, list[int]]]:
 
 
 @pytest.mark.skipif(cpu_build.load() is None, reason="no C compiler to build kernels/cpu/forward.c")
-@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("build, six_bit", [("native", False), ("avx2", False), ("avx2", True)])
 @pytest.mark.parametrize("rows", [1, 9, 40])
 @pytest.mark.parametrize("k_scales", [True, False])
-def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(build, rows, k_scales):
-    model, formats = _fixture_model(k_scales)
+def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(build, six_bit, rows, k_scales):
+    model, formats = _fixture_model(k_scales, six_bit)
     # layer 0: Q4_K/Q5_K q and k in 5-bit tiles (with their own scales, or fp16 d and m) and the Q6_K v after
-    # them in int8 group tiles (codes in [-32, 32]), Q8_0 (Q8 tiles: one scale per group, no min), Q5_0/Q5_1
-    # in 5-bit tiles, Q6_K; layer 1 is all Q4_K (4-bit tiles, with its own scales or fp16 d and m)
+    # them in int8 group tiles (codes in [-32, 32]; or 6-bit tiles), Q8_0 (Q8 tiles: one scale per group, no
+    # min), Q5_0/Q5_1 in 5-bit tiles, Q6_K; layer 1 is all Q4_K (4-bit tiles, with its own scales or fp16 d
+    # and m)
+    q6 = TILES_Q6 if six_bit else TILES_Q8G6
     assert {k: v for k, v in formats.items() if k.startswith("0.")} == {
-        "0.qkv": [TILES_Q5K if k_scales else TILES_Q5, TILES_Q8G6], "0.o": [TILES_Q8], "0.gate_up": [TILES_Q5],
-        "0.down": [TILES_Q8G6]}
+        "0.qkv": [TILES_Q5K if k_scales else TILES_Q5, q6], "0.o": [TILES_Q8], "0.gate_up": [TILES_Q5],
+        "0.down": [q6]}
     assert {k: v for k, v in formats.items() if k.startswith("1.")} == dict.fromkeys(
         ("1.qkv", "1.o", "1.gate_up", "1.down"), [TILES_Q4K if k_scales else TILES_Q4])
     # AVX2's wide matmul gives the Q8_0 matrix int16 inputs and the others int8 ones: an int16 input that
@@ -165,9 +177,9 @@ def test_a_file_that_mixes_block_types_runs_natively_like_the_float64_reference(
     assert_step_matches_reference(model, _library(build), rows, seed=rows, wide=build != "avx2", int8_max=3e-2)
 
 
-@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("build, six_bit", [("native", False), ("avx2", False), ("avx2", True)])
 @pytest.mark.parametrize("k_scales", [True, False])
-def test_the_files_matrices_through_each_builds_wide_matmul_match_their_rounding(build, k_scales):
+def test_the_files_matrices_through_each_builds_wide_matmul_match_their_rounding(build, six_bit, k_scales):
     """Each matrix of the file through the build's wide matmul (the native matmul of sluice_head_logits,
     which takes a layer's tiles) against the float64 product with the inputs rounded as that matmul
     rounds them: int8 in 32s for the 4-bit tiles, for the int8-group ones too on AVX-512 VNNI and on AVX2
@@ -180,7 +192,7 @@ def test_the_files_matrices_through_each_builds_wide_matmul_match_their_rounding
     wide = lib.sluice_wide_matmul().decode()
     if not wide.startswith("int8"):
         pytest.skip(f"this build's wide matmul is {wide or 'none'}")
-    model, _ = _fixture_model(k_scales)
+    model, _ = _fixture_model(k_scales, six_bit)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(0))
     checked = 0
     for i, layer in enumerate(model.blocks):

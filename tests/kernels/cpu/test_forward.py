@@ -27,6 +27,7 @@ from kernels.cpu import (
     TILES_Q4K,
     TILES_Q5,
     TILES_Q5K,
+    TILES_Q6,
     TILES_Q8,
     TILES_Q8G,
     TILES_Q8G6,
@@ -36,6 +37,7 @@ from kernels.cpu import (
     pack_kq,
     pack_q4_1,
     pack_q5,
+    pack_q6,
     pack_q8g,
 )
 from kernels.cpu import build as cpu_build
@@ -119,6 +121,15 @@ def _q8g6(n: int, k: int, gen: torch.Generator):
     return _q8g(n, k, gen, max_code=32)
 
 
+def _q6(n: int, k: int, gen: torch.Generator):
+    """Q6_K's codes ([-32, 31]) with a signed scale per 16 inputs and no min: TILES_Q6 (pack_q6 takes the
+    codes and scales; the zero mins are for the reference)."""
+    codes = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
+    scale = ((torch.rand(n, k // 16, generator=gen) - 0.3) * 0.002).half().float()
+    dense = (codes.double().view(n, k // 16, 16) * scale.double()[..., None]).view(n, k)
+    return (codes, scale, torch.zeros(n, k // 32)), dense
+
+
 def _f16(n: int, k: int, gen: torch.Generator):
     """fp16 weights (an F16 file's); and their float64 value."""
     w = (torch.randn(n, k, generator=gen) * 0.05).half()
@@ -155,10 +166,12 @@ class TinyModel:
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int,
                  bias: bool, seed: int = 0, q8g: tuple[str, ...] = (), f16: tuple[str, ...] = (),
                  bf16: tuple[str, ...] = (), q8g6: tuple[str, ...] = (), q5: tuple[str, ...] = (),
-                 q8: tuple[str, ...] = (), q4k: tuple[str, ...] = (), q5k: tuple[str, ...] = ()):
+                 q8: tuple[str, ...] = (), q4k: tuple[str, ...] = (), q5k: tuple[str, ...] = (),
+                 q6: tuple[str, ...] = ()):
         """`q8g`, `f16`, `bf16`, `q8g6`, `q5`, `q8`, `q4k`, `q5k`: the matrices (qkv, o, gate_up, down) held as
         Q8G (codes over the int8 range), F16, BF16, Q8G6 (Q8G with codes in [-32, 32]), Q5, Q8 (Q8_0's), or
-        Q4K / Q5K (Q4_K's / Q5_K's own scales) tiles, the others as Q4."""
+        Q4K / Q5K (Q4_K's / Q5_K's own scales) tiles, `q6` as Q6 (Q6_K's codes in 6 bits; the AVX2 build's),
+        the others as Q4."""
         gen = torch.Generator().manual_seed(seed)
         self.dims = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, eps=1e-5)
         qkv_n = (heads + 2 * kv_heads) * head_dim
@@ -170,6 +183,7 @@ class TinyModel:
         self.args = []  # each layer's {matrix: what its pack function took}
         for _ in range(layers):
             mats = {name: (_q8g if name in q8g else _q8g6 if name in q8g6 else _q8_0 if name in q8 else
+                           _q6 if name in q6 else
                            _kq if name in q4k else functools.partial(_kq, levels=32) if name in q5k else
                            _f16 if name in f16 else
                            _bf16w if name in bf16 else _q5 if name in q5 else _q4)(n, k, gen)
@@ -181,14 +195,15 @@ class TinyModel:
             self.layers.append(({k: v[1] for k, v in mats.items()}, norms, b))
             # (4-bit and 5-bit codes: the kernel's int8 matmul centres them on 8 or 16, which moves that
             # many scales of each group into the part taken with the exact inputs)
-            centre = {k: 16 if k in q5 + q5k else 0 if k in q8g + q8g6 + q8 else 8 for k in mats}
+            centre = {k: 16 if k in q5 + q5k else 0 if k in q8g + q8g6 + q8 + q6 else 8 for k in mats}
             scale_mn = {k: _k_factors(*v[0][1:]) if k in q4k + q5k else (v[0][1].double(), v[0][2].double())
                         for k, v in mats.items() if k not in self.sixteen_bit}
             self.mins.append({k: (mn + centre[k] * scale if centre[k] else mn).repeat_interleave(32, 1)
                               for k, (scale, mn) in scale_mn.items()})
             self.args.append({k: v[0] for k, v in mats.items()})
             packed = {k: (pack_q8g if k in q8g + q8g6 + q8 else pack_q5 if k in q5 else pack_f16 if k in f16 + bf16
-                          else pack_kq if k in q4k + q5k else pack_q4_1)(*v[0]) for k, v in mats.items()}
+                          else pack_kq if k in q4k + q5k else (lambda c, s, _: pack_q6(c, s)) if k in q6
+                          else pack_q4_1)(*v[0]) for k, v in mats.items()}
             self.blocks.append(LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], qkv_bias=b, **packed))  # type: ignore[arg-type]
         pos = torch.arange(512, dtype=torch.float64)
         inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -479,6 +494,60 @@ def test_five_bit_tiles_match_the_float64_reference(build, q5, q8g, rows):
     model = TinyModel(**CONFIGS["odd-groups"], q8g=q8g, q5=q5)
     assert {m: getattr(model.blocks[0], m).format for m in q5} == dict.fromkeys(q5, TILES_Q5)
     assert_step_matches_reference(model, lib, rows, seed=300 + rows)
+
+
+@pytest.mark.parametrize("q6, q8g", [(("qkv", "o", "gate_up", "down"), ()), (("o", "down"), ("qkv",))])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 40])
+def test_six_bit_tiles_match_the_float64_reference_on_the_avx2_build(q6, q8g, rows):
+    """Q6 tiles (Q6_K's codes: nibbles, two bit planes, a scale per 16 inputs) alone and beside Q8G and Q4
+    tiles, on the AVX2 build's int16 matmul (columns decoded to int8 groups) and its int8 one (decoded in
+    registers up to 8 rows, then decoded once per column for passes of 8)."""
+    lib = _library("avx2")
+    model = TinyModel(**CONFIGS["odd-groups"], q8g=q8g, q6=q6)
+    assert {m: getattr(model.blocks[0], m).format for m in q6} == dict.fromkeys(q6, TILES_Q6)
+    assert_step_matches_reference(model, lib, rows, seed=700 + rows)
+
+
+@pytest.mark.parametrize("build", ["native", "plain"])
+def test_builds_without_six_bit_tiles_refuse_them(build):
+    """The AVX-512 and plain builds read no TILES_Q6 (the loader gives them TILES_Q8G6): a step with such a
+    matrix computes nothing and says so, and the output layer refuses the format as well."""
+    from kernels.cpu import head_logits, reads_tiles
+
+    lib = _library(build)
+    if reads_tiles(TILES_Q6, lib):
+        pytest.skip("this CPU has no AVX-512: its native build is the AVX2 one")
+    assert reads_tiles(TILES_Q8G6, lib)
+    model = TinyModel(**CONFIGS["odd-groups"], q6=("down",))
+    with pytest.raises(RuntimeError, match="bad shapes"):
+        assert_step_matches_reference(model, lib, 1, seed=1)
+    with pytest.raises(RuntimeError, match="bad shapes"):
+        head_logits(torch.randn(1, 160), model.blocks[0].down, 1, lib=lib)
+
+
+def test_pack_q6_puts_each_weight_where_the_kernel_reads_it():
+    """TILES_Q6: u = code + 32; its low nibbles as TILES_Q4's, bits 4-5 of tile row r (inputs 2r, 2r + 1) at
+    bits 2 (r % 4) of byte 256 + 32 (r // 4) + lane, then d[2][16] (fp16) as TILES_Q8G's; codes outside
+    [-32, 31] refused."""
+    gen = torch.Generator().manual_seed(1)
+    (codes, scale, _), _ = _q6(32, 64, gen)
+    blocks = pack_q6(codes, scale).blocks
+    assert blocks.shape == (2, 2, 448) and int(codes.min()) == -32 and int(codes.max()) == 31
+    for nb in range(2):
+        for g in range(2):
+            for n in range(16):
+                for i in range(32):  # input 32 g + i of row 16 nb + n
+                    p, h, j = i // 4, (i // 2) % 2, i % 2
+                    byte = int(blocks[nb, g, 32 * p + 2 * n + j])
+                    r = i // 2  # the tile row (2p + h)
+                    top = (int(blocks[nb, g, 256 + 32 * (r // 4) + 2 * n + j]) >> 2 * (r % 4)) & 3
+                    u = (byte >> 4 if h else byte & 0xF) | top << 4
+                    assert u - 32 == int(codes[16 * nb + n, 32 * g + i])
+                for half in range(2):
+                    got = blocks[nb, g, 384 + 32 * half:416 + 32 * half].view(torch.float16)[n].float()
+                    assert got == scale[16 * nb + n, 2 * g + half]
+    assert pack_q6(codes.clamp(max=30) + 2, scale) is None  # a 32
+    assert pack_q6(codes[:24], scale[:24]) is None  # rows off the 16-row blocks
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
