@@ -177,6 +177,13 @@ static int argmax_row(const float *x, int n) {
     __m512 m = _mm512_set1_ps(-INFINITY);
     for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
     mx = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+    /* (the scalar loop: 0.15 ms of a 128k vocabulary's greedy row, 0.4% of the 1B shape's AVX2 decode step) */
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+    mx = _mm_cvtss_f32(_mm256_castps256_ps128(_mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1))));
 #endif
     for (; i < n; i++) mx = x[i] > mx ? x[i] : mx;
     i = 0;
@@ -185,6 +192,12 @@ static int argmax_row(const float *x, int n) {
     for (; i + 16 <= n; i += 16) {
         __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), mv, _CMP_EQ_OQ);
         if (eq) return i + __builtin_ctz(eq);
+    }
+#elif defined(__AVX2__)
+    const __m256 mv = _mm256_set1_ps(mx);
+    for (; i + 8 <= n; i += 8) {
+        const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), mv, _CMP_EQ_OQ));
+        if (eq) return i + __builtin_ctz((unsigned)eq);
     }
 #endif
     for (; i < n; i++)

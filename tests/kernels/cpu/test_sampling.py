@@ -145,3 +145,19 @@ def test_sampling_under_a_mask_gives_the_masked_rows_tokens(build, vocab):
     with pytest.raises(ValueError, match="allows no token"):
         sample_masked(logits, rows[:1], torch.zeros(1, words, dtype=torch.int32), torch.ones(1),
                       seeds[:1], offsets[:1], lib=lib)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_greedy_takes_the_first_maximum_at_any_vocabulary_size(build):
+    """The vector argmax (16 lanes on AVX-512, 8 on AVX2) and its scalar tail: the maximum anywhere, ties
+    to the lowest index, rows whose length is no multiple of the vector."""
+    lib = _library(build)
+    g = torch.Generator().manual_seed(5)
+    for v in (3, 8, 17, 1003, 128256 + 5):
+        for at in sorted({0, v // 2, v - 1}):
+            logits = torch.randn(2, v, generator=g)
+            logits[0, at] = logits[1, at] = 10.0
+            logits[1, v - 1] = 10.0  # a tie: the lower index wins
+            params = (torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.ones(2),
+                      torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+            assert sample(logits, *params, 1, lib=lib).tolist() == [at, at], (v, at)
