@@ -95,7 +95,7 @@ typedef struct {
 } head_ctx;
 
 /* The `k` largest of out[r0..r1) into idx (unordered): a running minimum among the kept ones, and
- * (AVX-512) 16 values at a time compared with it, so only the few that beat it are looked at. */
+ * 16 (AVX-512) or 8 (AVX2) values at a time compared with it, so only the few that beat it are looked at. */
 static void top_k(const float *out, int r0, int r1, int k, int32_t *idx) {
     float val[MAX_REFINE];
     int n = 0, lo = 0, r = r0;
@@ -105,6 +105,19 @@ static void top_k(const float *out, int r0, int r1, int k, int32_t *idx) {
 #if defined(__AVX512F__)
         for (; r + 16 <= r1; r += 16) {
             __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(out + r), _mm512_set1_ps(val[lo]), _CMP_GT_OQ);
+            while (hit) {
+                const int j = r + __builtin_ctz(hit);
+                hit &= hit - 1;
+                if (out[j] > val[lo]) {
+                    val[lo] = out[j], idx[lo] = j;
+                    for (int i = 0; i < k; i++) lo = val[i] < val[lo] ? i : lo;
+                }
+            }
+        }
+#elif defined(__AVX2__)
+        for (; r + 8 <= r1; r += 8) {
+            unsigned hit = (unsigned)_mm256_movemask_ps(
+                _mm256_cmp_ps(_mm256_loadu_ps(out + r), _mm256_set1_ps(val[lo]), _CMP_GT_OQ));
             while (hit) {
                 const int j = r + __builtin_ctz(hit);
                 hit &= hit - 1;
