@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
+from kernels.cpu.memory import empty_on_huge_pages
 
 from . import batch_invariant
 from .gguf_blocks import GroupBlocks, HalfWeights
@@ -106,10 +107,10 @@ def native_head(weight: torch.Tensor | TokenRows, chunk_rows: int = 1024,
     if bits is None:
         bits = 4 if v * k >= HEAD_4BIT_MIN_WEIGHTS else 8
     step = chunk_rows - chunk_rows % 16
-    if bits == 4:
-        tiles = torch.empty(v // 16, k // 32, cpu_kernels.BLOCK_BYTES, dtype=torch.uint8)
+    if bits == 4:  # (on 2 MiB pages, as the layers': kernels/cpu/memory.py)
+        tiles = empty_on_huge_pages((v // 16, k // 32, cpu_kernels.BLOCK_BYTES), torch.uint8)
     else:
-        blocks, scales = torch.empty(v // 16, k // 32, 512, dtype=torch.int8), torch.empty(v)
+        blocks, scales = empty_on_huge_pages((v // 16, k // 32, 512), torch.int8), torch.empty(v)
     for a in range(0, v, step):
         rows = weight[a:a + step]
         if bits == 4:

@@ -9,6 +9,7 @@ final norm and output layer are shared with the torch path.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from . import build
 from .abi import Dims as _Dims  # the structs the step takes (checked against each build)
 from .abi import Layer as _Layer
 from .abi import Tiles as _Tiles
+from .memory import on_huge_pages
 
 GROUP = 32  # inputs per scale and min
 TILE_N = 16  # output rows per block
@@ -222,6 +224,11 @@ def available() -> bool:
     return build.load() is not None
 
 
+def _tiles_on_huge_pages(t: LayerTiles) -> LayerTiles:
+    tail = None if t.tail is None else _tiles_on_huge_pages(t.tail)
+    return dataclasses.replace(t, blocks=on_huge_pages(t.blocks), tail=tail)
+
+
 def reads_tiles(fmt: int, lib: ctypes.CDLL | None = None) -> bool:
     """Whether this build's matmuls read layer tiles of `fmt` (TILES_Q6: the AVX2 build only)."""
     return bool(_library(lib, "native CPU step").sluice_reads_tiles(fmt))
@@ -262,7 +269,10 @@ class ForwardStep:
         # the 4-bit and TILES_Q8G6 tiles, int16 ones for the others) or "" (none)
         self.wide: str = lib.sluice_wide_matmul().decode()
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), block_size, eps)
-        self._layers = layers  # keeps the tensors that the structs point to alive
+        # on 2 MiB pages (memory.py), which also keeps the tensors that the structs point to alive
+        layers = [dataclasses.replace(lw, **{m: _tiles_on_huge_pages(getattr(lw, m))
+                                            for m in ("qkv", "o", "gate_up", "down")}) for lw in layers]
+        self._layers = layers
         self._structs = (_Layer * len(layers))(*[lw._struct() for lw in layers])
         self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()
         self.hidden = hidden
