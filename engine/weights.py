@@ -324,6 +324,8 @@ def native_layers(args: ModelArgs, weights: MutableMapping[str, torch.Tensor],
         p = f"model.layers.{i}."
         packed = {name: pack_native([blocks(p + n) for n in names], k_scales, six_bit)
                   for name, names in LAYER_LINEARS.items()}
+        # on 2 MiB pages as each layer is packed (one layer's copy at a time, not all of them at once)
+        packed = {name: None if t is None else cpu_kernels.tiles_on_huge_pages(t) for name, t in packed.items()}
         if any(b is None for b in packed.values()):
             if i:
                 raise RuntimeError(f"layer {i}'s blocks do not match its weights (the layers before it "

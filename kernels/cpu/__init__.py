@@ -224,8 +224,9 @@ def available() -> bool:
     return build.load() is not None
 
 
-def _tiles_on_huge_pages(t: LayerTiles) -> LayerTiles:
-    tail = None if t.tail is None else _tiles_on_huge_pages(t.tail)
+def tiles_on_huge_pages(t: LayerTiles) -> LayerTiles:
+    """t with its blocks (and its tail's) on 2 MiB pages (memory.py)."""
+    tail = None if t.tail is None else tiles_on_huge_pages(t.tail)
     return dataclasses.replace(t, blocks=on_huge_pages(t.blocks), tail=tail)
 
 
@@ -270,7 +271,7 @@ class ForwardStep:
         self.wide: str = lib.sluice_wide_matmul().decode()
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), block_size, eps)
         # on 2 MiB pages (memory.py), which also keeps the tensors that the structs point to alive
-        layers = [dataclasses.replace(lw, **{m: _tiles_on_huge_pages(getattr(lw, m))
+        layers = [dataclasses.replace(lw, **{m: tiles_on_huge_pages(getattr(lw, m))
                                             for m in ("qkv", "o", "gate_up", "down")}) for lw in layers]
         self._layers = layers
         self._structs = (_Layer * len(layers))(*[lw._struct() for lw in layers])

@@ -29,18 +29,18 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     if advice is None or n < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
     m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        m.madvise(advice)
-    except OSError:  # (EINVAL: transparent huge pages are not built into this kernel)
-        m.close()
-        return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(m, dtype=torch.uint8)  # (holds `m`: unmapped when the last view goes)
     start = -raw.data_ptr() % HUGE_PAGE
+    try:  # only the whole 2 MiB pages of the tensor: a huge page across its end would be partly unused
+        m.madvise(advice, start, n - n % HUGE_PAGE)
+    except OSError:  # (EINVAL: transparent huge pages are not built into this kernel)
+        return torch.empty(shape, dtype=dtype)
     return raw[start:start + n].view(dtype).view(shape)
 
 
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s values in a tensor of `empty_on_huge_pages` (t itself where that gives plain memory)."""
-    if t.device.type != "cpu" or t.numel() * t.element_size() < HUGE_PAGE:
+    """`t`'s values in a tensor of `empty_on_huge_pages`; t itself where that would give plain memory, or
+    where t starts on a 2 MiB boundary (taken as placed already: torch's own allocations do not)."""
+    if t.device.type != "cpu" or t.numel() * t.element_size() < HUGE_PAGE or t.data_ptr() % HUGE_PAGE == 0:
         return t
     return empty_on_huge_pages(tuple(t.shape), t.dtype).copy_(t)

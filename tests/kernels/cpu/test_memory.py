@@ -26,12 +26,13 @@ def test_small_buffers_stay_where_they_are():
 
 
 def test_a_native_steps_layer_tiles_and_their_tails_move_to_huge_pages():
-    from kernels.cpu import TILES_Q4, TILES_Q8G6, LayerTiles, _tiles_on_huge_pages
+    from kernels.cpu import TILES_Q4, TILES_Q8G6, LayerTiles, tiles_on_huge_pages
 
     tail = LayerTiles(torch.randint(0, 256, (2, 8, 608), dtype=torch.uint8), (32, 256), TILES_Q8G6)
     big = LayerTiles(torch.randint(0, 256, (HUGE_PAGE // 320 // 8 + 1, 8, 320), dtype=torch.uint8), (0, 256),
                      TILES_Q4, tail)
-    moved = _tiles_on_huge_pages(big)
+    moved = tiles_on_huge_pages(big)
     assert moved.blocks.data_ptr() % HUGE_PAGE == 0 and torch.equal(moved.blocks, big.blocks)
     assert moved.tail is not None and moved.tail.blocks is tail.blocks  # (small: where it was)
+    assert tiles_on_huge_pages(moved).blocks is moved.blocks  # (placed already: not copied again)
     assert (moved.shape, moved.format, moved.tail.format) == (big.shape, TILES_Q4, TILES_Q8G6)
