@@ -94,6 +94,20 @@ typedef struct {
     int32_t *cand; /* [threads, B, refine]: each thread's best rows of each input row */
 } head_ctx;
 
+/* top_k's kept values after out[r + j] for each bit j of `hit` (the ones a vector compare found above the
+ * kept minimum val[lo]), each taken where it still beats the minimum; returns the new minimum's place. */
+static inline int keep_hits(const float *out, int r, unsigned hit, int k, float *val, int32_t *idx, int lo) {
+    while (hit) {
+        const int j = r + __builtin_ctz(hit);
+        hit &= hit - 1;
+        if (out[j] > val[lo]) {
+            val[lo] = out[j], idx[lo] = j;
+            for (int i = 0; i < k; i++) lo = val[i] < val[lo] ? i : lo;
+        }
+    }
+    return lo;
+}
+
 /* The `k` largest of out[r0..r1) into idx (unordered): a running minimum among the kept ones, and
  * 16 (AVX-512) or 8 (AVX2) values at a time compared with it, so only the few that beat it are looked at. */
 static void top_k(const float *out, int r0, int r1, int k, int32_t *idx) {
@@ -103,30 +117,14 @@ static void top_k(const float *out, int r0, int r1, int k, int32_t *idx) {
     for (int i = 1; i < n; i++) lo = val[i] < val[lo] ? i : lo;
     if (n == k) {
 #if defined(__AVX512F__)
-        for (; r + 16 <= r1; r += 16) {
-            __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(out + r), _mm512_set1_ps(val[lo]), _CMP_GT_OQ);
-            while (hit) {
-                const int j = r + __builtin_ctz(hit);
-                hit &= hit - 1;
-                if (out[j] > val[lo]) {
-                    val[lo] = out[j], idx[lo] = j;
-                    for (int i = 0; i < k; i++) lo = val[i] < val[lo] ? i : lo;
-                }
-            }
-        }
+        for (; r + 16 <= r1; r += 16)
+            lo = keep_hits(out, r, _mm512_cmp_ps_mask(_mm512_loadu_ps(out + r), _mm512_set1_ps(val[lo]), _CMP_GT_OQ),
+                           k, val, idx, lo);
 #elif defined(__AVX2__)
-        for (; r + 8 <= r1; r += 8) {
-            unsigned hit = (unsigned)_mm256_movemask_ps(
-                _mm256_cmp_ps(_mm256_loadu_ps(out + r), _mm256_set1_ps(val[lo]), _CMP_GT_OQ));
-            while (hit) {
-                const int j = r + __builtin_ctz(hit);
-                hit &= hit - 1;
-                if (out[j] > val[lo]) {
-                    val[lo] = out[j], idx[lo] = j;
-                    for (int i = 0; i < k; i++) lo = val[i] < val[lo] ? i : lo;
-                }
-            }
-        }
+        for (; r + 8 <= r1; r += 8)
+            lo = keep_hits(out, r, (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(out + r),
+                                                                              _mm256_set1_ps(val[lo]), _CMP_GT_OQ)),
+                           k, val, idx, lo);
 #endif
         for (; r < r1; r++)
             if (out[r] > val[lo]) {
