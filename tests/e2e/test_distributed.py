@@ -268,14 +268,18 @@ async def test_cancelled_stream_leaves_the_worker(cluster):
                 if chunks >= 3:
                     break
         r.close()  # the client goes away
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        if sum(w["in_flight"] for w in cluster.live_workers()) == 0:
-            break
-        await asyncio.sleep(0.1)
-    assert sum(w["in_flight"] for w in cluster.live_workers()) == 0
+    # The worker counts a request out when the engine finishes it, and its lease and item go when that
+    # last output is published after: on a loaded machine the count can reach 0 a moment before them.
     rc = cluster.redis_client()
-    assert rc.zcard("sluice:leased") == 0 and not rc.keys("sluice:item:*")
+
+    def left() -> tuple[int, int, int]:
+        return (sum(w["in_flight"] for w in cluster.live_workers()), rc.zcard("sluice:leased"),
+                len(rc.keys("sluice:item:*")))
+
+    deadline = time.time() + 10
+    while time.time() < deadline and left() != (0, 0, 0):
+        await asyncio.sleep(0.1)
+    assert left() == (0, 0, 0)
     rc.close()
 
 
