@@ -267,7 +267,7 @@ class ForwardStep:
         self.amx: bool = bool(lib.sluice_amx_available())  # the AMX matmul (bf16 tiles) for steps of many rows
         # the int8 matmul for steps of several rows: "int8" (AVX-512 VNNI), "int8+bf16" (with AVX-512 BF16:
         # the F16/BF16 tiles in bf16 dot products), "int8 4-6 bit" (AVX2 without AVX-512: int8 inputs for
-        # the 4-bit and TILES_Q8G6 tiles, int16 ones for the others) or "" (none)
+        # the 4-bit, 5-bit, TILES_Q6 and TILES_Q8G6 tiles, int16 ones for the others) or "" (none)
         self.wide: str = lib.sluice_wide_matmul().decode()
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), block_size, eps)
         # on 2 MiB pages (memory.py), which also keeps the tensors that the structs point to alive
@@ -282,7 +282,7 @@ class ForwardStep:
         return sum(lw.nbytes() for lw in self._layers)
 
     def tile_formats(self) -> dict[str, int]:
-        """How many of the layers' matrices each tile format holds ("4-bit", "int8 group", "fp16", "bf16")."""
+        """How many of the layers' matrices each tile format holds ("4-bit", "6-bit", "int8 group", "fp16", ...)."""
         names = {TILES_Q4: "4-bit", TILES_Q5: "5-bit", TILES_Q4K: "4-bit K", TILES_Q5K: "5-bit K",
                  TILES_Q8G: "int8 group", TILES_Q8G6: "int8 group", TILES_Q6: "6-bit",
                  TILES_Q8: "int8 group",

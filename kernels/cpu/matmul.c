@@ -223,8 +223,8 @@ static int wide_mode(int B, int wide_rows, int amx_rows) {
 }
 
 /* The int8 matmul this build gives steps of several rows: "int8" (its 16-bit tiles in fp32 FMAs),
- * "int8+bf16" (in bf16 dot products), "int8 4-6 bit" (AVX2: int8 inputs for the 4-bit and TILES_Q8G6 tiles
- * only) or "" (none); AMX, where usable, is sluice_amx_available's. */
+ * "int8+bf16" (in bf16 dot products), "int8 4-6 bit" (AVX2: int8 inputs for the 4-bit, 5-bit, TILES_Q6 and
+ * TILES_Q8G6 tiles only) or "" (none); AMX, where usable, is sluice_amx_available's. */
 const char *sluice_wide_matmul(void) {
     return HAVE_BF16DOT ? "int8+bf16" : HAVE_INT8 ? "int8" : HAVE_INT8_Q4 ? "int8 4-6 bit" : "";
 }
