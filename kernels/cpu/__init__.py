@@ -262,7 +262,7 @@ class ForwardStep:
         """`lib`: a build of forward.c (default: this machine's, `build.load()`)."""
         lib = _library(lib, "native CPU forward step")
         self._fn = lib.sluice_forward
-        self.isa: str = lib.sluice_forward_isa().decode()  # avx512-vnni, avx512, avx2 or scalar
+        self.isa: str = lib.sluice_forward_isa().decode()  # avx512-vnni, avx512, avx2+avx-vnni, avx2 or scalar
         self.library: str = Path(lib._name).name  # the build (its name hashes its sources and flags)
         self.amx: bool = bool(lib.sluice_amx_available())  # the AMX matmul (bf16 tiles) for steps of many rows
         # the int8 matmul for steps of several rows: "int8" (AVX-512 VNNI), "int8+bf16" (with AVX-512 BF16:

@@ -59,6 +59,8 @@ const char *sluice_forward_isa(void) {
     return "avx512-vnni";
 #elif defined(__AVX512F__) && defined(__AVX512BW__)
     return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVXVNNI__)
+    return "avx2+avx-vnni";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     return "avx2";
 #else

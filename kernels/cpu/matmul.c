@@ -42,6 +42,21 @@ enum { MM_INT16 = 0, MM_AMX = 1, MM_INT8 = 2 }; /* how a step's matmuls take the
 #else
 #define HAVE_INT8_Q4 0
 #endif
+/* AVX-VNNI (`vpdpbusd` on 256-bit vectors without AVX-512: Alder Lake's and later client cores, Sierra Forest's
+ * E-cores): the same unsigned-by-signed products, four to an int32 lane, in one instruction where AVX2 takes
+ * `vpmaddubsw`, the int16 adds and `vpmaddwd` (three to four a vector of pairs). The lanes hold the same four
+ * products in both (pairs 4i, 4i + 1 and 4i + 2, 4i + 3 of a `vpmaddubsw` summed by `vpmaddwd`), and neither
+ * rounds or saturates, so the sums are bit-identical: PAIRS_ADD(s, w, x) adds w x's products into s (int16
+ * pairs, or int32 quads with VNNI), PAIRS_WIDEN(s) makes s int32 quads. */
+#if HAVE_INT8_Q4 && defined(__AVXVNNI__)
+#define HAVE_AVXVNNI 1
+#define PAIRS_ADD(s, w, x) _mm256_dpbusd_avx_epi32((s), (w), (x))
+#define PAIRS_WIDEN(s) (s)
+#else
+#define HAVE_AVXVNNI 0
+#define PAIRS_ADD(s, w, x) _mm256_add_epi16((s), _mm256_maddubs_epi16((w), (x)))
+#define PAIRS_WIDEN(s) _mm256_madd_epi16((s), _mm256_set1_epi16(1))
+#endif
 /* MM_INT8 steps on F16/BF16 tiles (AVX-512 BF16): x rounded to bf16, `vdpbf16ps` over the tile rows, whose
  * 32 lanes are already its pairs (output row n, inputs 2r and 2r + 1): one instruction per tile row and
  * input row where fp32 FMAs take two and the pairs' sums after. The weights as AMX takes them: BF16 as they
@@ -886,7 +901,7 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
                                                                int nb, float *y, int ldy, int kind,
                                                                const __m256i *wv) {
     const int five = kind & Q_FIVE;
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1); (void)ones; /* (AVX-VNNI: no int16 sums to widen) */
     ks8_t ks = {-1, {_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
     for (int o = 0; o < 2; o++) { /* output rows 8o..8o+7: their sums stay in registers over all groups */
         __m256 accf[ROWS_PER_PASS];
@@ -902,11 +917,18 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
                     int32_t x0, x1, x2, x3;
                     memcpy(&x0, xg + 16 * h, 4), memcpy(&x1, xg + 16 * h + 4, 4);
                     memcpy(&x2, xg + 16 * h + 8, 4), memcpy(&x3, xg + 16 * h + 12, 4);
+#if HAVE_AVXVNNI
+                    acc = PAIRS_ADD(acc, w[4 * h], _mm256_set1_epi32(x0));
+                    acc = PAIRS_ADD(acc, w[4 * h + 1], _mm256_set1_epi32(x1));
+                    acc = PAIRS_ADD(acc, w[4 * h + 2], _mm256_set1_epi32(x2));
+                    acc = PAIRS_ADD(acc, w[4 * h + 3], _mm256_set1_epi32(x3));
+#else
                     __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w[4 * h], _mm256_set1_epi32(x0)),
                                                  _mm256_maddubs_epi16(w[4 * h + 1], _mm256_set1_epi32(x1)));
                     s = _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(w[4 * h + 2], _mm256_set1_epi32(x2)),
                                                              _mm256_maddubs_epi16(w[4 * h + 3], _mm256_set1_epi32(x3))));
                     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(s, ones));
+#endif
                 }
                 /* d (dg (codes . inputs) + ce) + m sx, as the AVX-512 q4_column_i8 (sx is the int16 rows', / dx) */
                 const size_t i = (size_t)b * G + g;
@@ -934,7 +956,7 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
 static inline __attribute__((always_inline)) void q4_column_i8d(const uint8_t *col, int G, const qx_t *qx, int K,
                                                                 int nb, float *y, int ldy, int kind) {
     const int five = kind & Q_FIVE;
-    const __m256i nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i nibbles = _mm256_set1_epi8(0x0f);
     ks8_t ks = {-1, {_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
     __m256 accf[DIRECT_ROWS][2];
     for (int b = 0; b < nb; b++) accf[b][0] = accf[b][1] = _mm256_setzero_ps();
@@ -953,19 +975,19 @@ static inline __attribute__((always_inline)) void q4_column_i8d(const uint8_t *c
                 int32_t x4;
                 memcpy(&x4, qx->q8 + (size_t)b * K + g * GROUP + 4 * p, 4);
                 const __m256i xb = _mm256_set1_epi32(x4);
-                s[b][0] = _mm256_add_epi16(s[b][0], _mm256_maddubs_epi16(w[0], xb));
-                s[b][1] = _mm256_add_epi16(s[b][1], _mm256_maddubs_epi16(w[1], xb));
+                s[b][0] = PAIRS_ADD(s[b][0], w[0], xb);
+                s[b][1] = PAIRS_ADD(s[b][1], w[1], xb);
             }
-            if (five && (p & 3) == 3) /* (five-bit codes: four pairs' sums at most in int16) */
+            if (five && !HAVE_AVXVNNI && (p & 3) == 3) /* (five-bit codes: four pairs' sums at most in int16) */
                 for (int b = 0; b < nb; b++)
                     for (int o = 0; o < 2; o++) {
-                        acc[b][o] = _mm256_add_epi32(acc[b][o], _mm256_madd_epi16(s[b][o], ones));
+                        acc[b][o] = _mm256_add_epi32(acc[b][o], PAIRS_WIDEN(s[b][o]));
                         s[b][o] = _mm256_setzero_si256();
                     }
         }
-        if (!five)
+        if (!five || HAVE_AVXVNNI) /* (VNNI: the int32 sums themselves) */
             for (int b = 0; b < nb; b++)
-                for (int o = 0; o < 2; o++) acc[b][o] = _mm256_madd_epi16(s[b][o], ones);
+                for (int o = 0; o < 2; o++) acc[b][o] = PAIRS_WIDEN(s[b][o]);
         for (int o = 0; o < 2; o++) {
             __m256 d, m;
             q_dm8(col, g, kind, o, &ks, &d, &m);
@@ -988,7 +1010,7 @@ static inline __attribute__((always_inline)) void q4_column_i8d(const uint8_t *c
  * 2^15), widened, less the offset's 32 * the sum of the half group's int8 inputs (s8 / 4). */
 static inline __attribute__((always_inline)) void q8g6_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
                                                                  int nb, float *y, int ldy) {
-    const __m256i offset = _mm256_set1_epi8(32), ones = _mm256_set1_epi16(1);
+    const __m256i offset = _mm256_set1_epi8(32), ones = _mm256_set1_epi16(1); (void)ones; /* (AVX-VNNI: no int16 sums to widen) */
     for (int o = 0; o < 2; o++) {
         __m256 accf[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) accf[b] = _mm256_setzero_ps();
@@ -1008,13 +1030,21 @@ static inline __attribute__((always_inline)) void q8g6_column_i8(const uint8_t *
                     const int8_t *xg = qx->q8 + (size_t)b * K + g * GROUP + 16 * h;
                     int32_t x0, x1, x2, x3;
                     memcpy(&x0, xg, 4), memcpy(&x1, xg + 4, 4), memcpy(&x2, xg + 8, 4), memcpy(&x3, xg + 12, 4);
+                    const size_t i = ((size_t)b * G + g) * 2 + h;
+#if HAVE_AVXVNNI
+                    __m256i s = _mm256_set1_epi32(-(qx->s8[i] / 4));
+                    s = PAIRS_ADD(s, w[0], _mm256_set1_epi32(x0));
+                    s = PAIRS_ADD(s, w[1], _mm256_set1_epi32(x1));
+                    s = PAIRS_ADD(s, w[2], _mm256_set1_epi32(x2));
+                    s = PAIRS_ADD(s, w[3], _mm256_set1_epi32(x3));
+#else
                     const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x0)),
                                                          _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(x1)));
                     const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], _mm256_set1_epi32(x2)),
                                                          _mm256_maddubs_epi16(w[3], _mm256_set1_epi32(x3)));
-                    const size_t i = ((size_t)b * G + g) * 2 + h;
                     const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones)),
                                                        _mm256_set1_epi32(qx->s8[i] / 4));
+#endif
                     accf[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[i / 2])), accf[b]);
                 }
             }
@@ -1070,7 +1100,7 @@ static void decode_q6_q8g(const uint8_t *col, int G, uint8_t *out) {
  * 32 * the half's int8 input sum (s8 / 4), times its own d (Q6_K's scale per 16 inputs). */
 static inline __attribute__((always_inline)) void q6_column_i8d(const uint8_t *col, int G, const qx_t *qx, int K,
                                                                 int nb, float *y, int ldy) {
-    const __m256i nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i nibbles = _mm256_set1_epi8(0x0f);
     __m256 accf[DIRECT_ROWS][2];
     for (int b = 0; b < nb; b++) accf[b][0] = accf[b][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
@@ -1093,12 +1123,12 @@ static inline __attribute__((always_inline)) void q6_column_i8d(const uint8_t *c
                         int32_t x4;
                         memcpy(&x4, qx->q8 + (size_t)b * K + g * GROUP + 4 * q, 4);
                         const __m256i xb = _mm256_set1_epi32(x4);
-                        s[b][0] = _mm256_add_epi16(s[b][0], _mm256_maddubs_epi16(w[0], xb));
-                        s[b][1] = _mm256_add_epi16(s[b][1], _mm256_maddubs_epi16(w[1], xb));
+                        s[b][0] = PAIRS_ADD(s[b][0], w[0], xb);
+                        s[b][1] = PAIRS_ADD(s[b][1], w[1], xb);
                     }
                 }
                 for (int b = 0; b < nb; b++)
-                    for (int o = 0; o < 2; o++) acc[b][o] = _mm256_add_epi32(acc[b][o], _mm256_madd_epi16(s[b][o], ones));
+                    for (int o = 0; o < 2; o++) acc[b][o] = _mm256_add_epi32(acc[b][o], PAIRS_WIDEN(s[b][o]));
             }
             for (int o = 0; o < 2; o++) {
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 384 + 32 * h + 16 * o)));

@@ -508,6 +508,42 @@ def test_six_bit_tiles_match_the_float64_reference_on_the_avx2_build(q6, q8g, ro
     assert_step_matches_reference(model, lib, rows, seed=700 + rows)
 
 
+def _avx_vnni_library():
+    """The AVX2 build with AVX-VNNI (`vpdpbusd` on 256-bit vectors, as a CPU with AVX-VNNI and no AVX-512 builds)."""
+    if not {"avx2", "fma", "f16c", "avx_vnni"} <= cpu_info().flags:
+        pytest.skip("this CPU has no AVX-VNNI")
+    lib = cpu_build.compile_library(("-march=x86-64-v3", "-mavxvnni"))
+    assert lib is not None
+    return lib
+
+
+@pytest.mark.parametrize("formats", [
+    dict(q8g6=("qkv",), q5=("o",), q6=("down",)),  # Q4 gate_up
+    dict(q4k=("qkv", "down"), q5k=("o", "gate_up")),
+])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 40])
+def test_the_avx_vnni_build_sums_as_the_avx2_one(formats, rows):
+    """AVX-VNNI's `vpdpbusd` takes the place of `vpmaddubsw` + `vpmaddwd` in AVX2's int8 matmul: the same
+    products to the same int32 sums, so the step's output is bit-identical to the AVX2 build's, for every
+    int8 tile format (4-bit, 5-bit, K scales, 6-bit, small-code int8 groups), decoded in registers (up to 8
+    rows) and through the column buffer (more); the int16 matmul (wide_min_rows 0) as well."""
+    avx2, vnni = _library("avx2"), _avx_vnni_library()
+    assert vnni.sluice_forward_isa().decode() == "avx2+avx-vnni" and avx2.sluice_forward_isa().decode() == "avx2"
+    d = (dict(hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512, layers=2, bias=True) if "q4k" in formats
+         else CONFIGS["odd-groups"])
+    model = TinyModel(**d, **formats)
+    gen = torch.Generator().manual_seed(800 + rows)
+    positions, slots, tables, row_seq, num_blocks = _step(rows, gen, 4, 8)
+    kv = torch.randn(len(model.layers), 2, num_blocks * 4, d["kv_heads"], d["head_dim"], generator=gen).to(
+        torch.bfloat16)
+    x = torch.randn(rows, d["hidden"], generator=gen)
+    for wide in (1, 0):
+        out = [ForwardStep(**model.dims, block_size=4, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
+               .run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, wide_min_rows=wide)
+               for lib in (avx2, vnni)]
+        assert torch.equal(out[0], out[1]), (wide, (out[0] - out[1]).abs().max().item())
+
+
 @pytest.mark.parametrize("build", ["native", "plain"])
 def test_builds_without_six_bit_tiles_refuse_them(build):
     """The AVX-512 and plain builds read no TILES_Q6 (the loader gives them TILES_Q8G6): a step with such a
