@@ -267,7 +267,8 @@ class ForwardStep:
         self.amx: bool = bool(lib.sluice_amx_available())  # the AMX matmul (bf16 tiles) for steps of many rows
         # the int8 matmul for steps of several rows: "int8" (AVX-512 VNNI), "int8+bf16" (with AVX-512 BF16:
         # the F16/BF16 tiles in bf16 dot products), "int8 4-6 bit" (AVX2 without AVX-512: int8 inputs for
-        # the 4-bit, 5-bit, TILES_Q6 and TILES_Q8G6 tiles, int16 ones for the others) or "" (none)
+        # the 4-bit, 5-bit, TILES_Q6 and TILES_Q8G6 tiles, int16 ones for the others), "int8 avx-vnni" (AVX2
+        # with AVX-VNNI: int8 inputs for the int8-range tiles too; the 16-bit ones int16) or "" (none)
         self.wide: str = lib.sluice_wide_matmul().decode()
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), block_size, eps)
         # on 2 MiB pages (memory.py), which also keeps the tensors that the structs point to alive

@@ -74,6 +74,42 @@ static inline __attribute__((always_inline)) void q8_column_i8(const uint8_t *co
 }
 #define Q8_COLUMN(int8, blocks, G, part, K, nb, out) \
     ((int8) ? q8_column_i8(blocks, G, part, K, nb, out) : q8_column(blocks, G, part, K, nb, out))
+#elif HAVE_AVXVNNI
+/* AVX2 with AVX-VNNI: the same column for nb rows of int8 inputs, output rows 8o..8o+7 at a time, the codes
+ * offset by 128 as q8g_column_i8v's (`vpdpbusd` sums in int32: no pair of int16 to saturate), the whole
+ * group in one sum less 128 * the sum of its int8 inputs, times its dg. */
+static inline __attribute__((always_inline)) void q8_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
+                                                               int nb, float out[ROWS_PER_PASS][TILE_N]) {
+    const __m256i offset = _mm256_set1_epi8((char)0x80);
+    for (int o = 0; o < 2; o++) {
+        __m256 accf[ROWS_PER_PASS];
+        for (int b = 0; b < nb; b++) accf[b] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = col + (size_t)g * Q8_BLOCK_BYTES;
+            if (o == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q8_BLOCK_BYTES);
+            __m256i w[8]; /* tile rows 2p and 2p + 1 (inputs 4p..4p+3) of output rows 8o..8o+7 */
+            for (int p = 0; p < 8; p++) {
+                const __m128i a = _mm_loadu_si128((const __m128i *)(blk + 64 * p + 16 * o));
+                const __m128i c = _mm_loadu_si128((const __m128i *)(blk + 64 * p + 32 + 16 * o));
+                w[p] = _mm256_add_epi8(_mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c)), offset);
+            }
+            for (int b = 0; b < nb; b++) {
+                const size_t i = (size_t)b * G + g;
+                const int8_t *xg = qx->q8 + (size_t)b * K + g * GROUP;
+                __m256i s = _mm256_set1_epi32(-(qx->s8[2 * i] + qx->s8[2 * i + 1]));
+                for (int p = 0; p < 8; p++) {
+                    int32_t xv;
+                    memcpy(&xv, xg + 4 * p, 4);
+                    s = PAIRS_ADD(s, w[p], _mm256_set1_epi32(xv));
+                }
+                accf[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(qx->dg[i]), accf[b]);
+            }
+        }
+        for (int b = 0; b < nb; b++) _mm256_storeu_ps(out[b] + 8 * o, accf[b]);
+    }
+}
+#define Q8_COLUMN(int8, blocks, G, part, K, nb, out) \
+    ((int8) ? q8_column_i8(blocks, G, part, K, nb, out) : q8_column(blocks, G, part, K, nb, out))
 #else
 #define Q8_COLUMN(int8, blocks, G, part, K, nb, out) q8_column(blocks, G, part, K, nb, out)
 #endif
@@ -138,7 +174,8 @@ static void top_k(const float *out, int r0, int r1, int k, int32_t *idx) {
 /* This thread's columns of blocks for every input row (int16 or int8 inputs), row scales and dx applied. */
 static void head_int16(const head_ctx *c, int tid) {
     const int K = c->K, G = K / GROUP, NB = c->V / TILE_N, per = (NB + c->nthreads - 1) / c->nthreads;
-    const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB, int8 = HAVE_INT8 && c->mode == MM_INT8; /* (HAVE_INT8_Q4: int16 rows) */
+    const int c0 = tid * per, c1 = c0 + per < NB ? c0 + per : NB, int8 = (HAVE_INT8 || HAVE_AVXVNNI) && c->mode == MM_INT8;
+    /* (AVX2 without VNNI: int16 rows, its int8 pairs would saturate on the int8 range) */
     float out[ROWS_PER_PASS][TILE_N];
     for (int col = c0; col < c1; col++) {
         const uint8_t *blocks = c->w.blocks + (size_t)col * G * Q8_BLOCK_BYTES;

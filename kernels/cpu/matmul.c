@@ -239,9 +239,10 @@ static int wide_mode(int B, int wide_rows, int amx_rows) {
 
 /* The int8 matmul this build gives steps of several rows: "int8" (its 16-bit tiles in fp32 FMAs),
  * "int8+bf16" (in bf16 dot products), "int8 4-6 bit" (AVX2: int8 inputs for the 4-bit, 5-bit, TILES_Q6 and
- * TILES_Q8G6 tiles only) or "" (none); AMX, where usable, is sluice_amx_available's. */
+ * TILES_Q8G6 tiles only), "int8 avx-vnni" (AVX2 with AVX-VNNI: for the int8-range tiles and the output
+ * layer's int8 copy too; the 16-bit tiles int16) or "" (none); AMX, where usable, is sluice_amx_available's. */
 const char *sluice_wide_matmul(void) {
-    return HAVE_BF16DOT ? "int8+bf16" : HAVE_INT8 ? "int8" : HAVE_INT8_Q4 ? "int8 4-6 bit" : "";
+    return HAVE_BF16DOT ? "int8+bf16" : HAVE_INT8 ? "int8" : HAVE_AVXVNNI ? "int8 avx-vnni" : HAVE_INT8_Q4 ? "int8 4-6 bit" : "";
 }
 
 /* TILES_Q6 only in the AVX2 build (HAVE_INT8_Q4): elsewhere Q6_K's codes are TILES_Q8G6. */
@@ -1003,22 +1004,29 @@ static inline __attribute__((always_inline)) void q4_column_i8d(const uint8_t *c
         for (int o = 0; o < 2; o++) _mm256_storeu_ps(y + (size_t)b * ldy + 8 * o, accf[b][o]);
 }
 
-/* One column of TILES_Q8G6 blocks (int8 codes in [-32, 32]) for nb <= ROWS_PER_PASS rows of int8 inputs
- * (AVX2, MM_INT8): y[b, n0 + n]. Eight output rows at a time: tile rows r and r + 1 (inputs 2r..2r+3)
- * interleaved by words into 8 lanes of 4 codes, offset by 32 to be unsigned (0..64), a half group's four
- * decoded once for all rows; each row's `vpmaddubsw` summed two by two in int16 (2 * 2 * 64 * 127 <
- * 2^15), widened, less the offset's 32 * the sum of the half group's int8 inputs (s8 / 4). */
-static inline __attribute__((always_inline)) void q8g6_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
-                                                                 int nb, float *y, int ldy) {
-    const __m256i offset = _mm256_set1_epi8(32), ones = _mm256_set1_epi16(1); (void)ones; /* (AVX-VNNI: no int16 sums to widen) */
+/* One column of int8 group blocks for nb <= ROWS_PER_PASS rows of int8 inputs (AVX2, MM_INT8): y[b, n0 + n].
+ * `kind`: I8_G6, TILES_Q8G6 (codes in [-32, 32]); with AVX-VNNI also I8_G, TILES_Q8G (the int8 range), and
+ * I8_Q80, TILES_Q8 (Q8_0's: one d per group, no m). Eight output rows at a time: tile rows r and r + 1
+ * (inputs 2r..2r+3) interleaved by words into 8 lanes of 4 codes, offset to be unsigned (by 32: 0..64; by
+ * 128 for the int8 range), a half group's four decoded once for all rows; each row's sums less the offset's
+ * share of the half group's int8 input sum (s8 = 128 * it). AVX2 sums `vpmaddubsw` two by two in int16
+ * (2 * 2 * 64 * 127 < 2^15, which the int8 range's codes would overflow: those take int16 inputs there);
+ * AVX-VNNI's `vpdpbusd` sums in int32 and takes any code. */
+enum { I8_G6 = 0, I8_G = 1, I8_Q80 = 2 };
+static inline __attribute__((always_inline)) void q8g_column_i8v(const uint8_t *col, int G, const qx_t *qx, int K,
+                                                                 int nb, float *y, int ldy, int kind) {
+    const int one = kind == I8_Q80, div = kind == I8_G6 ? 4 : 1; /* (the offset: 128 / div) */
+    const __m256i offset = _mm256_set1_epi8(kind == I8_G6 ? 32 : (char)0x80);
+    const __m256i ones = _mm256_set1_epi16(1); (void)ones; /* (AVX-VNNI: no int16 sums to widen) */
     for (int o = 0; o < 2; o++) {
         __m256 accf[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) accf[b] = _mm256_setzero_ps();
         for (int g = 0; g < G; g++) {
-            const uint8_t *blk = col + (size_t)g * Q8G_BLOCK_BYTES;
-            if (o == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q8G_BLOCK_BYTES);
+            const uint8_t *blk = col + (size_t)g * Q8_BYTES(one);
+            if (o == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q8_BYTES(one));
+            __m256i sum[ROWS_PER_PASS]; /* (I8_Q80: the whole group's) */
             for (int h = 0; h < 2; h++) {
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 32 * h + 16 * o)));
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + (one ? 0 : 32 * h) + 16 * o)));
                 __m256i w[4];
                 for (int i = 0; i < 4; i++) {
                     const int r = 8 * h + 2 * i;
@@ -1032,22 +1040,27 @@ static inline __attribute__((always_inline)) void q8g6_column_i8(const uint8_t *
                     memcpy(&x0, xg, 4), memcpy(&x1, xg + 4, 4), memcpy(&x2, xg + 8, 4), memcpy(&x3, xg + 12, 4);
                     const size_t i = ((size_t)b * G + g) * 2 + h;
 #if HAVE_AVXVNNI
-                    __m256i s = _mm256_set1_epi32(-(qx->s8[i] / 4));
+                    __m256i s = one && h ? sum[b] : _mm256_setzero_si256();
                     s = PAIRS_ADD(s, w[0], _mm256_set1_epi32(x0));
                     s = PAIRS_ADD(s, w[1], _mm256_set1_epi32(x1));
                     s = PAIRS_ADD(s, w[2], _mm256_set1_epi32(x2));
                     s = PAIRS_ADD(s, w[3], _mm256_set1_epi32(x3));
+                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(qx->s8[i] / div));
 #else
                     const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x0)),
                                                          _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(x1)));
                     const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], _mm256_set1_epi32(x2)),
                                                          _mm256_maddubs_epi16(w[3], _mm256_set1_epi32(x3)));
                     const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones)),
-                                                       _mm256_set1_epi32(qx->s8[i] / 4));
+                                                       _mm256_set1_epi32(qx->s8[i] / div));
 #endif
-                    accf[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[i / 2])), accf[b]);
+                    if (one && !h)
+                        sum[b] = s;
+                    else
+                        accf[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[i / 2])), accf[b]);
                 }
             }
+            if (one) continue;
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 576 + 16 * o)));
             for (int b = 0; b < nb; b++) /* the min term with the exact sum (sx is the int16 rows', / dx) */
                 accf[b] = _mm256_fmadd_ps(m, _mm256_set1_ps(qx->sx[(size_t)b * G + g] * qx->dx[b]), accf[b]);
@@ -1258,8 +1271,14 @@ COLUMNS_FN(columns_q5k_i8, CALL_Q5K_I8)
 COLUMNS_FN(columns_q8g_i8, CALL_Q8G_I8)
 COLUMNS_FN(columns_q8_i8, CALL_Q8_I8)
 #elif HAVE_INT8_Q4
-#define CALL_Q8G6_I8(n) q8g6_column_i8(col, G, &part, K, n, yb, N)
+#define CALL_Q8G6_I8(n) q8g_column_i8v(col, G, &part, K, n, yb, N, I8_G6)
 COLUMNS_FN(columns_q8g6_i8, CALL_Q8G6_I8)
+#if HAVE_AVXVNNI
+#define CALL_Q8G_I8V(n) q8g_column_i8v(col, G, &part, K, n, yb, N, I8_G)
+#define CALL_Q8_I8V(n) q8g_column_i8v(col, G, &part, K, n, yb, N, I8_Q80)
+COLUMNS_FN(columns_q8g_i8v, CALL_Q8G_I8V)
+COLUMNS_FN(columns_q8_i8v, CALL_Q8_I8V)
+#endif
 /* TILES_Q6 for int16 inputs: each column decoded to TILES_Q8G6 blocks in the thread's buffer (or, without
  * one, NaN: a step never reads wrong weights quietly). */
 #define CALL_Q6(n) q8g_column(dcol, G, &part, K, n, yb, N, 0)
@@ -1289,7 +1308,11 @@ static columns_fn columns_for(int fmt, int int8) {
              : fmt == TILES_Q5K ? columns_q5k_i8 : fmt == TILES_Q8 ? columns_q8_i8
              : fmt == TILES_Q8G || fmt == TILES_Q8G6 ? columns_q8g_i8 : fmt == TILES_F16 ? columns_f16 : columns_bf16;
 #elif HAVE_INT8_Q4
-    if (int8 && fmt == TILES_Q8G6) return columns_q8g6_i8; /* (full-range int8 tiles: the int16 rows) */
+    if (int8 && fmt == TILES_Q8G6) return columns_q8g6_i8;
+#if HAVE_AVXVNNI
+    if (int8 && fmt == TILES_Q8G) return columns_q8g_i8v;
+    if (int8 && fmt == TILES_Q8) return columns_q8_i8v;
+#endif /* (else the int8 range's tiles take the int16 rows) */
     if (fmt == TILES_Q6) return columns_q6; /* (int8 inputs: direct_for's and decoded_for's) */
 #endif
     return fmt == TILES_Q4 ? columns_q4 : fmt == TILES_Q5 ? columns_q5 : fmt == TILES_Q4K ? columns_q4k
@@ -1318,7 +1341,7 @@ typedef void (*decoded_fn)(const layer_tiles *, int, int, const qx_t *, int, flo
 #if HAVE_INT8_Q4 /* (VNNI decodes 4-bit codes again per pass: decoded_for) */
 DECODED_FN(decoded_q4_i8, decode_q4_i8(col, G, 0, wv), DEC_CALL_Q4)
 DECODED_FN(decoded_q4k_i8, decode_q4_i8(col, G, Q_KS, wv), DEC_CALL_Q4K)
-#define DEC_CALL_Q6(n) q8g6_column_i8((const uint8_t *)wv, G, &part, K, n, yb, N)
+#define DEC_CALL_Q6(n) q8g_column_i8v((const uint8_t *)wv, G, &part, K, n, yb, N, I8_G6)
 DECODED_FN(decoded_q6_i8, decode_q6_q8g(col, G, wv), DEC_CALL_Q6)
 #endif
 DECODED_FN(decoded_q5_i8, decode_q4_i8(col, G, Q_FIVE, wv), DEC_CALL_Q5)

@@ -217,12 +217,13 @@ def test_the_files_matrices_through_each_builds_wide_matmul_match_their_rounding
 @pytest.mark.parametrize("build", ["native", "avx2", "plain"])
 def test_six_bit_tiles_are_taken_only_by_the_build_that_reads_them(build, monkeypatch):
     """The loader's policy (`six_bit_tiles_pay`) follows the loaded build: the AVX2 one (whose wide matmul
-    is "int8 4-6 bit") reads TILES_Q6 and gets Q6_K's codes in them; the others keep TILES_Q8G6."""
+    is "int8 4-6 bit", or "int8 avx-vnni" with AVX-VNNI) reads TILES_Q6 and gets Q6_K's codes in them; the
+    others keep TILES_Q8G6."""
     import engine.weights as weights
 
     lib = _library(build)
     lib.sluice_wide_matmul.restype = ctypes.c_char_p
     monkeypatch.setattr(cpu_build, "load", lambda: lib)
-    assert weights.six_bit_tiles_pay() == (lib.sluice_wide_matmul().decode() == "int8 4-6 bit")
+    assert weights.six_bit_tiles_pay() == (lib.sluice_wide_matmul().decode() in ("int8 4-6 bit", "int8 avx-vnni"))
     _, formats = _fixture_model(k_scales=True, six_bit=weights.six_bit_tiles_pay())
     assert formats["0.down"] == [TILES_Q6 if weights.six_bit_tiles_pay() else TILES_Q8G6]

@@ -110,7 +110,8 @@ def test_native_int8_output_layer_refines_the_top_candidates(rows):
     # (activations and weights in bf16)
     modes = [(0, 0)] + ([(1, 0)] if wide else []) + ([(0, 1)] if lib.sluice_amx_available() else [])
     for wide_rows, amx in modes:
-        int8 = wide_rows and wide in ("int8", "int8+bf16")  # (AVX2's "int8 4-6 bit": int16 inputs for int8 rows)
+        # (AVX2's "int8 4-6 bit": int16 inputs for int8 rows; with AVX-VNNI, "int8 avx-vnni", int8 ones)
+        int8 = wide_rows and wide in ("int8", "int8+bf16", "int8 avx-vnni")
         tol = 2e-2 if amx else 1e-4
         for threads in (1, 2):
             plain = cpu_kernels.head_logits(x, head, threads, wide_min_rows=wide_rows, amx_min_rows=amx)

@@ -220,7 +220,7 @@ class TinyModel:
         ones) multiplied by the exact inputs; the 16-bit matrices exact), "int8+bf16"
         (the same, the 16-bit matrices' inputs and weights rounded to bf16) or "int8 4-6 bit" (AVX2's: only
         the 4-bit matrices' inputs and those of the int8-group ones with codes in [-32, 32] in int8, the
-        other int8-group ones' in int16)."""
+        other int8-group ones' in int16; "int8 avx-vnni", AVX2 with AVX-VNNI, as "int8")."""
         d = self.dims
         D, nh, nkv, eps = d["head_dim"], d["heads"], d["kv_heads"], d["eps"]
         x = x.double().clone()
@@ -525,8 +525,9 @@ def _avx_vnni_library():
 def test_the_avx_vnni_build_sums_as_the_avx2_one(formats, rows):
     """AVX-VNNI's `vpdpbusd` takes the place of `vpmaddubsw` + `vpmaddwd` in AVX2's int8 matmul: the same
     products to the same int32 sums, so the step's output is bit-identical to the AVX2 build's, for every
-    int8 tile format (4-bit, 5-bit, K scales, 6-bit, small-code int8 groups), decoded in registers (up to 8
-    rows) and through the column buffer (more); the int16 matmul (wide_min_rows 0) as well."""
+    tile format both read with int8 inputs (4-bit, 5-bit, K scales, 6-bit, small-code int8 groups), decoded
+    in registers (up to 8 rows) and through the column buffer (more); the int16 matmul (wide_min_rows 0) as
+    well."""
     avx2, vnni = _library("avx2"), _avx_vnni_library()
     assert vnni.sluice_forward_isa().decode() == "avx2+avx-vnni" and avx2.sluice_forward_isa().decode() == "avx2"
     d = (dict(hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512, layers=2, bias=True) if "q4k" in formats
@@ -542,6 +543,41 @@ def test_the_avx_vnni_build_sums_as_the_avx2_one(formats, rows):
                .run(x.clone(), positions, slots, tables, row_seq, kv.clone(), 2, wide_min_rows=wide)
                for lib in (avx2, vnni)]
         assert torch.equal(out[0], out[1]), (wide, (out[0] - out[1]).abs().max().item())
+
+
+@pytest.mark.parametrize("formats", [dict(q8g=("qkv", "down"), q8=("o",)), dict(q8=("qkv", "gate_up"), q6=("down",))])
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 40])
+def test_the_avx_vnni_build_takes_int8_inputs_for_the_int8_range_tiles(formats, rows):
+    """With AVX-VNNI the AVX2 build's int8 matmul also reads the tiles of full-range int8 codes (Q8G, Q8_0's
+    TILES_Q8: `vpdpbusd` sums in int32, where `vpmaddubsw`'s int16 pairs would saturate), offset by 128,
+    against the float64 reference with int8 inputs for those matrices too ("int8 avx-vnni")."""
+    lib = _avx_vnni_library()
+    lib.sluice_wide_matmul.restype = ctypes.c_char_p
+    assert lib.sluice_wide_matmul().decode() == "int8 avx-vnni"
+    model = TinyModel(**CONFIGS["odd-groups"], **formats)
+    assert_step_matches_reference(model, lib, rows, seed=900 + rows)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 17])
+def test_the_avx_vnni_build_takes_int8_inputs_for_the_int8_output_layer(rows):
+    """The output layer's int8 copy (one scale per row) on the AVX-VNNI build's wide matmul: int8 inputs in 32s
+    (AVX2 without VNNI keeps int16 ones), and its top candidates still made exact by the refine."""
+    from kernels.cpu import head_logits, pack_int8
+
+    lib = _avx_vnni_library()
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(4992, 96, generator=gen) * 0.05
+    scales = weight.abs().amax(-1) / 127
+    q = torch.round(weight / scales[:, None]).to(torch.int8)
+    x = torch.randn(rows, 96, generator=gen)
+    groups = x.double().view(rows, -1, 32)
+    steps = groups.abs().amax(-1, keepdim=True) / 127
+    want = (torch.round(groups / steps) * steps).view(rows, -1) @ (q.double() * scales.double()[:, None]).T
+    for threads in (1, 2):
+        got = head_logits(x, pack_int8(q, scales), threads, wide_min_rows=1, lib=lib)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+        refined = head_logits(x, pack_int8(q, scales), threads, exact=weight, refine=8, wide_min_rows=1, lib=lib)
+        assert torch.equal(refined.argmax(-1), (x @ weight.T).argmax(-1))
 
 
 @pytest.mark.parametrize("build", ["native", "plain"])
