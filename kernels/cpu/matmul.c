@@ -675,28 +675,35 @@ static inline __attribute__((always_inline)) void f16_column(const uint8_t *col,
         _mm512_storeu_ps(out[b], _mm512_add_ps(_mm512_permutex2var_ps(acc[b][0], even, acc[b][1]),
                                                _mm512_permutex2var_ps(acc[b][0], odd, acc[b][1])));
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    __m256 acc[ROWS_PER_PASS][4]; /* lanes of rows 0-3, 4-7, 8-11, 12-15 (pairs) */
-    for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = acc[b][2] = acc[b][3] = _mm256_setzero_ps();
-    for (int g = 0; g < G; g++) {
-        const uint8_t *blk = col + (size_t)g * F16_BLOCK_BYTES;
-        prefetch_l2(blk + PREFETCH_AHEAD, F16_BLOCK_BYTES);
-        for (int r = 0; r < 16; r++) {
-            __m256 w[4];
-            for (int q = 0; q < 4; q++) w[q] = half8_ps(blk + 64 * r + 16 * q, bf16);
-            for (int b = 0; b < nb; b++) {
-                double pair;
-                memcpy(&pair, xf + (size_t)b * K + g * GROUP + 2 * r, 8);
-                const __m256 xv = _mm256_castpd_ps(_mm256_set1_pd(pair));
-                for (int q = 0; q < 4; q++) acc[b][q] = _mm256_fmadd_ps(w[q], xv, acc[b][q]);
+    /* lanes of rows 0-3, 4-7, 8-11, 12-15 (pairs): QS of those quarters a pass, so that the nb * QS sums, the
+     * QS weight vectors and an input pair fit AVX2's 16 registers (all four quarters for 8 rows spilled the
+     * sums to the stack: a load and a store per FMA) */
+    const int QS = nb <= 2 ? 4 : nb <= 5 ? 2 : 1;
+    for (int q0 = 0; q0 < 4; q0 += QS) {
+        __m256 acc[ROWS_PER_PASS][4];
+        for (int b = 0; b < nb; b++)
+            for (int q = 0; q < QS; q++) acc[b][q] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = col + (size_t)g * F16_BLOCK_BYTES;
+            if (q0 == 0) prefetch_l2(blk + PREFETCH_AHEAD, F16_BLOCK_BYTES);
+            for (int r = 0; r < 16; r++) {
+                __m256 w[4];
+                for (int q = 0; q < QS; q++) w[q] = half8_ps(blk + 64 * r + 16 * (q0 + q), bf16);
+                for (int b = 0; b < nb; b++) {
+                    double pair;
+                    memcpy(&pair, xf + (size_t)b * K + g * GROUP + 2 * r, 8);
+                    const __m256 xv = _mm256_castpd_ps(_mm256_set1_pd(pair));
+                    for (int q = 0; q < QS; q++) acc[b][q] = _mm256_fmadd_ps(w[q], xv, acc[b][q]);
+                }
             }
         }
+        for (int b = 0; b < nb; b++)
+            for (int q = 0; q < QS; q++) {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, acc[b][q]);
+                for (int n = 0; n < 4; n++) out[b][4 * (q0 + q) + n] = lanes[2 * n] + lanes[2 * n + 1];
+            }
     }
-    for (int b = 0; b < nb; b++)
-        for (int q = 0; q < 4; q++) {
-            float lanes[8];
-            _mm256_storeu_ps(lanes, acc[b][q]);
-            for (int n = 0; n < 4; n++) out[b][4 * q + n] = lanes[2 * n] + lanes[2 * n + 1];
-        }
 #else
     for (int b = 0; b < nb; b++) memset(out[b], 0, sizeof out[b]);
     for (int g = 0; g < G; g++) {

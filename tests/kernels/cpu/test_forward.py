@@ -623,7 +623,7 @@ def test_pack_q6_puts_each_weight_where_the_kernel_reads_it():
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
-@pytest.mark.parametrize("rows", [1, 9, 40])
+@pytest.mark.parametrize("rows", [1, 3, 12, 40])
 def test_fp16_tiles_beside_the_others_match_the_float64_reference(build, rows):
     """F16 tiles (16-bit weights, fp32 products) in a layer with Q4 and Q8G ones, every build, and AMX."""
     lib = _library(build)
