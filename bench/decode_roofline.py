@@ -115,7 +115,7 @@ def machine() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
     flags = set(info.get("Flags", "").split())
-    keep = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+    keep = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
     return f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPUs; " + " ".join(
         f for f in keep if f in flags)
 

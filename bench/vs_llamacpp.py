@@ -39,7 +39,7 @@ from kernels.cpu import build as cpu_build
 from kernels.cpu.cpuinfo import cpu_info
 
 MODEL = "SmolLM2-135M-Instruct"
-FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def machine() -> str:

@@ -76,8 +76,8 @@ static inline __attribute__((always_inline)) void q8_column_i8(const uint8_t *co
     ((int8) ? q8_column_i8(blocks, G, part, K, nb, out) : q8_column(blocks, G, part, K, nb, out))
 #elif HAVE_AVXVNNI
 /* AVX2 with AVX-VNNI: the same column for nb rows of int8 inputs, output rows 8o..8o+7 at a time, the codes
- * offset by 128 as q8g_column_i8v's (`vpdpbusd` sums in int32: no pair of int16 to saturate), the whole
- * group in one sum less 128 * the sum of its int8 inputs, times its dg. */
+ * offset by 128 (q8_pair_u8x8; `vpdpbusd` sums in int32, no int16 pairs to saturate), the whole group in one
+ * sum less 128 * the sum of its int8 inputs, times its dg. */
 static inline __attribute__((always_inline)) void q8_column_i8(const uint8_t *col, int G, const qx_t *qx, int K,
                                                                int nb, float out[ROWS_PER_PASS][TILE_N]) {
     const __m256i offset = _mm256_set1_epi8((char)0x80);
@@ -88,11 +88,7 @@ static inline __attribute__((always_inline)) void q8_column_i8(const uint8_t *co
             const uint8_t *blk = col + (size_t)g * Q8_BLOCK_BYTES;
             if (o == 0) prefetch_l2(blk + PREFETCH_AHEAD, Q8_BLOCK_BYTES);
             __m256i w[8]; /* tile rows 2p and 2p + 1 (inputs 4p..4p+3) of output rows 8o..8o+7 */
-            for (int p = 0; p < 8; p++) {
-                const __m128i a = _mm_loadu_si128((const __m128i *)(blk + 64 * p + 16 * o));
-                const __m128i c = _mm_loadu_si128((const __m128i *)(blk + 64 * p + 32 + 16 * o));
-                w[p] = _mm256_add_epi8(_mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c)), offset);
-            }
+            for (int p = 0; p < 8; p++) w[p] = q8_pair_u8x8(blk, 2 * p, o, offset);
             for (int b = 0; b < nb; b++) {
                 const size_t i = (size_t)b * G + g;
                 const int8_t *xg = qx->q8 + (size_t)b * K + g * GROUP;

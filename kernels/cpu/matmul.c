@@ -1020,6 +1020,15 @@ static inline __attribute__((always_inline)) void q4_column_i8d(const uint8_t *c
  * (2 * 2 * 64 * 127 < 2^15, which the int8 range's codes would overflow: those take int16 inputs there);
  * AVX-VNNI's `vpdpbusd` sums in int32 and takes any code. */
 enum { I8_G6 = 0, I8_G = 1, I8_Q80 = 2 };
+
+/* Tile rows r and r + 1 of an int8 block (inputs 2r..2r+3) for output rows 8o..8o+7: interleaved by words
+ * into 8 lanes of 4 codes, plus `offset` (32, or 128 for the int8 range) to be unsigned. */
+static inline __m256i q8_pair_u8x8(const uint8_t *blk, int r, int o, __m256i offset) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)(blk + 32 * r + 16 * o));
+    const __m128i c = _mm_loadu_si128((const __m128i *)(blk + 32 * (r + 1) + 16 * o));
+    return _mm256_add_epi8(_mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c)), offset);
+}
+
 static inline __attribute__((always_inline)) void q8g_column_i8v(const uint8_t *col, int G, const qx_t *qx, int K,
                                                                  int nb, float *y, int ldy, int kind) {
     const int one = kind == I8_Q80, div = kind == I8_G6 ? 4 : 1; /* (the offset: 128 / div) */
@@ -1035,12 +1044,7 @@ static inline __attribute__((always_inline)) void q8g_column_i8v(const uint8_t *
             for (int h = 0; h < 2; h++) {
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + (one ? 0 : 32 * h) + 16 * o)));
                 __m256i w[4];
-                for (int i = 0; i < 4; i++) {
-                    const int r = 8 * h + 2 * i;
-                    const __m128i a = _mm_loadu_si128((const __m128i *)(blk + 32 * r + 16 * o));
-                    const __m128i c = _mm_loadu_si128((const __m128i *)(blk + 32 * (r + 1) + 16 * o));
-                    w[i] = _mm256_add_epi8(_mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c)), offset);
-                }
+                for (int i = 0; i < 4; i++) w[i] = q8_pair_u8x8(blk, 8 * h + 2 * i, o, offset);
                 for (int b = 0; b < nb; b++) {
                     const int8_t *xg = qx->q8 + (size_t)b * K + g * GROUP + 16 * h;
                     int32_t x0, x1, x2, x3;
