@@ -1051,8 +1051,7 @@ static inline __attribute__((always_inline)) void q8g_column_i8v(const uint8_t *
                     memcpy(&x0, xg, 4), memcpy(&x1, xg + 4, 4), memcpy(&x2, xg + 8, 4), memcpy(&x3, xg + 12, 4);
                     const size_t i = ((size_t)b * G + g) * 2 + h;
 #if HAVE_AVXVNNI
-                    __m256i s = one && h ? sum[b] : _mm256_setzero_si256();
-                    s = PAIRS_ADD(s, w[0], _mm256_set1_epi32(x0));
+                    __m256i s = PAIRS_ADD(_mm256_setzero_si256(), w[0], _mm256_set1_epi32(x0));
                     s = PAIRS_ADD(s, w[1], _mm256_set1_epi32(x1));
                     s = PAIRS_ADD(s, w[2], _mm256_set1_epi32(x2));
                     s = PAIRS_ADD(s, w[3], _mm256_set1_epi32(x3));
@@ -1062,13 +1061,15 @@ static inline __attribute__((always_inline)) void q8g_column_i8v(const uint8_t *
                                                          _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(x1)));
                     const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], _mm256_set1_epi32(x2)),
                                                          _mm256_maddubs_epi16(w[3], _mm256_set1_epi32(x3)));
-                    const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones)),
-                                                       _mm256_set1_epi32(qx->s8[i] / div));
+                    __m256i s = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones)),
+                                                 _mm256_set1_epi32(qx->s8[i] / div));
 #endif
-                    if (one && !h)
+                    if (one && !h) { /* (I8_Q80: one d for both halves, one sum) */
                         sum[b] = s;
-                    else
-                        accf[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[i / 2])), accf[b]);
+                        continue;
+                    }
+                    if (one) s = _mm256_add_epi32(s, sum[b]);
+                    accf[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(qx->dg[i / 2])), accf[b]);
                 }
             }
             if (one) continue;
