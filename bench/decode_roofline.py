@@ -155,8 +155,10 @@ def main(argv: list[str] | None = None) -> None:
               f"output layer {m.head_plan.describe()}")
     timers = Timers(engine)
     for b in [int(x) for x in a.batches.split(",")]:
-        # Long enough that no sequence finishes while prefills of the others run or while measuring.
-        budget = a.steps * 3 + 10 + b * a.context // engine.config.max_num_batched_tokens
+        # Long enough that no sequence finishes while prefills of the others run or while measuring: each
+        # prefill step takes at least one prompt token (max_step_seconds can cut its chunks far below
+        # max_num_batched_tokens: 16 x 512 tokens on the native build ran out), within the context length.
+        budget = min(a.steps * 3 + 10 + b * a.context, engine.max_model_len - a.context)
         reqs = [EngineRequest(f"{b}-{i}", [(i * 7 + j) % 1000 + 100 for j in range(a.context)],
                               SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)) for i in range(b)]
         for r in list(engine.scheduler.running):  # the previous batch size's sequences: this one runs alone
