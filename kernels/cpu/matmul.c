@@ -909,7 +909,6 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
                                                                int nb, float *y, int ldy, int kind,
                                                                const __m256i *wv) {
     const int five = kind & Q_FIVE;
-    const __m256i ones = _mm256_set1_epi16(1); (void)ones; /* (AVX-VNNI: no int16 sums to widen) */
     ks8_t ks = {-1, {_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
     for (int o = 0; o < 2; o++) { /* output rows 8o..8o+7: their sums stay in registers over all groups */
         __m256 accf[ROWS_PER_PASS];
@@ -935,7 +934,7 @@ static inline __attribute__((always_inline)) void q4_column_i8(const uint8_t *co
                                                  _mm256_maddubs_epi16(w[4 * h + 1], _mm256_set1_epi32(x1)));
                     s = _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(w[4 * h + 2], _mm256_set1_epi32(x2)),
                                                              _mm256_maddubs_epi16(w[4 * h + 3], _mm256_set1_epi32(x3))));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(s, ones));
+                    acc = _mm256_add_epi32(acc, PAIRS_WIDEN(s));
 #endif
                 }
                 /* d (dg (codes . inputs) + ce) + m sx, as the AVX-512 q4_column_i8 (sx is the int16 rows', / dx) */
@@ -1033,7 +1032,6 @@ static inline __attribute__((always_inline)) void q8g_column_i8v(const uint8_t *
                                                                  int nb, float *y, int ldy, int kind) {
     const int one = kind == I8_Q80, div = kind == I8_G6 ? 4 : 1; /* (the offset: 128 / div) */
     const __m256i offset = _mm256_set1_epi8(kind == I8_G6 ? 32 : (char)0x80);
-    const __m256i ones = _mm256_set1_epi16(1); (void)ones; /* (AVX-VNNI: no int16 sums to widen) */
     for (int o = 0; o < 2; o++) {
         __m256 accf[ROWS_PER_PASS];
         for (int b = 0; b < nb; b++) accf[b] = _mm256_setzero_ps();
@@ -1061,7 +1059,7 @@ static inline __attribute__((always_inline)) void q8g_column_i8v(const uint8_t *
                                                          _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(x1)));
                     const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], _mm256_set1_epi32(x2)),
                                                          _mm256_maddubs_epi16(w[3], _mm256_set1_epi32(x3)));
-                    __m256i s = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones)),
+                    __m256i s = _mm256_sub_epi32(_mm256_add_epi32(PAIRS_WIDEN(s01), PAIRS_WIDEN(s23)),
                                                  _mm256_set1_epi32(qx->s8[i] / div));
 #endif
                     if (one && !h) { /* (I8_Q80: one d for both halves, one sum) */
