@@ -5,6 +5,7 @@ Q5_1, requantised with gguf-py) runs natively with the float reference's greedy 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -16,12 +17,21 @@ from engine.loader import default_model_path
 pytestmark = pytest.mark.model
 
 
+@functools.cache
+def _reader(path):
+    """gguf-py's reader of a file, once per test process: it parses the tokenizer's 49k-entry fields into
+    numpy views, ~6 s each time, and four tests here read the packaged file."""
+    import gguf
+
+    return gguf.GGUFReader(str(path))
+
+
 def requantised(src, dst, names: dict[str, str], scale: dict[str, float] | None = None) -> None:
     """A copy of the GGUF `src` with the tensors in `names` requantised (name -> gguf-py type name), those
     in `scale` multiplied by its factor first."""
     import gguf
 
-    reader = gguf.GGUFReader(str(src))
+    reader = _reader(src)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(dst), arch)
     for key, field in reader.fields.items():
@@ -85,10 +95,9 @@ def test_a_file_of_other_types_runs_natively_with_the_float_references_greedy_to
     tiles; no torch copy) and its greedy tokens equal those of the torch path over the same file's weights
     dequantised to float32, for 32 tokens."""
     tiles = next(iter(formats))
-    import gguf
 
     src = default_model_path()
-    names = {t.name: kinds[t.name.split(".")[2]] for t in gguf.GGUFReader(str(src)).tensors
+    names = {t.name: kinds[t.name.split(".")[2]] for t in _reader(src).tensors
              if t.name.startswith("blk.") and t.name.split(".")[2] in kinds}
     path = tmp_path / f"SmolLM2-135M-Instruct-{tiles.replace(' ', '-')}.gguf"
     scale = {n: BF16_SCALE[n.split(".")[2]] for n in names if n.split(".")[2] in BF16_SCALE} \
