@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         return time.perf_counter() - t
 
     best = {"pool": float("inf"), "resident": float("inf"), "read": float("inf")}
-    for name in tables:
-        attend(tables[name])  # (first touch, the library's load)
+    for table in tables.values():
+        attend(table)  # (first touch, the library's load)
     for _ in range(a.rounds):
         for name, table in tables.items():
             best[name] = min(best[name], *(attend(table) for _ in range(3)))

@@ -95,7 +95,6 @@ def test_a_file_of_other_types_runs_natively_with_the_float_references_greedy_to
     tiles; no torch copy) and its greedy tokens equal those of the torch path over the same file's weights
     dequantised to float32, for 32 tokens."""
     tiles = next(iter(formats))
-
     src = default_model_path()
     names = {t.name: kinds[t.name.split(".")[2]] for t in _reader(src).tensors
              if t.name.startswith("blk.") and t.name.split(".")[2] in kinds}
