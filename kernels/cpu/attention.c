@@ -28,9 +28,9 @@ static inline void chunk_slots(const kv_view *kv, int t0, int cnt, int64_t *slot
 
 /* ---- attention ----
  *
- * One call: T consecutive rows of one sequence (positions p0 .. p0 + T - 1: rows of a prefill chunk, or
- * T = 1 for a decode) against one span of that sequence's cached keys and values (KEY_SPAN below), for kv
- * heads [kv0, kv1); row r attends to positions 0 .. p0 + r. Every query vector gets the same arithmetic whatever T is (its
+ * One job: T consecutive rows of one sequence (positions p0 .. p0 + T - 1: rows of a prefill chunk, or
+ * T = 1 for a decode) against that sequence's cached keys and values, for kv heads [kv0, kv1); row r
+ * attends to positions 0 .. p0 + r. Every query vector gets the same arithmetic whatever T is (its
  * scores as blocks of keys, lane-wise FMAs summed across lanes; a two-pass softmax; values added key
  * by key), so a row's attention is bit-identical in a decode step and in any prefill chunk: chunking
  * and batching change nothing. Tiles exist for speed: a block of keys (and of values) is widened to
@@ -40,65 +40,7 @@ typedef struct {
     const float *q; /* row r's query heads: q + r * q_stride, [heads, D] */
     float *out; /* row r's output: out + r * out_stride, [heads, D] */
     int q_stride, out_stride, T, p0;
-    int ka, kb; /* these keys: positions [ka, kb) of each row's (a span of KEY_SPAN, see below) */
-    float *part, *ml; /* a split row's partial output [heads, D] and (max, sum) per head [heads, 2]: row r's at
-                       * part + r * part_stride, ml + r * ml_stride */
-    int part_stride, ml_stride;
-    int pf_end, cold; /* where the keys' far prefetch stops: the job's last span's end, so that the next
-                       * span's first keys are in L2 when its turn comes; cold: the job's first span */
 } att_rows;
-
-/* A row's keys in spans of KEY_SPAN positions from position 0, each attended on its own (its scores'
- * maximum, the sum of their exponentials and the values they weight, not yet divided) and the spans then
- * merged in order (merge_spans). A few rows' spans are jobs of their own, so their attention spreads over
- * every thread: one decode of SmolLM2 (3 kv heads) was 3 jobs for 2 threads, one thread doing two (at
- * 4,096 positions, `decode_roofline --batches 1`: steps 21.7-22.1 -> 18.3 ms on the AVX2 build, 17.4-18.2 ->
- * 15.1-15.4 native; 16 rows at 1,024 positions a tie). The spans' bounds are positions, not anything of
- * the step or of how jobs are cut, so a row's arithmetic is still the same in a decode and in any prefill
- * chunk or batch; a row of at most KEY_SPAN positions is one span, attended and divided as before. */
-#define KEY_SPAN 256
-
-static inline int key_spans(int64_t n) { return (int)((n + KEY_SPAN - 1) / KEY_SPAN); }
-
-/* Where row r of a job writes: its output row, or, split over spans, its partial row. */
-static inline float *att_out(const att_rows *a, int r) {
-    return a->p0 + r + 1 > KEY_SPAN ? a->part + (size_t)r * a->part_stride : a->out + (size_t)r * a->out_stride;
-}
-
-/* A row's keys in this job: [a->ka, *end); returns whether it has any. */
-static inline int row_keys(const att_rows *a, int r, int *end) {
-    const int n = a->p0 + r + 1;
-    *end = n < a->kb ? n : a->kb;
-    return *end > a->ka;
-}
-
-/* After a row's keys: its sums divided by their totals (one span), or its (max, sum) kept for merge_spans. */
-static inline void att_finish(const att_rows *a, int r, int h, float mx, float sum, float *o, int D) {
-    if (a->p0 + r + 1 > KEY_SPAN) {
-        a->ml[(size_t)r * a->ml_stride + 2 * h] = mx, a->ml[(size_t)r * a->ml_stride + 2 * h + 1] = sum;
-        return;
-    }
-    const float inv = 1.0f / sum;
-    for (int i = 0; i < D; i++) o[i] *= inv;
-}
-
-/* out [heads, D] = a row's spans merged, in order: part [spans, heads, D], ml [spans, heads, 2]. */
-static void merge_spans(int heads, int D, int spans, const float *part, const float *ml, float *out) {
-    for (int h = 0; h < heads; h++) {
-        float m = -INFINITY, total = 0;
-        for (int c = 0; c < spans; c++) m = ml[((size_t)c * heads + h) * 2] > m ? ml[((size_t)c * heads + h) * 2] : m;
-        float *o = out + (size_t)h * D;
-        for (int i = 0; i < D; i++) o[i] = 0;
-        for (int c = 0; c < spans; c++) {
-            const float w = fast_exp(ml[((size_t)c * heads + h) * 2] - m);
-            const float *p = part + ((size_t)c * heads + h) * D;
-            total += w * ml[((size_t)c * heads + h) * 2 + 1];
-            for (int i = 0; i < D; i++) o[i] += w * p[i];
-        }
-        const float inv = 1.0f / total;
-        for (int i = 0; i < D; i++) o[i] *= inv;
-    }
-}
 
 #define TILE_Q 16 /* rows of one prefill chunk per attention job */
 
@@ -106,41 +48,40 @@ static void merge_spans(int heads, int D, int spans, const float *part, const fl
 static void attend_rows_generic(const att_rows *a, int group, int D, const kv_view *kv, int kv0, int kv1,
                                 float *scores, float *kbuf) {
     const float scale = 1.0f / sqrtf((float)D);
-    const int nh = (kv1 - kv0) * group, ka = a->ka, n_max = a->p0 + a->T < a->kb ? a->p0 + a->T : a->kb;
-    const int span = n_max - ka; /* (scores of position t at t - ka) */
+    const int nh = (kv1 - kv0) * group, n_max = a->p0 + a->T;
     int64_t slots[16];
     for (int r = 0; r < a->T; r++) {
-        int n;
-        if (!row_keys(a, r, &n)) continue;
+        const int n = a->p0 + r + 1;
         const float *q = a->q + (size_t)r * a->q_stride;
-        float *out = att_out(a, r);
+        float *out = a->out + (size_t)r * a->out_stride;
         for (int kvh = kv0; kvh < kv1; kvh++) {
-            float mx[256], *s = scores + (size_t)(r * nh + (kvh - kv0) * group) * span;
+            float mx[256], *s = scores + (size_t)(r * nh + (kvh - kv0) * group) * n_max;
             for (int h = 0; h < group; h++) mx[h] = -INFINITY;
-            for (int t = ka; t < n; t++) {
-                if ((t - ka) % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
-                bf16_to_f32_row(kv->k + slots[(t - ka) % 16] + kvh * D, kbuf, D);
+            for (int t = 0; t < n; t++) {
+                if (t % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
+                bf16_to_f32_row(kv->k + slots[t % 16] + kvh * D, kbuf, D);
                 for (int h = 0; h < group; h++) {
                     const float *qh = q + (kvh * group + h) * D;
                     float acc = 0;
                     for (int i = 0; i < D; i++) acc += qh[i] * kbuf[i];
-                    s[h * span + t - ka] = acc * scale;
-                    mx[h] = s[h * span + t - ka] > mx[h] ? s[h * span + t - ka] : mx[h];
+                    s[h * n_max + t] = acc * scale;
+                    mx[h] = s[h * n_max + t] > mx[h] ? s[h * n_max + t] : mx[h];
                 }
             }
             float sum[256];
-            for (int h = 0; h < group; h++) sum[h] = exp_shifted(s + h * span, n - ka, mx[h]);
+            for (int h = 0; h < group; h++) sum[h] = exp_shifted(s + h * n_max, n, mx[h]);
             float *o = out + kvh * group * D;
             for (int i = 0; i < group * D; i++) o[i] = 0;
-            for (int t = ka; t < n; t++) {
-                if ((t - ka) % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
-                bf16_to_f32_row(kv->v + slots[(t - ka) % 16] + kvh * D, kbuf, D);
+            for (int t = 0; t < n; t++) {
+                if (t % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
+                bf16_to_f32_row(kv->v + slots[t % 16] + kvh * D, kbuf, D);
                 for (int h = 0; h < group; h++) {
-                    const float p = s[h * span + t - ka];
+                    const float p = s[h * n_max + t];
                     for (int i = 0; i < D; i++) o[h * D + i] += p * kbuf[i];
                 }
             }
-            for (int h = 0; h < group; h++) att_finish(a, r, kvh * group + h, mx[h], sum[h], o + h * D, D);
+            for (int h = 0; h < group; h++)
+                for (int i = 0; i < D; i++) o[h * D + i] *= 1.0f / sum[h];
         }
     }
 }
@@ -179,10 +120,9 @@ static inline void prefetch_far(const kv_view *kv, const uint16_t *base, int t0,
     prefetch_rows(base, far, cnt, off, bytes, 0);
 }
 
-/* A job's first PF_LEAD positions from t0, to L2 at once (the far prefetch's lead for them). */
-static inline void prefetch_start(const kv_view *kv, const uint16_t *base, int t0, int step, int n_max, int off,
-                                  int bytes) {
-    for (int t = t0 - PF_LEAD; t < t0; t += step) prefetch_far(kv, base, t, step, n_max, off, bytes);
+/* A job's first PF_LEAD positions, to L2 at once (the far prefetch's lead for them). */
+static inline void prefetch_start(const kv_view *kv, const uint16_t *base, int step, int n_max, int off, int bytes) {
+    for (int t = -PF_LEAD; t < 0; t += step) prefetch_far(kv, base, t, step, n_max, off, bytes);
 }
 
 #define FAST_GROUP 4 /* query heads per kv head on the vector paths */
@@ -226,25 +166,23 @@ static inline __m512 hsum16(const __m512 *v) {
 static inline __attribute__((always_inline)) void attend_avx512(const att_rows *a, int group, int D,
                                                                 const kv_view *kv, int kv0, int kv1, float *scores,
                                                                 float *kbuf) {
-    const int C = D / 16, nh = (kv1 - kv0) * group, T = a->T, ka = a->ka;
-    const int n_max = a->p0 + T < a->kb ? a->p0 + T : a->kb, span = n_max - ka; /* (position t's score at t - ka) */
+    const int C = D / 16, nh = (kv1 - kv0) * group, T = a->T, n_max = a->p0 + T;
     const float scale = 1.0f / sqrtf((float)D);
     float mx[MAX_HEADS], sum[MAX_HEADS]; /* T * nh of them: T = 1, or one kv head of a tile */
     const int row_bytes = (kv1 - kv0) * D * 2; /* of one position's keys (or values) that we read */
     int64_t slots[16], next[16];
     for (int i = 0; i < T * nh; i++) mx[i] = -INFINITY;
     __m512 part[FAST_GROUP][16];
-    const int pf_end = a->pf_end < a->p0 + T ? a->pf_end : a->p0 + T;
-    if (a->cold) prefetch_start(kv, kv->k, ka, 16, pf_end, kv0 * D, row_bytes);
-    chunk_slots(kv, ka, span < 16 ? span : 16, next);
-    for (int t0 = ka; t0 < n_max; t0 += 16) {
+    prefetch_start(kv, kv->k, 16, n_max, kv0 * D, row_bytes);
+    chunk_slots(kv, 0, n_max < 16 ? n_max : 16, next);
+    for (int t0 = 0; t0 < n_max; t0 += 16) {
         const int cnt = n_max - t0 < 16 ? n_max - t0 : 16, cnt_next = n_max - t0 - 16 < 16 ? n_max - t0 - 16 : 16;
         memcpy(slots, next, sizeof slots);
         if (cnt_next > 0) {
             chunk_slots(kv, t0 + 16, cnt_next, next);
             prefetch_rows(kv->k, next, cnt_next, kv0 * D, row_bytes, 1); /* the next keys, to L1 */
         }
-        prefetch_far(kv, kv->k, t0, 16, pf_end, kv0 * D, row_bytes);
+        prefetch_far(kv, kv->k, t0, 16, n_max, kv0 * D, row_bytes);
         prefetch_rows(kv->v, slots, cnt, kv0 * D, row_bytes, 0); /* these values, to L2 */
         for (int kvh = kv0; kvh < kv1; kvh++) {
             if (T > 1) /* widen the block's keys once for all the tile's rows */
@@ -252,7 +190,7 @@ static inline __attribute__((always_inline)) void attend_avx512(const att_rows *
                     for (int c = 0; c < C; c++)
                         _mm512_storeu_ps(kbuf + j * D + c * 16, bf16x16(kv->k + slots[j] + kvh * D + c * 16));
             for (int r = 0; r < T; r++) {
-                const int n = a->p0 + r + 1 < a->kb ? a->p0 + r + 1 : a->kb; /* (its keys' end here) */
+                const int n = a->p0 + r + 1;
                 if (t0 >= n) continue; /* (this row has no keys in the block) */
                 const int cnt_r = n - t0 < 16 ? n - t0 : 16;
                 const __mmask16 valid = (__mmask16)((1u << cnt_r) - 1);
@@ -281,25 +219,20 @@ static inline __attribute__((always_inline)) void attend_avx512(const att_rows *
                 for (int h = 0; h < group; h++) {
                     const int i = r * nh + (kvh - kv0) * group + h;
                     __m512 sc = hsum16(part[h]);
-                    _mm512_mask_storeu_ps(scores + (size_t)i * span + (t0 - ka), valid, sc);
+                    _mm512_mask_storeu_ps(scores + (size_t)i * n_max + t0, valid, sc);
                     float m = _mm512_mask_reduce_max_ps(valid, sc);
                     mx[i] = m > mx[i] ? m : mx[i];
                 }
             }
         }
     }
-    for (int i = 0; i < T * nh; i++) {
-        int end;
-        sum[i] = row_keys(a, i / nh, &end) ? exp_shifted(scores + (size_t)i * span, end - ka, mx[i]) : 0;
-    }
+    for (int i = 0; i < T * nh; i++) sum[i] = exp_shifted(scores + (size_t)i * n_max, a->p0 + i / nh + 1, mx[i]);
     for (int r = 0; r < T; r++) {
-        int end;
-        if (!row_keys(a, r, &end)) continue;
-        float *o = att_out(a, r) + kv0 * group * D;
+        float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
         for (int i = 0; i < nh * D; i++) o[i] = 0;
     }
-    chunk_slots(kv, ka, span < 16 ? span : 16, next);
-    for (int t0 = ka; t0 < n_max; t0 += 16) {
+    chunk_slots(kv, 0, n_max < 16 ? n_max : 16, next);
+    for (int t0 = 0; t0 < n_max; t0 += 16) {
         const int cnt = n_max - t0 < 16 ? n_max - t0 : 16, cnt_next = n_max - t0 - 16 < 16 ? n_max - t0 - 16 : 16;
         memcpy(slots, next, sizeof slots);
         if (cnt_next > 0) {
@@ -314,11 +247,11 @@ static inline __attribute__((always_inline)) void attend_avx512(const att_rows *
                     for (int c = 0; c < C; c++)
                         _mm512_storeu_ps(kbuf + j * D + c * 16, bf16x16(kv->v + slots[j] + kvh * D + c * 16));
             for (int r = 0; r < T; r++) {
-                const int n = a->p0 + r + 1 < a->kb ? a->p0 + r + 1 : a->kb; /* (its keys' end here) */
+                const int n = a->p0 + r + 1;
                 if (t0 >= n) continue;
                 const int cnt_r = n - t0 < 16 ? n - t0 : 16;
-                float *o = att_out(a, r) + kv0 * group * D;
-                const float *s = scores + (size_t)(r * nh + h0) * span + (t0 - ka);
+                float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
+                const float *s = scores + (size_t)(r * nh + h0) * n_max + t0;
                 __m512 acc[FAST_GROUP][FAST_CHUNKS];
                 for (int h = 0; h < group; h++)
                     for (int c = 0; c < C; c++) acc[h][c] = _mm512_loadu_ps(o + (h0 + h) * D + c * 16);
@@ -329,7 +262,7 @@ static inline __attribute__((always_inline)) void attend_avx512(const att_rows *
                     else
                         for (int c = 0; c < C; c++) vf[c] = bf16x16(kv->v + slots[j] + kvh * D + c * 16);
                     for (int h = 0; h < group; h++) {
-                        __m512 p = _mm512_set1_ps(s[(size_t)h * span + j]);
+                        __m512 p = _mm512_set1_ps(s[(size_t)h * n_max + j]);
                         for (int c = 0; c < C; c++) acc[h][c] = _mm512_fmadd_ps(p, vf[c], acc[h][c]);
                     }
                 }
@@ -339,10 +272,12 @@ static inline __attribute__((always_inline)) void attend_avx512(const att_rows *
         }
     }
     for (int r = 0; r < T; r++) {
-        int end;
-        if (!row_keys(a, r, &end)) continue;
-        float *o = att_out(a, r) + kv0 * group * D;
-        for (int i = 0; i < nh; i++) att_finish(a, r, kv0 * group + i, mx[r * nh + i], sum[r * nh + i], o + i * D, D);
+        float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
+        for (int i = 0; i < nh; i++) {
+            __m512 inv = _mm512_set1_ps(1.0f / sum[r * nh + i]);
+            for (int c = 0; c < C; c++)
+                _mm512_storeu_ps(o + i * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), inv));
+        }
     }
 }
 #define ATTEND_VEC attend_avx512
@@ -375,32 +310,30 @@ static inline float hmax8_masked(__m256 v, int cnt) {
  * kbuf: [16, D] floats. */
 static inline __attribute__((always_inline)) void attend_avx2(const att_rows *a, int group, int D, const kv_view *kv,
                                                               int kv0, int kv1, float *scores, float *kbuf) {
-    const int C = D / 8, nh = (kv1 - kv0) * group, T = a->T, ka = a->ka;
-    const int n_max = a->p0 + T < a->kb ? a->p0 + T : a->kb, span = n_max - ka; /* (position t's score at t - ka) */
+    const int C = D / 8, nh = (kv1 - kv0) * group, T = a->T, n_max = a->p0 + T;
     const float scale = 1.0f / sqrtf((float)D);
     float mx[MAX_HEADS], sum[MAX_HEADS];
     const int row_bytes = (kv1 - kv0) * D * 2;
     int64_t slots[16], next[16];
     for (int i = 0; i < T * nh; i++) mx[i] = -INFINITY;
     __m256 part[FAST_GROUP][8];
-    const int pf_end = a->pf_end < a->p0 + T ? a->pf_end : a->p0 + T;
-    if (a->cold) prefetch_start(kv, kv->k, ka, 8, pf_end, kv0 * D, row_bytes);
-    chunk_slots(kv, ka, span < 8 ? span : 8, next);
-    for (int t0 = ka; t0 < n_max; t0 += 8) {
+    prefetch_start(kv, kv->k, 8, n_max, kv0 * D, row_bytes);
+    chunk_slots(kv, 0, n_max < 8 ? n_max : 8, next);
+    for (int t0 = 0; t0 < n_max; t0 += 8) {
         const int cnt = n_max - t0 < 8 ? n_max - t0 : 8, cnt_next = n_max - t0 - 8 < 8 ? n_max - t0 - 8 : 8;
         memcpy(slots, next, 8 * sizeof *slots);
         if (cnt_next > 0) {
             chunk_slots(kv, t0 + 8, cnt_next, next);
             prefetch_rows(kv->k, next, cnt_next, kv0 * D, row_bytes, 1);
         }
-        prefetch_far(kv, kv->k, t0, 8, pf_end, kv0 * D, row_bytes);
+        prefetch_far(kv, kv->k, t0, 8, n_max, kv0 * D, row_bytes);
         prefetch_rows(kv->v, slots, cnt, kv0 * D, row_bytes, 0);
         for (int kvh = kv0; kvh < kv1; kvh++) {
             for (int j = 0; j < cnt; j++)
                 for (int c = 0; c < C; c++)
                     _mm256_storeu_ps(kbuf + j * D + c * 8, bf16x8(kv->k + slots[j] + kvh * D + c * 8));
             for (int r = 0; r < T; r++) {
-                const int n = a->p0 + r + 1 < a->kb ? a->p0 + r + 1 : a->kb; /* (its keys' end here) */
+                const int n = a->p0 + r + 1;
                 if (t0 >= n) continue;
                 const int cnt_r = n - t0 < 8 ? n - t0 : 8;
                 const float *q = a->q + (size_t)r * a->q_stride;
@@ -421,25 +354,20 @@ static inline __attribute__((always_inline)) void attend_avx2(const att_rows *a,
                     __m256 sc = hsum8x8(part[h]);
                     float tmp[8];
                     _mm256_storeu_ps(tmp, sc);
-                    memcpy(scores + (size_t)i * span + (t0 - ka), tmp, (size_t)cnt_r * sizeof(float));
+                    memcpy(scores + (size_t)i * n_max + t0, tmp, (size_t)cnt_r * sizeof(float));
                     float m = hmax8_masked(sc, cnt_r);
                     mx[i] = m > mx[i] ? m : mx[i];
                 }
             }
         }
     }
-    for (int i = 0; i < T * nh; i++) {
-        int end;
-        sum[i] = row_keys(a, i / nh, &end) ? exp_shifted(scores + (size_t)i * span, end - ka, mx[i]) : 0;
-    }
+    for (int i = 0; i < T * nh; i++) sum[i] = exp_shifted(scores + (size_t)i * n_max, a->p0 + i / nh + 1, mx[i]);
     for (int r = 0; r < T; r++) {
-        int end;
-        if (!row_keys(a, r, &end)) continue;
-        float *o = att_out(a, r) + kv0 * group * D;
+        float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
         for (int i = 0; i < nh * D; i++) o[i] = 0;
     }
-    chunk_slots(kv, ka, span < 8 ? span : 8, next);
-    for (int t0 = ka; t0 < n_max; t0 += 8) {
+    chunk_slots(kv, 0, n_max < 8 ? n_max : 8, next);
+    for (int t0 = 0; t0 < n_max; t0 += 8) {
         const int cnt = n_max - t0 < 8 ? n_max - t0 : 8, cnt_next = n_max - t0 - 8 < 8 ? n_max - t0 - 8 : 8;
         memcpy(slots, next, 8 * sizeof *slots);
         if (cnt_next > 0) {
@@ -453,16 +381,16 @@ static inline __attribute__((always_inline)) void attend_avx2(const att_rows *a,
                 for (int c = 0; c < C; c++)
                     _mm256_storeu_ps(kbuf + j * D + c * 8, bf16x8(kv->v + slots[j] + kvh * D + c * 8));
             for (int r = 0; r < T; r++) {
-                const int n = a->p0 + r + 1 < a->kb ? a->p0 + r + 1 : a->kb; /* (its keys' end here) */
+                const int n = a->p0 + r + 1;
                 if (t0 >= n) continue;
                 const int cnt_r = n - t0 < 8 ? n - t0 : 8;
-                float *o = att_out(a, r) + kv0 * group * D;
-                const float *s = scores + (size_t)(r * nh + h0) * span + (t0 - ka);
+                float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
+                const float *s = scores + (size_t)(r * nh + h0) * n_max + t0;
                 for (int h = 0; h < group; h++) {
                     __m256 acc[FAST_CHUNKS8];
                     for (int c = 0; c < C; c++) acc[c] = _mm256_loadu_ps(o + (h0 + h) * D + c * 8);
                     for (int j = 0; j < cnt_r; j++) {
-                        __m256 p = _mm256_set1_ps(s[(size_t)h * span + j]);
+                        __m256 p = _mm256_set1_ps(s[(size_t)h * n_max + j]);
                         for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(kbuf + j * D + c * 8), acc[c]);
                     }
                     for (int c = 0; c < C; c++) _mm256_storeu_ps(o + (h0 + h) * D + c * 8, acc[c]);
@@ -471,10 +399,12 @@ static inline __attribute__((always_inline)) void attend_avx2(const att_rows *a,
         }
     }
     for (int r = 0; r < T; r++) {
-        int end;
-        if (!row_keys(a, r, &end)) continue;
-        float *o = att_out(a, r) + kv0 * group * D;
-        for (int i = 0; i < nh; i++) att_finish(a, r, kv0 * group + i, mx[r * nh + i], sum[r * nh + i], o + i * D, D);
+        float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
+        for (int i = 0; i < nh; i++) {
+            __m256 inv = _mm256_set1_ps(1.0f / sum[r * nh + i]);
+            for (int c = 0; c < C; c++)
+                _mm256_storeu_ps(o + i * D + c * 8, _mm256_mul_ps(_mm256_loadu_ps(o + i * D + c * 8), inv));
+        }
     }
 }
 #define ATTEND_VEC attend_avx2
@@ -522,11 +452,9 @@ static void attend(const att_rows *a, int heads, int kv_heads, int D, const kv_v
 /* The attention jobs of a step: a run of consecutive rows of one sequence at consecutive positions (a
  * prefill chunk) is cut into tiles of TILE_Q rows, one job per (tile, kv head); a single row (a decode)
  * is one job for all its kv heads when there are enough rows for every thread, else one per kv head.
- * A job takes all its rows' spans of keys in turn, or, where those jobs are fewer than two per thread
- * (a decode or two), each span is a job of its own. Ordered by cost, the costliest first, for the
- * threads to take in turn. */
+ * Ordered by cost, the costliest first, for the threads to take in turn. */
 typedef struct {
-    int b, T, kv0, kv1, span0, span1; /* its keys: positions [span0, span1) x KEY_SPAN, a span at a time */
+    int b, T, kv0, kv1;
     int64_t cost;
 } att_job;
 
@@ -535,47 +463,31 @@ static int by_cost_desc(const void *x, const void *y) {
     return a < b ? 1 : a > b ? -1 : 0;
 }
 
-/* Fills jobs (room for B * kv_heads * key_spans(the longest row)); returns how many, and in *scratch the
- * floats of scores one span of one job needs. */
+/* Fills jobs (room for B * kv_heads); returns how many, and in *scratch the floats of scores one job needs. */
 static int attention_plan(int B, const int64_t *pos, const int32_t *row_seq, int kv_heads, int group, int nt,
                           att_job *jobs, size_t *scratch) {
-    int nj = 0, singles = 0, runs = 0;
+    int nj = 0, singles = 0;
     for (int b = 0; b < B;) {
         int T = 1;
         while (b + T < B && T < TILE_Q && row_seq[b + T] == row_seq[b] && pos[b + T] == pos[b] + T) T++;
-        singles += T == 1, runs++;
+        singles += T == 1;
         b += T;
     }
-    /* a job per span of keys only where the rows' jobs are too few to keep every thread busy (each job's
-     * first keys are a cold start) */
-    const int per_span = (singles >= nt ? runs : runs * kv_heads) < 2 * nt;
     *scratch = 0;
     for (int b = 0; b < B;) {
         int T = 1;
         while (b + T < B && T < TILE_Q && row_seq[b + T] == row_seq[b] && pos[b + T] == pos[b] + T) T++;
         const int64_t n = pos[b] + T;
-        const int spans = key_spans(n), step = per_span ? 1 : spans;
-        for (int c = 0; c < spans; c += step) {
-            const int64_t keys = n < KEY_SPAN ? n : KEY_SPAN; /* the most of one span: the scores' room */
-            const int64_t left = n - (int64_t)c * KEY_SPAN, cost = per_span ? (left < KEY_SPAN ? left : KEY_SPAN) : n;
-            if (T == 1 && singles >= nt) {
-                jobs[nj++] = (att_job){b, 1, 0, kv_heads, c, c + step, cost * kv_heads};
-                *scratch = (size_t)keys * kv_heads * group > *scratch ? (size_t)keys * kv_heads * group : *scratch;
-            } else {
-                for (int h = 0; h < kv_heads; h++) jobs[nj++] = (att_job){b, T, h, h + 1, c, c + step, cost * T};
-                *scratch = (size_t)keys * T * group > *scratch ? (size_t)keys * T * group : *scratch;
-            }
+        if (T == 1 && singles >= nt) {
+            jobs[nj++] = (att_job){b, 1, 0, kv_heads, n * kv_heads};
+            *scratch = (size_t)n * kv_heads * group > *scratch ? (size_t)n * kv_heads * group : *scratch;
+        } else {
+            for (int h = 0; h < kv_heads; h++) jobs[nj++] = (att_job){b, T, h, h + 1, n * T};
+            *scratch = (size_t)n * T * group > *scratch ? (size_t)n * T * group : *scratch;
         }
         b += T;
     }
     qsort(jobs, (size_t)nj, sizeof *jobs, by_cost_desc);
     return nj;
-}
-
-/* The longest row's spans of keys (for the plan's and the partial rows' room). */
-static int most_spans(int B, const int64_t *pos) {
-    int64_t n = 1;
-    for (int b = 0; b < B; b++) n = pos[b] + 1 > n ? pos[b] + 1 : n;
-    return key_spans(n);
 }
 

@@ -13,8 +13,6 @@ typedef struct {
     float *out, *scores;
     const uint16_t *k, *v;
     const int32_t *tables, *seq_lens;
-    int spans; /* the longest row's spans of keys */
-    float *part, *ml; /* rows split over spans: [B, spans, heads, D] partial outputs, [.., heads, 2] */
 } attn_ctx;
 
 static void run_attention(void *arg, int tid) {
@@ -23,16 +21,10 @@ static void run_attention(void *arg, int tid) {
     const int D = a->head_dim, kv_n = a->kv_heads * D;
     float *scores = a->scores + (size_t)tid * a->scores_per_thread, *kbuf = scores + a->scores_per_thread - 16 * D;
     for (int j; (j = __atomic_fetch_add(a->next_job, 1, __ATOMIC_RELAXED)) < a->njobs;) {
-        const att_job *job = a->jobs + j;
-        const int b = job->b, q_n = a->heads * D;
+        const int b = a->jobs[j].b;
         kv_view view = {a->k, a->v, kv_n, a->tables + (size_t)b * a->table_stride, a->block_size};
-        for (int sp = job->span0; sp < job->span1; sp++) {
-            const size_t at = (size_t)b * a->spans + sp;
-            att_rows rows = {a->q + b * a->q_stride, a->out + (size_t)b * q_n, 0, 0, 1, a->seq_lens[b] - 1,
-                             sp * KEY_SPAN, (sp + 1) * KEY_SPAN, a->part + at * q_n, a->ml + at * 2 * a->heads, 0, 0,
-                             job->span1 * KEY_SPAN, sp == job->span0};
-            attend(&rows, a->heads, a->kv_heads, D, &view, job->kv0, job->kv1, scores, kbuf);
-        }
+        att_rows rows = {a->q + b * a->q_stride, a->out + (size_t)b * a->heads * D, 0, 0, 1, a->seq_lens[b] - 1};
+        attend(&rows, a->heads, a->kv_heads, D, &view, a->jobs[j].kv0, a->jobs[j].kv1, scores, kbuf);
     }
 }
 
@@ -49,32 +41,23 @@ int sluice_decode_attention(int B, int heads, int kv_heads, int head_dim, const 
     /* Decode rows: every row its own sequence (row_seq 0..B-1), so no tiles. */
     int64_t *pos = malloc((size_t)B * sizeof *pos);
     int32_t *row_seq = malloc((size_t)B * sizeof *row_seq);
-    int spans = 1;
-    for (int b = 0; b < B; b++) spans = key_spans(seq_lens[b]) > spans ? key_spans(seq_lens[b]) : spans;
-    att_job *jobs = malloc((size_t)B * kv_heads * spans * sizeof *jobs);
-    const size_t q_n = (size_t)heads * head_dim;
-    float *part = malloc((size_t)B * spans * (q_n + 2 * heads) * sizeof(float));
+    att_job *jobs = malloc((size_t)B * kv_heads * sizeof *jobs);
     int next_job = 0, rc = -1;
-    if (pos && row_seq && jobs && part) {
+    if (pos && row_seq && jobs) {
         for (int b = 0; b < B; b++) pos[b] = seq_lens[b] - 1, row_seq[b] = b;
         size_t per_thread;
         const int njobs = attention_plan(B, pos, row_seq, kv_heads, heads / kv_heads, nthreads, jobs, &per_thread);
         per_thread = (per_thread + 16 * (size_t)head_dim + 31) / 16 * 16;
         float *scores = malloc((size_t)nthreads * per_thread * sizeof(float));
         if (scores) {
-            float *ml = part + (size_t)B * spans * q_n;
             attn_ctx a = {heads, kv_heads, head_dim, block_size, table_stride, njobs, nthreads, jobs, &next_job, per_thread,
-                          q, q_stride, out, scores, k, v, tables, seq_lens, spans, part, ml};
+                          q, q_stride, out, scores, k, v, tables, seq_lens};
             run_parallel(run_attention, &a, nthreads);
-            for (int b = 0; b < B; b++) /* rows split over spans of keys: their spans merged */
-                if (key_spans(seq_lens[b]) > 1)
-                    merge_spans(heads, head_dim, key_spans(seq_lens[b]), part + (size_t)b * spans * q_n,
-                                ml + (size_t)b * spans * 2 * heads, out + (size_t)b * q_n);
             free(scores);
             rc = 0;
         }
     }
-    free(pos), free(row_seq), free(jobs), free(part);
+    free(pos), free(row_seq), free(jobs);
     pthread_mutex_unlock(&step_lock);
     return rc;
 }

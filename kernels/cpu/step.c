@@ -36,8 +36,7 @@ typedef struct {
     uint16_t *tile_scratch; /* per thread: one column pair of weights widened to bf16 */
     size_t tile_scratch_per_thread;
     const att_job *jobs; /* the attention jobs, the same for every layer */
-    int njobs, spans; /* spans: the longest row's spans of keys */
-    float *part, *ml; /* rows split over spans of keys: [B, spans, heads, D] partial outputs, [.., heads, 2] */
+    int njobs;
     int *next_job; /* [layers]: the next attention job of each layer, taken in turn by the threads */
     size_t scores_per_thread; /* floats: a job's scores, then a block of widened keys */
 } step_ctx;
@@ -117,21 +116,12 @@ static void run_step(void *arg, int tid) {
                 const att_job *job = c->jobs + j;
                 const int b = job->b;
                 kv_view view = {kc, vc, kv_n, c->tables + (size_t)c->row_seq[b] * c->table_stride, dm->block_size};
-                for (int sp = job->span0; sp < job->span1; sp++) {
-                    const size_t at = (size_t)b * c->spans + sp; /* (row b's span in part, ml) */
-                    att_rows rows = {c->qkv + (size_t)b * qkv_n, c->att + (size_t)b * q_n, qkv_n, q_n, job->T,
-                                     (int)c->pos[b], sp * KEY_SPAN, (sp + 1) * KEY_SPAN, c->part + at * q_n,
-                                     c->ml + at * 2 * dm->heads, c->spans * q_n, c->spans * 2 * dm->heads,
-                                     job->span1 * KEY_SPAN, sp == job->span0};
-                    attend(&rows, dm->heads, Hkv, D, &view, job->kv0, job->kv1, scores, kbuf);
-                }
+                att_rows rows = {c->qkv + (size_t)b * qkv_n, c->att + (size_t)b * q_n, qkv_n, q_n, job->T,
+                                 (int)c->pos[b]};
+                attend(&rows, dm->heads, Hkv, D, &view, job->kv0, job->kv1, scores, kbuf);
             }
         });
         PHASE(tid, PH_WAIT, barrier(nt));
-        for (int b = b0; b < b1; b++) /* (my rows split over spans of keys: their spans merged) */
-            if (key_spans(c->pos[b] + 1) > 1)
-                merge_spans(dm->heads, D, key_spans(c->pos[b] + 1), c->part + (size_t)b * c->spans * q_n,
-                            c->ml + (size_t)b * c->spans * 2 * dm->heads, c->att + (size_t)b * q_n);
         prepare_x(c, c->att, q_n, b0, b1);
         PHASE(tid, PH_WAIT, barrier(nt));
         PHASE(tid, PH_MATMUL, step_matmul(c, &lw->o, c->att, H, q_n, c->h, tid));
@@ -174,8 +164,7 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
     const int H = dm->hidden, I = dm->inter, q_n = dm->heads * dm->head_dim;
     const int qkv_n = q_n + 2 * dm->kv_heads * dm->head_dim;
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
-    const int spans = most_spans(B, positions);
-    att_job *jobs = malloc((size_t)B * dm->kv_heads * spans * sizeof *jobs);
+    att_job *jobs = malloc((size_t)B * dm->kv_heads * sizeof *jobs);
     int *next_job = calloc((size_t)dm->layers, sizeof *next_job);
     if (!jobs || !next_job) {
         free(jobs), free(next_job);
@@ -191,8 +180,7 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
     const int kmax = H > q_n ? (H > I ? H : I) : (q_n > I ? q_n : I), gmax = kmax / GROUP;
     const size_t per_thread = (size_t)gmax * 1024; /* bf16 elements: a widened column pair of the widest K */
     size_t floats = (size_t)R * (H + qkv_n + q_n + 2 * I + I + 1 + gmax + kmax / 2 + kmax / 2 + 6 * gmax) +
-                    (size_t)nthreads * scores_per_thread + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16 +
-                    (size_t)B * spans * (q_n + 2 * dm->heads); /* (partial rows: for rows split over spans) */
+                    (size_t)nthreads * scores_per_thread + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
     float *buf = calloc(floats, sizeof(float));
     if (!buf) {
         free(jobs), free(next_job);
@@ -218,9 +206,6 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
     c.qx.ce = p, p += (size_t)R * 2 * gmax;
     c.qx.o8 = p, p += (size_t)R * gmax;
     c.scores = p, p += (size_t)nthreads * scores_per_thread;
-    c.spans = spans;
-    c.part = p, p += (size_t)B * spans * q_n;
-    c.ml = p, p += (size_t)B * spans * 2 * dm->heads;
     p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); /* (the 16 spare floats) */
     c.tile_scratch = (uint16_t *)p;
     c.tile_scratch_per_thread = per_thread;
