@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from bench.vs_llamacpp import machine
+from bench.common import machine
 from engine import EngineConfig, LLMEngine
 
 PROMPTS = ["The history of the printing press begins in", "def quicksort(items):\n    if len(items) <= 1:",

@@ -26,7 +26,8 @@ import time
 import torch
 
 import kernels.cpu as cpu_kernels
-from bench.decode_roofline import machine, read_bandwidth
+from bench.common import machine
+from bench.decode_roofline import read_bandwidth
 from kernels.cpu import build
 
 

@@ -5,11 +5,28 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import subprocess
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 TOPICS = ["the ocean", "a robot", "mountains", "coffee", "a small town", "the moon", "trains", "music",
           "gardening", "chess", "rain", "a library", "bicycles", "volcanoes", "bread", "owls"]
+
+
+# The CPU flags every benchmark prints beside its figures: which kernels a build can take.
+CPU_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def machine() -> str:
+    """This machine as `lscpu` names it: model, CPU count and the CPU_FLAGS it has."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (lscpu failed)"
+    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = set(info.get("Flags", "").split())
+    return (f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPUs; flags: "
+            + " ".join(f for f in CPU_FLAGS if f in flags))
 
 
 def pct(values: list[float], p: float) -> float:

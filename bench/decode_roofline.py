@@ -20,7 +20,6 @@ rest of the forward (other ops, dispatch and Python between ops).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from torch.profiler import profile
 
 import engine.model_runner as model_runner
 import kernels.cpu as cpu_kernels
+from bench.common import machine
 from engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
 
 CATEGORIES = {
@@ -109,15 +109,6 @@ def op_times(engine: LLMEngine, steps: int) -> dict[str, float]:
             if ev.key in names:
                 out[cat] += ev.self_cpu_time_total / 1e6 / steps
     return out
-
-
-def machine() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = set(info.get("Flags", "").split())
-    keep = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-    return f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPUs; " + " ".join(
-        f for f in keep if f in flags)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -53,7 +53,6 @@ import asyncio
 import contextlib
 import os
 import random
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +61,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
+from bench.common import machine
 from bench.embeddings_llamacpp import (
     LLAMA_CPP,
     LLAMA_SERVER,
@@ -77,18 +77,6 @@ from engine import EmbeddingConfig, EmbeddingEngine, EmbeddingRequest
 
 LLAMA, SLUICE = "llama-server", "Sluice gateway"
 LLAMA_PARALLEL = 2  # llama-server -np: 1-4 within ~10% of each other here, 2 the best; 8 -7%, 16 -35%
-FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-
-
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (lscpu failed)"
-    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = set(info.get("Flags", "").split())
-    return (f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPUs, torch threads "
-            f"{torch.get_num_threads()}; flags: " + " ".join(f for f in FLAGS if f in flags))
 
 
 def corpus(engine: EmbeddingEngine, n: int, seed: int = 0) -> list[str]:
@@ -187,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     texts = corpus(engine, args.passages)
     lengths = [len(ids) for ids in engine.tokenize(texts, truncate=True)]
     dtype = str(engine.dtype).removeprefix("torch.")
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}; torch threads {torch.get_num_threads()}")
     print(f"model: {engine.model_name} (engine matmuls {dtype}, max_batch_tokens {args.max_batch_tokens})")
     print(f"corpus: {len(texts)} passages, {min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(texts):.0f}"
           f", {sum(lengths)} in all")

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.common import machine
 from bench.server import sluice_server_process
-from bench.vs_llamacpp import MODEL, llama_server, machine
+from bench.vs_llamacpp import MODEL, llama_server
 
 
 async def ttft(url: str, prompt: list[int]) -> float:

@@ -27,11 +27,10 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench.common import mixed_workload, pct
+from bench.common import machine, mixed_workload, pct
 from bench.load import LoadResult, run_load
 from bench.server import ROOT, free_port, managed_server, sluice_server_process
 from engine.loader import default_model_path
@@ -39,15 +38,6 @@ from kernels.cpu import build as cpu_build
 from kernels.cpu.cpuinfo import cpu_info
 
 MODEL = "SmolLM2-135M-Instruct"
-FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-
-
-def machine() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = set(info.get("Flags", "").split())
-    return (f"{info.get('Model name', '?').strip()}, {info.get('CPU(s)', '?').strip()} CPUs; flags: "
-            + " ".join(f for f in FLAGS if f in flags))
 
 
 def has_amx() -> bool:
