@@ -28,9 +28,9 @@ static inline void chunk_slots(const kv_view *kv, int t0, int cnt, int64_t *slot
 
 /* ---- attention ----
  *
- * One job: T consecutive rows of one sequence (positions p0 .. p0 + T - 1: rows of a prefill chunk, or
- * T = 1 for a decode) against that sequence's cached keys and values, for kv heads [kv0, kv1); row r
- * attends to positions 0 .. p0 + r. Every query vector gets the same arithmetic whatever T is (its
+ * One call: T consecutive rows of one sequence (positions p0 .. p0 + T - 1: rows of a prefill chunk, or
+ * T = 1 for a decode) against one span of that sequence's cached keys and values (KEY_SPAN below), for kv
+ * heads [kv0, kv1); row r attends to positions 0 .. p0 + r. Every query vector gets the same arithmetic whatever T is (its
  * scores as blocks of keys, lane-wise FMAs summed across lanes; a two-pass softmax; values added key
  * by key), so a row's attention is bit-identical in a decode step and in any prefill chunk: chunking
  * and batching change nothing. Tiles exist for speed: a block of keys (and of values) is widened to
@@ -40,7 +40,64 @@ typedef struct {
     const float *q; /* row r's query heads: q + r * q_stride, [heads, D] */
     float *out; /* row r's output: out + r * out_stride, [heads, D] */
     int q_stride, out_stride, T, p0;
+    int ka, kb; /* these keys: positions [ka, kb) of each row's (a span of KEY_SPAN, see below) */
+    float *part, *ml; /* a split row's partial output [heads, D] and (max, sum) per head [heads, 2]: row r's at
+                       * part + r * part_stride, ml + r * ml_stride */
+    int part_stride, ml_stride;
+    int pf_end, cold; /* where the keys' far prefetch stops: the job's last span's end, so that the next
+                       * span's first keys are in L2 when its turn comes; cold: the job's first span */
 } att_rows;
+
+/* A row's keys in spans of KEY_SPAN positions from position 0, each attended on its own (its scores'
+ * maximum, the sum of their exponentials and the values they weight, not yet divided) and folded into
+ * the row's running output in position order (fold_span): an online softmax over spans. A job takes all
+ * its rows' spans in turn, folding each as it ends, so it holds one span's partial rows at a time (a
+ * thread's TILE_Q rows). Where the rows' jobs are too few to keep every thread busy (a lone decode: one
+ * SmolLM2 row is 3 kv heads' jobs for 2 threads, one thread doing two), each span is a job of its own;
+ * the spans' partials are then kept ([rows, spans, heads, D]: at most 2 x threads runs of rows, 1/1000 of
+ * their cache) and folded after the jobs, in the same order by the same function. The spans' bounds are
+ * positions, not anything of the step or of how jobs are cut, so a row's arithmetic is the same in a
+ * decode and in any prefill chunk or batch; a row of at most KEY_SPAN positions is one span, attended and
+ * divided as before. */
+#define KEY_SPAN 256
+
+static inline int key_spans(int64_t n) { return (int)((n + KEY_SPAN - 1) / KEY_SPAN); }
+
+/* Where row r of a call writes: its output row, or, split over spans, its partial row (see attention_job). */
+static inline float *att_out(const att_rows *a, int r) {
+    return a->p0 + r + 1 > KEY_SPAN ? a->part + (size_t)r * a->part_stride : a->out + (size_t)r * a->out_stride;
+}
+
+/* A row's keys in this call: [a->ka, *end); returns whether it has any. */
+static inline int row_keys(const att_rows *a, int r, int *end) {
+    const int n = a->p0 + r + 1;
+    *end = n < a->kb ? n : a->kb;
+    return *end > a->ka;
+}
+
+/* After a row's keys: its sums divided by their total (one span), or its (max, sum) kept for fold_span. */
+static inline void att_finish(const att_rows *a, int r, int h, float mx, float sum, float *o, int D) {
+    if (a->p0 + r + 1 > KEY_SPAN) {
+        a->ml[(size_t)r * a->ml_stride + 2 * h] = mx, a->ml[(size_t)r * a->ml_stride + 2 * h + 1] = sum;
+        return;
+    }
+    const float inv = 1.0f / sum;
+    for (int i = 0; i < D; i++) o[i] *= inv;
+}
+
+/* One head's running output o [D] with its (max, sum) in ml[0..1], folded with the next span's partial
+ * p [D] and (max, sum) pm[0..1]. The only merge of spans there is, so both job shapes round alike. */
+static inline void fold_span(float *o, float *ml, const float *p, const float *pm, int D) {
+    const float m = pm[0] > ml[0] ? pm[0] : ml[0], wa = fast_exp(ml[0] - m), wb = fast_exp(pm[0] - m);
+    ml[0] = m, ml[1] = wa * ml[1] + wb * pm[1];
+    for (int i = 0; i < D; i++) o[i] = wa * o[i] + wb * p[i];
+}
+
+/* One head's folded output divided by its total. */
+static inline void fold_finish(float *o, const float *ml, int D) {
+    const float inv = 1.0f / ml[1];
+    for (int i = 0; i < D; i++) o[i] *= inv;
+}
 
 #define TILE_Q 16 /* rows of one prefill chunk per attention job */
 
@@ -48,40 +105,41 @@ typedef struct {
 static void attend_rows_generic(const att_rows *a, int group, int D, const kv_view *kv, int kv0, int kv1,
                                 float *scores, float *kbuf) {
     const float scale = 1.0f / sqrtf((float)D);
-    const int nh = (kv1 - kv0) * group, n_max = a->p0 + a->T;
+    const int nh = (kv1 - kv0) * group, ka = a->ka, n_max = a->p0 + a->T < a->kb ? a->p0 + a->T : a->kb;
+    const int span = n_max - ka; /* (scores of position t at t - ka) */
     int64_t slots[16];
     for (int r = 0; r < a->T; r++) {
-        const int n = a->p0 + r + 1;
+        int n;
+        if (!row_keys(a, r, &n)) continue;
         const float *q = a->q + (size_t)r * a->q_stride;
-        float *out = a->out + (size_t)r * a->out_stride;
+        float *out = att_out(a, r);
         for (int kvh = kv0; kvh < kv1; kvh++) {
-            float mx[256], *s = scores + (size_t)(r * nh + (kvh - kv0) * group) * n_max;
+            float mx[256], *s = scores + (size_t)(r * nh + (kvh - kv0) * group) * span;
             for (int h = 0; h < group; h++) mx[h] = -INFINITY;
-            for (int t = 0; t < n; t++) {
-                if (t % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
-                bf16_to_f32_row(kv->k + slots[t % 16] + kvh * D, kbuf, D);
+            for (int t = ka; t < n; t++) {
+                if ((t - ka) % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
+                bf16_to_f32_row(kv->k + slots[(t - ka) % 16] + kvh * D, kbuf, D);
                 for (int h = 0; h < group; h++) {
                     const float *qh = q + (kvh * group + h) * D;
                     float acc = 0;
                     for (int i = 0; i < D; i++) acc += qh[i] * kbuf[i];
-                    s[h * n_max + t] = acc * scale;
-                    mx[h] = s[h * n_max + t] > mx[h] ? s[h * n_max + t] : mx[h];
+                    s[h * span + t - ka] = acc * scale;
+                    mx[h] = s[h * span + t - ka] > mx[h] ? s[h * span + t - ka] : mx[h];
                 }
             }
             float sum[256];
-            for (int h = 0; h < group; h++) sum[h] = exp_shifted(s + h * n_max, n, mx[h]);
+            for (int h = 0; h < group; h++) sum[h] = exp_shifted(s + h * span, n - ka, mx[h]);
             float *o = out + kvh * group * D;
             for (int i = 0; i < group * D; i++) o[i] = 0;
-            for (int t = 0; t < n; t++) {
-                if (t % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
-                bf16_to_f32_row(kv->v + slots[t % 16] + kvh * D, kbuf, D);
+            for (int t = ka; t < n; t++) {
+                if ((t - ka) % 16 == 0) chunk_slots(kv, t, n - t < 16 ? n - t : 16, slots);
+                bf16_to_f32_row(kv->v + slots[(t - ka) % 16] + kvh * D, kbuf, D);
                 for (int h = 0; h < group; h++) {
-                    const float p = s[h * n_max + t];
+                    const float p = s[h * span + t - ka];
                     for (int i = 0; i < D; i++) o[h * D + i] += p * kbuf[i];
                 }
             }
-            for (int h = 0; h < group; h++)
-                for (int i = 0; i < D; i++) o[h * D + i] *= 1.0f / sum[h];
+            for (int h = 0; h < group; h++) att_finish(a, r, kvh * group + h, mx[h], sum[h], o + h * D, D);
         }
     }
 }
@@ -120,9 +178,10 @@ static inline void prefetch_far(const kv_view *kv, const uint16_t *base, int t0,
     prefetch_rows(base, far, cnt, off, bytes, 0);
 }
 
-/* A job's first PF_LEAD positions, to L2 at once (the far prefetch's lead for them). */
-static inline void prefetch_start(const kv_view *kv, const uint16_t *base, int step, int n_max, int off, int bytes) {
-    for (int t = -PF_LEAD; t < 0; t += step) prefetch_far(kv, base, t, step, n_max, off, bytes);
+/* A job's first PF_LEAD positions from t0, to L2 at once (the far prefetch's lead for them). */
+static inline void prefetch_start(const kv_view *kv, const uint16_t *base, int t0, int step, int n_max, int off,
+                                  int bytes) {
+    for (int t = t0 - PF_LEAD; t < t0; t += step) prefetch_far(kv, base, t, step, n_max, off, bytes);
 }
 
 #define FAST_GROUP 4 /* query heads per kv head on the vector paths */
@@ -166,23 +225,25 @@ static inline __m512 hsum16(const __m512 *v) {
 static inline __attribute__((always_inline)) void attend_avx512(const att_rows *a, int group, int D,
                                                                 const kv_view *kv, int kv0, int kv1, float *scores,
                                                                 float *kbuf) {
-    const int C = D / 16, nh = (kv1 - kv0) * group, T = a->T, n_max = a->p0 + T;
+    const int C = D / 16, nh = (kv1 - kv0) * group, T = a->T, ka = a->ka;
+    const int n_max = a->p0 + T < a->kb ? a->p0 + T : a->kb, span = n_max - ka; /* (position t's score at t - ka) */
     const float scale = 1.0f / sqrtf((float)D);
     float mx[MAX_HEADS], sum[MAX_HEADS]; /* T * nh of them: T = 1, or one kv head of a tile */
     const int row_bytes = (kv1 - kv0) * D * 2; /* of one position's keys (or values) that we read */
     int64_t slots[16], next[16];
     for (int i = 0; i < T * nh; i++) mx[i] = -INFINITY;
     __m512 part[FAST_GROUP][16];
-    prefetch_start(kv, kv->k, 16, n_max, kv0 * D, row_bytes);
-    chunk_slots(kv, 0, n_max < 16 ? n_max : 16, next);
-    for (int t0 = 0; t0 < n_max; t0 += 16) {
+    const int pf_end = a->pf_end < a->p0 + T ? a->pf_end : a->p0 + T;
+    if (a->cold) prefetch_start(kv, kv->k, ka, 16, pf_end, kv0 * D, row_bytes);
+    chunk_slots(kv, ka, span < 16 ? span : 16, next);
+    for (int t0 = ka; t0 < n_max; t0 += 16) {
         const int cnt = n_max - t0 < 16 ? n_max - t0 : 16, cnt_next = n_max - t0 - 16 < 16 ? n_max - t0 - 16 : 16;
         memcpy(slots, next, sizeof slots);
         if (cnt_next > 0) {
             chunk_slots(kv, t0 + 16, cnt_next, next);
             prefetch_rows(kv->k, next, cnt_next, kv0 * D, row_bytes, 1); /* the next keys, to L1 */
         }
-        prefetch_far(kv, kv->k, t0, 16, n_max, kv0 * D, row_bytes);
+        prefetch_far(kv, kv->k, t0, 16, pf_end, kv0 * D, row_bytes);
         prefetch_rows(kv->v, slots, cnt, kv0 * D, row_bytes, 0); /* these values, to L2 */
         for (int kvh = kv0; kvh < kv1; kvh++) {
             if (T > 1) /* widen the block's keys once for all the tile's rows */
@@ -190,7 +251,7 @@ static inline __attribute__((always_inline)) void attend_avx512(const att_rows *
                     for (int c = 0; c < C; c++)
                         _mm512_storeu_ps(kbuf + j * D + c * 16, bf16x16(kv->k + slots[j] + kvh * D + c * 16));
             for (int r = 0; r < T; r++) {
-                const int n = a->p0 + r + 1;
+                const int n = a->p0 + r + 1 < a->kb ? a->p0 + r + 1 : a->kb; /* (its keys' end here) */
                 if (t0 >= n) continue; /* (this row has no keys in the block) */
                 const int cnt_r = n - t0 < 16 ? n - t0 : 16;
                 const __mmask16 valid = (__mmask16)((1u << cnt_r) - 1);
@@ -219,20 +280,25 @@ static inline __attribute__((always_inline)) void attend_avx512(const att_rows *
                 for (int h = 0; h < group; h++) {
                     const int i = r * nh + (kvh - kv0) * group + h;
                     __m512 sc = hsum16(part[h]);
-                    _mm512_mask_storeu_ps(scores + (size_t)i * n_max + t0, valid, sc);
+                    _mm512_mask_storeu_ps(scores + (size_t)i * span + (t0 - ka), valid, sc);
                     float m = _mm512_mask_reduce_max_ps(valid, sc);
                     mx[i] = m > mx[i] ? m : mx[i];
                 }
             }
         }
     }
-    for (int i = 0; i < T * nh; i++) sum[i] = exp_shifted(scores + (size_t)i * n_max, a->p0 + i / nh + 1, mx[i]);
+    for (int i = 0; i < T * nh; i++) {
+        int end;
+        sum[i] = row_keys(a, i / nh, &end) ? exp_shifted(scores + (size_t)i * span, end - ka, mx[i]) : 0;
+    }
     for (int r = 0; r < T; r++) {
-        float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
+        int end;
+        if (!row_keys(a, r, &end)) continue;
+        float *o = att_out(a, r) + kv0 * group * D;
         for (int i = 0; i < nh * D; i++) o[i] = 0;
     }
-    chunk_slots(kv, 0, n_max < 16 ? n_max : 16, next);
-    for (int t0 = 0; t0 < n_max; t0 += 16) {
+    chunk_slots(kv, ka, span < 16 ? span : 16, next);
+    for (int t0 = ka; t0 < n_max; t0 += 16) {
         const int cnt = n_max - t0 < 16 ? n_max - t0 : 16, cnt_next = n_max - t0 - 16 < 16 ? n_max - t0 - 16 : 16;
         memcpy(slots, next, sizeof slots);
         if (cnt_next > 0) {
@@ -247,11 +313,11 @@ static inline __attribute__((always_inline)) void attend_avx512(const att_rows *
                     for (int c = 0; c < C; c++)
                         _mm512_storeu_ps(kbuf + j * D + c * 16, bf16x16(kv->v + slots[j] + kvh * D + c * 16));
             for (int r = 0; r < T; r++) {
-                const int n = a->p0 + r + 1;
+                const int n = a->p0 + r + 1 < a->kb ? a->p0 + r + 1 : a->kb; /* (its keys' end here) */
                 if (t0 >= n) continue;
                 const int cnt_r = n - t0 < 16 ? n - t0 : 16;
-                float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
-                const float *s = scores + (size_t)(r * nh + h0) * n_max + t0;
+                float *o = att_out(a, r) + kv0 * group * D;
+                const float *s = scores + (size_t)(r * nh + h0) * span + (t0 - ka);
                 __m512 acc[FAST_GROUP][FAST_CHUNKS];
                 for (int h = 0; h < group; h++)
                     for (int c = 0; c < C; c++) acc[h][c] = _mm512_loadu_ps(o + (h0 + h) * D + c * 16);
@@ -262,7 +328,7 @@ static inline __attribute__((always_inline)) void attend_avx512(const att_rows *
                     else
                         for (int c = 0; c < C; c++) vf[c] = bf16x16(kv->v + slots[j] + kvh * D + c * 16);
                     for (int h = 0; h < group; h++) {
-                        __m512 p = _mm512_set1_ps(s[(size_t)h * n_max + j]);
+                        __m512 p = _mm512_set1_ps(s[(size_t)h * span + j]);
                         for (int c = 0; c < C; c++) acc[h][c] = _mm512_fmadd_ps(p, vf[c], acc[h][c]);
                     }
                 }
@@ -272,12 +338,10 @@ static inline __attribute__((always_inline)) void attend_avx512(const att_rows *
         }
     }
     for (int r = 0; r < T; r++) {
-        float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
-        for (int i = 0; i < nh; i++) {
-            __m512 inv = _mm512_set1_ps(1.0f / sum[r * nh + i]);
-            for (int c = 0; c < C; c++)
-                _mm512_storeu_ps(o + i * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c * 16), inv));
-        }
+        int end;
+        if (!row_keys(a, r, &end)) continue;
+        float *o = att_out(a, r) + kv0 * group * D;
+        for (int i = 0; i < nh; i++) att_finish(a, r, kv0 * group + i, mx[r * nh + i], sum[r * nh + i], o + i * D, D);
     }
 }
 #define ATTEND_VEC attend_avx512
@@ -310,30 +374,32 @@ static inline float hmax8_masked(__m256 v, int cnt) {
  * kbuf: [16, D] floats. */
 static inline __attribute__((always_inline)) void attend_avx2(const att_rows *a, int group, int D, const kv_view *kv,
                                                               int kv0, int kv1, float *scores, float *kbuf) {
-    const int C = D / 8, nh = (kv1 - kv0) * group, T = a->T, n_max = a->p0 + T;
+    const int C = D / 8, nh = (kv1 - kv0) * group, T = a->T, ka = a->ka;
+    const int n_max = a->p0 + T < a->kb ? a->p0 + T : a->kb, span = n_max - ka; /* (position t's score at t - ka) */
     const float scale = 1.0f / sqrtf((float)D);
     float mx[MAX_HEADS], sum[MAX_HEADS];
     const int row_bytes = (kv1 - kv0) * D * 2;
     int64_t slots[16], next[16];
     for (int i = 0; i < T * nh; i++) mx[i] = -INFINITY;
     __m256 part[FAST_GROUP][8];
-    prefetch_start(kv, kv->k, 8, n_max, kv0 * D, row_bytes);
-    chunk_slots(kv, 0, n_max < 8 ? n_max : 8, next);
-    for (int t0 = 0; t0 < n_max; t0 += 8) {
+    const int pf_end = a->pf_end < a->p0 + T ? a->pf_end : a->p0 + T;
+    if (a->cold) prefetch_start(kv, kv->k, ka, 8, pf_end, kv0 * D, row_bytes);
+    chunk_slots(kv, ka, span < 8 ? span : 8, next);
+    for (int t0 = ka; t0 < n_max; t0 += 8) {
         const int cnt = n_max - t0 < 8 ? n_max - t0 : 8, cnt_next = n_max - t0 - 8 < 8 ? n_max - t0 - 8 : 8;
         memcpy(slots, next, 8 * sizeof *slots);
         if (cnt_next > 0) {
             chunk_slots(kv, t0 + 8, cnt_next, next);
             prefetch_rows(kv->k, next, cnt_next, kv0 * D, row_bytes, 1);
         }
-        prefetch_far(kv, kv->k, t0, 8, n_max, kv0 * D, row_bytes);
+        prefetch_far(kv, kv->k, t0, 8, pf_end, kv0 * D, row_bytes);
         prefetch_rows(kv->v, slots, cnt, kv0 * D, row_bytes, 0);
         for (int kvh = kv0; kvh < kv1; kvh++) {
             for (int j = 0; j < cnt; j++)
                 for (int c = 0; c < C; c++)
                     _mm256_storeu_ps(kbuf + j * D + c * 8, bf16x8(kv->k + slots[j] + kvh * D + c * 8));
             for (int r = 0; r < T; r++) {
-                const int n = a->p0 + r + 1;
+                const int n = a->p0 + r + 1 < a->kb ? a->p0 + r + 1 : a->kb; /* (its keys' end here) */
                 if (t0 >= n) continue;
                 const int cnt_r = n - t0 < 8 ? n - t0 : 8;
                 const float *q = a->q + (size_t)r * a->q_stride;
@@ -354,20 +420,25 @@ static inline __attribute__((always_inline)) void attend_avx2(const att_rows *a,
                     __m256 sc = hsum8x8(part[h]);
                     float tmp[8];
                     _mm256_storeu_ps(tmp, sc);
-                    memcpy(scores + (size_t)i * n_max + t0, tmp, (size_t)cnt_r * sizeof(float));
+                    memcpy(scores + (size_t)i * span + (t0 - ka), tmp, (size_t)cnt_r * sizeof(float));
                     float m = hmax8_masked(sc, cnt_r);
                     mx[i] = m > mx[i] ? m : mx[i];
                 }
             }
         }
     }
-    for (int i = 0; i < T * nh; i++) sum[i] = exp_shifted(scores + (size_t)i * n_max, a->p0 + i / nh + 1, mx[i]);
+    for (int i = 0; i < T * nh; i++) {
+        int end;
+        sum[i] = row_keys(a, i / nh, &end) ? exp_shifted(scores + (size_t)i * span, end - ka, mx[i]) : 0;
+    }
     for (int r = 0; r < T; r++) {
-        float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
+        int end;
+        if (!row_keys(a, r, &end)) continue;
+        float *o = att_out(a, r) + kv0 * group * D;
         for (int i = 0; i < nh * D; i++) o[i] = 0;
     }
-    chunk_slots(kv, 0, n_max < 8 ? n_max : 8, next);
-    for (int t0 = 0; t0 < n_max; t0 += 8) {
+    chunk_slots(kv, ka, span < 8 ? span : 8, next);
+    for (int t0 = ka; t0 < n_max; t0 += 8) {
         const int cnt = n_max - t0 < 8 ? n_max - t0 : 8, cnt_next = n_max - t0 - 8 < 8 ? n_max - t0 - 8 : 8;
         memcpy(slots, next, 8 * sizeof *slots);
         if (cnt_next > 0) {
@@ -381,16 +452,16 @@ static inline __attribute__((always_inline)) void attend_avx2(const att_rows *a,
                 for (int c = 0; c < C; c++)
                     _mm256_storeu_ps(kbuf + j * D + c * 8, bf16x8(kv->v + slots[j] + kvh * D + c * 8));
             for (int r = 0; r < T; r++) {
-                const int n = a->p0 + r + 1;
+                const int n = a->p0 + r + 1 < a->kb ? a->p0 + r + 1 : a->kb; /* (its keys' end here) */
                 if (t0 >= n) continue;
                 const int cnt_r = n - t0 < 8 ? n - t0 : 8;
-                float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
-                const float *s = scores + (size_t)(r * nh + h0) * n_max + t0;
+                float *o = att_out(a, r) + kv0 * group * D;
+                const float *s = scores + (size_t)(r * nh + h0) * span + (t0 - ka);
                 for (int h = 0; h < group; h++) {
                     __m256 acc[FAST_CHUNKS8];
                     for (int c = 0; c < C; c++) acc[c] = _mm256_loadu_ps(o + (h0 + h) * D + c * 8);
                     for (int j = 0; j < cnt_r; j++) {
-                        __m256 p = _mm256_set1_ps(s[(size_t)h * n_max + j]);
+                        __m256 p = _mm256_set1_ps(s[(size_t)h * span + j]);
                         for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(kbuf + j * D + c * 8), acc[c]);
                     }
                     for (int c = 0; c < C; c++) _mm256_storeu_ps(o + (h0 + h) * D + c * 8, acc[c]);
@@ -399,12 +470,10 @@ static inline __attribute__((always_inline)) void attend_avx2(const att_rows *a,
         }
     }
     for (int r = 0; r < T; r++) {
-        float *o = a->out + (size_t)r * a->out_stride + kv0 * group * D;
-        for (int i = 0; i < nh; i++) {
-            __m256 inv = _mm256_set1_ps(1.0f / sum[r * nh + i]);
-            for (int c = 0; c < C; c++)
-                _mm256_storeu_ps(o + i * D + c * 8, _mm256_mul_ps(_mm256_loadu_ps(o + i * D + c * 8), inv));
-        }
+        int end;
+        if (!row_keys(a, r, &end)) continue;
+        float *o = att_out(a, r) + kv0 * group * D;
+        for (int i = 0; i < nh; i++) att_finish(a, r, kv0 * group + i, mx[r * nh + i], sum[r * nh + i], o + i * D, D);
     }
 }
 #define ATTEND_VEC attend_avx2
@@ -431,7 +500,7 @@ ATTEND_FIXED(4, 128)
 #endif
 
 /* Attention of `a`'s rows for kv heads [kv0, kv1) (kv: the layer's cache at kv head 0); scratch:
- * scores [a->T * (kv1 - kv0) * group, a->p0 + a->T] and kbuf [16, D] floats. */
+ * scores [a->T * (kv1 - kv0) * group, the keys of its span: at most KEY_SPAN] and kbuf [16, D] floats. */
 static void attend(const att_rows *a, int heads, int kv_heads, int D, const kv_view *kv, int kv0, int kv1,
                    float *scores, float *kbuf) {
     const int group = heads / kv_heads;
@@ -452,9 +521,10 @@ static void attend(const att_rows *a, int heads, int kv_heads, int D, const kv_v
 /* The attention jobs of a step: a run of consecutive rows of one sequence at consecutive positions (a
  * prefill chunk) is cut into tiles of TILE_Q rows, one job per (tile, kv head); a single row (a decode)
  * is one job for all its kv heads when there are enough rows for every thread, else one per kv head.
- * Ordered by cost, the costliest first, for the threads to take in turn. */
+ * A job takes all its rows' spans of keys in turn, or, in a plan "per span" (attention_per_span), each
+ * span is a job of its own. Ordered by cost, the costliest first, for the threads to take in turn. */
 typedef struct {
-    int b, T, kv0, kv1;
+    int b, T, kv0, kv1, span0, span1; /* its keys: positions [span0, span1) x KEY_SPAN, a span at a time */
     int64_t cost;
 } att_job;
 
@@ -463,31 +533,103 @@ static int by_cost_desc(const void *x, const void *y) {
     return a < b ? 1 : a > b ? -1 : 0;
 }
 
-/* Fills jobs (room for B * kv_heads); returns how many, and in *scratch the floats of scores one job needs. */
+/* The next run of rows from b: consecutive rows of one sequence at consecutive positions, at most TILE_Q. */
+static inline int row_run(int B, const int64_t *pos, const int32_t *row_seq, int b) {
+    int T = 1;
+    while (b + T < B && T < TILE_Q && row_seq[b + T] == row_seq[b] && pos[b + T] == pos[b] + T) T++;
+    return T;
+}
+
+/* Whether a step's attention is planned a job per span of keys: only where its rows' jobs are fewer than
+ * two per thread (each job's first keys are a cold start, so spans as jobs cost where jobs abound). */
+static int attention_per_span(int B, const int64_t *pos, const int32_t *row_seq, int kv_heads, int nt) {
+    int singles = 0, runs = 0;
+    for (int b = 0, T; b < B; b += T) T = row_run(B, pos, row_seq, b), singles += T == 1, runs++;
+    return (singles >= nt ? runs : runs * kv_heads) < 2 * nt;
+}
+
+/* Fills jobs (room for B * kv_heads, times the longest row's spans when per_span); returns how many, and in
+ * *scratch the floats of scores one span of one job needs. */
 static int attention_plan(int B, const int64_t *pos, const int32_t *row_seq, int kv_heads, int group, int nt,
-                          att_job *jobs, size_t *scratch) {
+                          int per_span, att_job *jobs, size_t *scratch) {
     int nj = 0, singles = 0;
-    for (int b = 0; b < B;) {
-        int T = 1;
-        while (b + T < B && T < TILE_Q && row_seq[b + T] == row_seq[b] && pos[b + T] == pos[b] + T) T++;
-        singles += T == 1;
-        b += T;
-    }
+    for (int b = 0, T; b < B; b += T) T = row_run(B, pos, row_seq, b), singles += T == 1;
     *scratch = 0;
-    for (int b = 0; b < B;) {
-        int T = 1;
-        while (b + T < B && T < TILE_Q && row_seq[b + T] == row_seq[b] && pos[b + T] == pos[b] + T) T++;
-        const int64_t n = pos[b] + T;
-        if (T == 1 && singles >= nt) {
-            jobs[nj++] = (att_job){b, 1, 0, kv_heads, n * kv_heads};
-            *scratch = (size_t)n * kv_heads * group > *scratch ? (size_t)n * kv_heads * group : *scratch;
-        } else {
-            for (int h = 0; h < kv_heads; h++) jobs[nj++] = (att_job){b, T, h, h + 1, n * T};
-            *scratch = (size_t)n * T * group > *scratch ? (size_t)n * T * group : *scratch;
+    for (int b = 0, T; b < B; b += T) {
+        T = row_run(B, pos, row_seq, b);
+        const int64_t n = pos[b] + T, keys = n < KEY_SPAN ? n : KEY_SPAN; /* (the most of one span: the scores' room) */
+        const int spans = key_spans(n), step = per_span ? 1 : spans;
+        for (int c = 0; c < spans; c += step) {
+            const int64_t left = n - (int64_t)c * KEY_SPAN, cost = per_span ? (left < KEY_SPAN ? left : KEY_SPAN) : n;
+            if (T == 1 && singles >= nt) {
+                jobs[nj++] = (att_job){b, 1, 0, kv_heads, c, c + step, cost * kv_heads};
+                *scratch = (size_t)keys * kv_heads * group > *scratch ? (size_t)keys * kv_heads * group : *scratch;
+            } else {
+                for (int h = 0; h < kv_heads; h++) jobs[nj++] = (att_job){b, T, h, h + 1, c, c + step, cost * T};
+                *scratch = (size_t)keys * T * group > *scratch ? (size_t)keys * T * group : *scratch;
+            }
         }
-        b += T;
     }
     qsort(jobs, (size_t)nj, sizeof *jobs, by_cost_desc);
     return nj;
 }
 
+/* The longest row's spans of keys (for a per-span plan's and its partial rows' room). */
+static int most_spans(int B, const int64_t *pos) {
+    int64_t n = 1;
+    for (int b = 0; b < B; b++) n = pos[b] + 1 > n ? pos[b] + 1 : n;
+    return key_spans(n);
+}
+
+/* One thread's floats for jobs whose scores need `scores`: the scores, a block of widened keys, then a
+ * span's partial rows [TILE_Q, heads, D] with their (max, sum) [TILE_Q, heads, 2] and the rows' running
+ * (max, sum), for whole-row jobs' rows split over spans. */
+static size_t att_scratch_floats(size_t scores, int heads, int D) {
+    return (scores + 16 * (size_t)D + (size_t)TILE_Q * heads * (D + 4) + 15) / 16 * 16;
+}
+
+/* Runs one job. rows: its T rows' queries and outputs (q, out, strides, T, p0; the rest is set here).
+ * part, ml: in a per-span plan, the job's first row's partial outputs [spans, heads, D] and (max, sum)
+ * [spans, heads, 2], rows `spans` of them apart (merge_row folds them after every job); NULL: a whole-row
+ * job, which folds each span into its rows' outputs as it ends and divides them at the end.
+ * scr: the thread's att_scratch_floats(n_scores, ...). */
+static void attention_job(const att_job *job, const att_rows *rows, int heads, int kv_heads, int D, const kv_view *kv,
+                          float *part, float *ml, int spans, float *scr, size_t n_scores) {
+    const int q_n = heads * D, group = heads / kv_heads, h0 = job->kv0 * group, h1 = job->kv1 * group;
+    float *scores = scr, *kbuf = scr + n_scores, *tpart = kbuf + 16 * D, *tml = tpart + (size_t)TILE_Q * q_n;
+    float *run = tml + (size_t)TILE_Q * 2 * heads; /* the rows' running (max, sum) per head */
+    for (int sp = job->span0; sp < job->span1; sp++) {
+        att_rows a = *rows;
+        a.ka = sp * KEY_SPAN, a.kb = a.ka + KEY_SPAN, a.pf_end = job->span1 * KEY_SPAN, a.cold = sp == job->span0;
+        if (part) /* (kept for merge_row) */
+            a.part = part + (size_t)sp * q_n, a.part_stride = spans * q_n, a.ml = ml + (size_t)sp * 2 * heads,
+            a.ml_stride = spans * 2 * heads;
+        else if (sp == 0) /* (the first span's partial is the running output) */
+            a.part = a.out, a.part_stride = a.out_stride, a.ml = run, a.ml_stride = 2 * heads;
+        else
+            a.part = tpart, a.part_stride = q_n, a.ml = tml, a.ml_stride = 2 * heads;
+        attend(&a, heads, kv_heads, D, kv, job->kv0, job->kv1, scores, kbuf);
+        if (part || sp == 0) continue;
+        for (int r = 0; r < a.T; r++)
+            for (int h = h0; h < h1 && a.p0 + r + 1 > a.ka; h++) /* (rows with keys in this span) */
+                fold_span(a.out + (size_t)r * a.out_stride + h * D, run + (size_t)r * 2 * heads + 2 * h,
+                          tpart + (size_t)r * q_n + h * D, tml + (size_t)r * 2 * heads + 2 * h, D);
+    }
+    if (part) return;
+    for (int r = 0; r < rows->T; r++)
+        if (rows->p0 + r + 1 > KEY_SPAN)
+            for (int h = h0; h < h1; h++)
+                fold_finish(rows->out + (size_t)r * rows->out_stride + h * D, run + (size_t)r * 2 * heads + 2 * h, D);
+}
+
+/* A row's output out [heads, D] from its n_spans partials part [spans, heads, D] and (max, sum)
+ * ml [spans, heads, 2] (a per-span plan's), folded in order as a whole-row job folds them. */
+static void merge_row(int heads, int D, int n_spans, const float *part, const float *ml, float *out) {
+    const size_t q_n = (size_t)heads * D;
+    for (int h = 0; h < heads; h++) {
+        float run[2] = {ml[2 * h], ml[2 * h + 1]}, *o = out + (size_t)h * D;
+        memcpy(o, part + (size_t)h * D, (size_t)D * sizeof *o);
+        for (int c = 1; c < n_spans; c++) fold_span(o, run, part + c * q_n + (size_t)h * D, ml + ((size_t)c * heads + h) * 2, D);
+        fold_finish(o, run, D);
+    }
+}

@@ -36,9 +36,10 @@ typedef struct {
     uint16_t *tile_scratch; /* per thread: one column pair of weights widened to bf16 */
     size_t tile_scratch_per_thread;
     const att_job *jobs; /* the attention jobs, the same for every layer */
-    int njobs;
+    int njobs, spans; /* spans: a per-span plan's longest row's spans of keys, else 0 */
+    float *part, *ml; /* a per-span plan's partial rows: [B, spans, heads, D] outputs, [.., heads, 2] (max, sum) */
     int *next_job; /* [layers]: the next attention job of each layer, taken in turn by the threads */
-    size_t scores_per_thread; /* floats: a job's scores, then a block of widened keys */
+    size_t scores_per_thread, scores_n; /* floats per thread: att_scratch_floats(scores_n: a job's scores) */
 } step_ctx;
 
 static void prepare_x(step_ctx *c, const float *x, int K, int b0, int b1) { quantize_x(x, K, &c->qx, b0, b1, c->mode); }
@@ -82,7 +83,7 @@ static void run_step(void *arg, int tid) {
     _mm_setcsr(csr | 0x8040); /* flush denormals to zero (FTZ, DAZ): each one costs a microcode assist */
 #endif
     const double t_step = profiling && tid == 0 ? now_s() : 0;
-    float *scores = c->scores + (size_t)tid * c->scores_per_thread, *kbuf = scores + c->scores_per_thread - 16 * D;
+    float *scratch = c->scores + (size_t)tid * c->scores_per_thread;
     int b0, b1, gi0, gi1; /* my rows; my groups of the MLP's activations */
     span(B, tid, nt, &b0, &b1);
     span(I / GROUP, tid, nt, &gi0, &gi1);
@@ -116,12 +117,18 @@ static void run_step(void *arg, int tid) {
                 const att_job *job = c->jobs + j;
                 const int b = job->b;
                 kv_view view = {kc, vc, kv_n, c->tables + (size_t)c->row_seq[b] * c->table_stride, dm->block_size};
-                att_rows rows = {c->qkv + (size_t)b * qkv_n, c->att + (size_t)b * q_n, qkv_n, q_n, job->T,
-                                 (int)c->pos[b]};
-                attend(&rows, dm->heads, Hkv, D, &view, job->kv0, job->kv1, scores, kbuf);
+                const att_rows rows = {c->qkv + (size_t)b * qkv_n, c->att + (size_t)b * q_n, qkv_n, q_n, job->T,
+                                       (int)c->pos[b]};
+                const size_t at = (size_t)b * c->spans; /* (row b's partials, in a per-span plan) */
+                attention_job(job, &rows, dm->heads, Hkv, D, &view, c->spans ? c->part + at * q_n : NULL,
+                              c->spans ? c->ml + at * 2 * dm->heads : NULL, c->spans, scratch, c->scores_n);
             }
         });
         PHASE(tid, PH_WAIT, barrier(nt));
+        for (int b = b0; b < b1 && c->spans; b++) /* (a per-span plan: my rows' spans folded) */
+            if (key_spans(c->pos[b] + 1) > 1)
+                merge_row(dm->heads, D, key_spans(c->pos[b] + 1), c->part + (size_t)b * c->spans * q_n,
+                          c->ml + (size_t)b * c->spans * 2 * dm->heads, c->att + (size_t)b * q_n);
         prepare_x(c, c->att, q_n, b0, b1);
         PHASE(tid, PH_WAIT, barrier(nt));
         PHASE(tid, PH_MATMUL, step_matmul(c, &lw->o, c->att, H, q_n, c->h, tid));
@@ -164,23 +171,25 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
     const int H = dm->hidden, I = dm->inter, q_n = dm->heads * dm->head_dim;
     const int qkv_n = q_n + 2 * dm->kv_heads * dm->head_dim;
     nthreads = nthreads < 1 ? 1 : ensure_workers(nthreads);
-    att_job *jobs = malloc((size_t)B * dm->kv_heads * sizeof *jobs);
+    const int per_span = attention_per_span(B, positions, row_seq, dm->kv_heads, nthreads);
+    const int spans = per_span ? most_spans(B, positions) : 0;
+    att_job *jobs = malloc((size_t)B * dm->kv_heads * (per_span ? spans : 1) * sizeof *jobs);
     int *next_job = calloc((size_t)dm->layers, sizeof *next_job);
     if (!jobs || !next_job) {
         free(jobs), free(next_job);
         return -1;
     }
-    size_t scores_per_thread;
-    const int njobs = attention_plan(B, positions, row_seq, dm->kv_heads, dm->heads / dm->kv_heads, nthreads, jobs,
-                                     &scores_per_thread);
-    scores_per_thread += 16 * (size_t)dm->head_dim + 16; /* + a block of widened keys */
-    scores_per_thread = (scores_per_thread + 15) / 16 * 16;
+    size_t scores_n;
+    const int njobs = attention_plan(B, positions, row_seq, dm->kv_heads, dm->heads / dm->kv_heads, nthreads, per_span,
+                                     jobs, &scores_n);
+    const size_t scores_per_thread = att_scratch_floats(scores_n, dm->heads, dm->head_dim);
     const int mode = wide_mode(B, wide_min_rows, amx_min_rows), amx = mode == MM_AMX;
     const int R = (B + 31) / 32 * 32; /* rows of the row buffers */
     const int kmax = H > q_n ? (H > I ? H : I) : (q_n > I ? q_n : I), gmax = kmax / GROUP;
     const size_t per_thread = (size_t)gmax * 1024; /* bf16 elements: a widened column pair of the widest K */
     size_t floats = (size_t)R * (H + qkv_n + q_n + 2 * I + I + 1 + gmax + kmax / 2 + kmax / 2 + 6 * gmax) +
-                    (size_t)nthreads * scores_per_thread + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16;
+                    (size_t)nthreads * scores_per_thread + (amx ? (size_t)nthreads * per_thread / 2 : 0) + 16 +
+                    (size_t)B * spans * (q_n + 2 * dm->heads); /* (a per-span plan's partial rows) */
     float *buf = calloc(floats, sizeof(float));
     if (!buf) {
         free(jobs), free(next_job);
@@ -206,10 +215,14 @@ static int forward_locked(const dims *dm, const layer_weights *layers, int B, fl
     c.qx.ce = p, p += (size_t)R * 2 * gmax;
     c.qx.o8 = p, p += (size_t)R * gmax;
     c.scores = p, p += (size_t)nthreads * scores_per_thread;
+    c.spans = spans;
+    c.part = p, p += (size_t)B * spans * q_n;
+    c.ml = p, p += (size_t)B * spans * 2 * dm->heads;
     p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); /* (the 16 spare floats) */
     c.tile_scratch = (uint16_t *)p;
     c.tile_scratch_per_thread = per_thread;
     c.jobs = jobs, c.njobs = njobs, c.next_job = next_job, c.scores_per_thread = scores_per_thread;
+    c.scores_n = scores_n;
     run_parallel(run_step, &c, nthreads);
     free(buf), free(jobs), free(next_job);
     return 0;

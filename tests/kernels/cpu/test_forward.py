@@ -205,7 +205,7 @@ class TinyModel:
                           else pack_kq if k in q4k + q5k else (lambda c, s, _: pack_q6(c, s)) if k in q6
                           else pack_q4_1)(*v[0]) for k, v in mats.items()}
             self.blocks.append(LayerBlocks(attn_norm=norms[0], mlp_norm=norms[1], qkv_bias=b, **packed))  # type: ignore[arg-type]
-        pos = torch.arange(512, dtype=torch.float64)
+        pos = torch.arange(1024, dtype=torch.float64)
         inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         freqs = torch.outer(pos, inv)
         self.cos, self.sin = freqs.cos().float(), freqs.sin().float()
@@ -738,18 +738,25 @@ def _chunk_step(gen: torch.Generator, block_size: int, chunks: list[tuple[int, i
     return positions, slots, tables, row_seq, num_blocks
 
 
+# Chunks of (start, length) and the blocks per sequence: short contexts, and ones whose rows' keys span
+# several KEY_SPANs (256 positions: attended in spans, then merged), a chunk crossing a span's end.
+CHUNKS = {"short": ([(130, 37), (0, 21), (5, 3)], 12), "spans": ([(240, 40), (700, 20), (0, 5)], 48)}
+
+
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("config", list(TILE_CONFIGS))
-def test_prefill_chunks_attend_in_tiles_like_the_float64_reference(build, config):
-    """Chunks longer than a tile (16 rows), starting deep in a context and at 0, beside decodes."""
+@pytest.mark.parametrize("context", list(CHUNKS))
+def test_prefill_chunks_attend_in_tiles_like_the_float64_reference(build, config, context):
+    """Chunks longer than a tile (16 rows), starting deep in a context and at 0, beside decodes (at
+    random positions up to the context's end: past several spans of keys in the long one)."""
     lib = _library(build)
     model = TinyModel(**TILE_CONFIGS[config])
     d = model.dims
-    block_size, blocks_per_seq = 16, 12
+    block_size, (chunks, blocks_per_seq) = 16, CHUNKS[context]
     gen = torch.Generator().manual_seed(7)
     step = ForwardStep(**d, block_size=block_size, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
     positions, slots, tables, row_seq, num_blocks = _chunk_step(
-        gen, block_size, [(130, 37), (0, 21), (5, 3)], decodes=3, blocks_per_seq=blocks_per_seq)
+        gen, block_size, chunks, decodes=3, blocks_per_seq=blocks_per_seq)
     kv = (torch.randn(len(model.layers), 2, num_blocks * block_size, d["kv_heads"], d["head_dim"], generator=gen)
           .to(torch.bfloat16))
     x = torch.randn(len(positions), d["hidden"], generator=gen)
@@ -761,19 +768,21 @@ def test_prefill_chunks_attend_in_tiles_like_the_float64_reference(build, config
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
-def test_a_row_attends_the_same_in_a_chunk_as_alone(build):
+@pytest.mark.parametrize("start", [45, 500])
+def test_a_row_attends_the_same_in_a_chunk_as_alone(build, start):
     """Tiles change the order of work, not of arithmetic: a prefill chunk's rows come out bit-identical to
     the same tokens decoded one step at a time (int16 matmuls are per row), so how a prompt is chunked
-    and batched changes nothing."""
+    and batched changes nothing. From 500 the chunk's rows cross a span of keys' end (512): its rows
+    before it are two spans merged, after it three, in either form."""
     lib = _library(build)
     model = TinyModel(**TILE_CONFIGS["g3-d64"])
     d = model.dims
     block_size = 16
     gen = torch.Generator().manual_seed(3)
     step = ForwardStep(**d, block_size=block_size, layers=model.blocks, cos=model.cos, sin=model.sin, lib=lib)
-    start, n = 45, 40
+    n = 40
     positions, slots, tables, row_seq, num_blocks = _chunk_step(gen, block_size, [(start, n)], decodes=0,
-                                                                blocks_per_seq=6)
+                                                                blocks_per_seq=(start + n) // block_size + 1)
     kv = (torch.randn(len(model.layers), 2, num_blocks * block_size, d["kv_heads"], d["head_dim"], generator=gen)
           .to(torch.bfloat16))
     x = torch.randn(n, d["hidden"], generator=gen)
@@ -853,12 +862,12 @@ def test_native_decode_attention_matches_the_torch_reference(build, heads, kv_he
 
     lib = _library(build)
     gen = torch.Generator().manual_seed(heads)
-    batch, block_size, blocks = 5, 16, 6
+    batch, block_size, blocks = 5, 16, 40
     num_blocks = batch * blocks + 1
     k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
     v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
     tables = torch.randperm(num_blocks, generator=gen)[:batch * blocks].view(batch, blocks).int()
-    lens = torch.tensor([1, 17, 40, 96, 63], dtype=torch.int32)
+    lens = torch.tensor([1, 17, 257, 96, 640], dtype=torch.int32)  # (257, 640: in 2 and 3 spans of keys)
     qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=gen)
     q = qkv[:, :heads * head_dim].unflatten(-1, (heads, head_dim))  # strided rows
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].unflatten(-1, (kv_heads, head_dim))
@@ -875,6 +884,9 @@ def test_native_decode_attention_matches_the_torch_reference(build, heads, kv_he
         # the reference rounds q to bf16 (the cache's dtype) before its bf16 SDPA; the kernel keeps fp32
         torch.testing.assert_close(got, want, rtol=0, atol=3e-2)
         assert (got - want).abs().mean() < 3e-3
+        # a row alone (a job per span of keys, for the threads to share) as in the batch (a job per row)
+        alone = decode_attention(q[4:], k_cache, v_cache, tables[4:], lens[4:], block_size, threads, lib=lib)
+        assert torch.equal(alone[0], got[4]), threads
 
 
 def test_phase_timers_split_a_step_and_stay_off_unless_asked():
